@@ -1,0 +1,185 @@
+"""GPU benchmark: jax_flash2 beside cuDNN and XLA (jax.nn.dot_product_attention)
+and FlashAttention-2 (torch SDPA, FLASH backend) in one run.
+
+FLOPs: forward 4*B*T*S*H*D, halved for causal; forward+backward 3.5x forward
+(the backward counts 2.5x). Decode: achieved bandwidth = bytes of K and V / time.
+
+  python benchmarks/gpu_bench.py --out benchmarks/results/h200.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flash2
+
+
+def time_jax(fn, args, iters=10, reps=3):
+  out = fn(*args)
+  jax.block_until_ready(out)
+  samples = []
+  for _ in range(reps):
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    for _ in range(iters):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) / iters)
+  return statistics.median(samples)
+
+
+def jax_impls(causal):
+  def ours(q, k, v):
+    return jax_flash2.flash_attention(q, k, v, causal=causal)
+
+  def cudnn(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
+  def xla(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+
+  return {"jax_flash2": ours, "cudnn": cudnn, "xla": xla}
+
+
+def fwd_bwd(fn):
+  def loss(q, k, v):
+    return jnp.sum(fn(q, k, v).astype(jnp.float32))
+
+  return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def torch_flash_times(batch, seqlen, heads, head_dim, causal, iters=10, reps=3):
+  try:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+  except ImportError:
+    return None, None
+  q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16,
+                         requires_grad=True) for _ in range(3))
+  f = torch.nn.functional.scaled_dot_product_attention
+
+  def run(backward):
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+      o = f(q, k, v, is_causal=causal)
+      if backward:
+        o.sum().backward()
+
+  def timed(backward):
+    run(backward)
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+      start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+      start.record()
+      for _ in range(iters):
+        run(backward)
+      end.record()
+      torch.cuda.synchronize()
+      samples.append(start.elapsed_time(end) / 1e3 / iters)
+    return statistics.median(samples)
+
+  try:
+    return timed(False), timed(True)
+  except RuntimeError:
+    return None, None
+
+
+def grid(args):
+  rows = []
+  for head_dim in args.head_dims:
+    heads = 2048 // head_dim
+    for causal in (False, True):
+      for seqlen in args.seqlens:
+        batch = 16384 // seqlen
+        key = jax.random.split(jax.random.PRNGKey(seqlen), 3)
+        q, k, v = (jax.random.normal(kk, (batch, seqlen, heads, head_dim), jnp.bfloat16) for kk in key)
+        flops = 4 * batch * seqlen * seqlen * heads * head_dim * (0.5 if causal else 1.0)
+        row = {"D": head_dim, "causal": causal, "T": seqlen, "B": batch}
+        for name, fn in jax_impls(causal).items():
+          if name == "xla" and seqlen > args.xla_max_seqlen:
+            row[name] = None  # materializes B*H*T*T scores: slow, and not the point of comparison
+            continue
+          try:
+            tf = time_jax(jax.jit(fn), (q, k, v))
+            tb = time_jax(jax.jit(fwd_bwd(fn)), (q, k, v))
+            row[name] = (flops / tf / 1e12, 3.5 * flops / tb / 1e12)
+          except Exception as e:  # noqa: BLE001 - a peer that can't run this shape
+            row[name] = None
+            print(f"  {name} failed at {row}: {type(e).__name__}: {str(e)[:120]}")
+        tf, tb = torch_flash_times(batch, seqlen, heads, head_dim, causal)
+        row["torch_fa2"] = None if tf is None else (flops / tf / 1e12, 3.5 * flops / tb / 1e12)
+        rows.append(row)
+        print(row, flush=True)
+  return rows
+
+
+def decode(args):
+  rows = []
+  heads, kv_heads, head_dim = 32, 4, 128
+  for batch in (1, 8):
+    for seqlen_k in (4096, 32768, 131072):
+      keys = jax.random.split(jax.random.PRNGKey(batch * seqlen_k), 3)
+      q = jax.random.normal(keys[0], (batch, 1, heads, head_dim), jnp.bfloat16)
+      k = jax.random.normal(keys[1], (batch, seqlen_k, kv_heads, head_dim), jnp.bfloat16)
+      v = jax.random.normal(keys[2], (batch, seqlen_k, kv_heads, head_dim), jnp.bfloat16)
+      kv_bytes = 2 * k.size * 2
+      row = {"B": batch, "S": seqlen_k}
+      for name, fn in jax_impls(False).items():
+        if name == "xla" and seqlen_k > 32768:
+          continue
+        try:
+          t = time_jax(jax.jit(fn), (q, k, v), iters=30)
+          row[name] = (t * 1e6, kv_bytes / t / 1e9)
+        except Exception as e:  # noqa: BLE001
+          row[name] = None
+          print(f"  {name} failed at {row}: {type(e).__name__}: {str(e)[:120]}")
+      rows.append(row)
+      print(row, flush=True)
+  return rows
+
+
+def fmt(x):
+  return "-" if x is None else f"{x[0]:.0f} / {x[1]:.0f}"
+
+
+def markdown(grid_rows, decode_rows, command):
+  names = ["jax_flash2", "cudnn", "xla", "torch_fa2"]
+  lines = [f"Command: `{command}`", f"Device: {jax.devices()[0].device_kind}, jax {jax.__version__}", "",
+           "TFLOP/s, forward / forward+backward (bf16, B*T = 16k, H*D = 2048):", "",
+           "| D | causal | T | " + " | ".join(names) + " |", "|---" * (3 + len(names)) + "|"]
+  for r in grid_rows:
+    lines.append(f"| {r['D']} | {r['causal']} | {r['T']} | " + " | ".join(fmt(r.get(n)) for n in names) + " |")
+  lines += ["", "Decode (bf16, T = 1, H = 32, K = 4, D = 128): microseconds / GB/s of K+V:", "",
+            "| B | S | jax_flash2 | cudnn | xla |", "|---|---|---|---|---|"]
+  for r in decode_rows:
+    lines.append(f"| {r['B']} | {r['S']} | " + " | ".join(fmt(r.get(n)) for n in ("jax_flash2", "cudnn", "xla")) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def main():
+  import sys
+
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+  parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+  parser.add_argument("--no-decode", action="store_true")
+  parser.add_argument("--xla-max-seqlen", type=int, default=4096)
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args()
+  grid_rows = grid(args)
+  decode_rows = [] if args.no_decode else decode(args)
+  text = markdown(grid_rows, decode_rows, "python " + " ".join(sys.argv))
+  print(text)
+  if args.out:
+    with open(args.out, "w") as f:
+      f.write(text)
+
+
+if __name__ == "__main__":
+  main()

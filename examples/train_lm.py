@@ -1,0 +1,264 @@
+"""Train a small decoder-only transformer on the flash kernels.
+
+A byte-level language model (GQA, causal, rotary embeddings in plain JAX) built
+from jax_flash2.flax.MultiHeadAttention and trained with optax, data-parallel
+over every visible device: the batch is sharded along a "data" mesh axis and
+the attention kernels run per device on their batch slice. The text is the
+repository's own Python source (shipped with it), so nothing is downloaded.
+
+  python examples/train_lm.py --steps 200
+  python examples/train_lm.py --steps 100 --compare      # vs jax.nn.dot_product_attention
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/train_lm.py
+
+Each step logs the loss; at the end, tokens/s (compilation excluded) and peak
+memory (the device's peak_bytes_in_use where it reports one, else the process's
+peak RSS). --compare trains the same model, from the same initial weights on
+the same batches, once per attention implementation, each in its own process
+so that peak memory is its own, and prints both loss curves side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_flash2.flax as jf
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+VOCAB = 256  # bytes
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+# Data
+
+
+def corpus() -> np.ndarray:
+  """The repository's Python source as one byte string."""
+  files = sorted((ROOT / "jax_flash2").rglob("*.py")) + sorted((ROOT / "tests").glob("*.py"))
+  text = b"\n\n".join(f.read_bytes() for f in files)
+  return np.frombuffer(text, dtype=np.uint8)
+
+
+def batches(data: np.ndarray, batch: int, seq_len: int, seed: int):
+  """Random windows: tokens [batch, seq_len + 1] (inputs and shifted targets)."""
+  rng = np.random.default_rng(seed)
+  while True:
+    starts = rng.integers(0, len(data) - seq_len - 1, size=batch)
+    yield np.stack([data[s:s + seq_len + 1] for s in starts]).astype(np.int32)
+
+
+# Model
+
+
+def rotary(x, positions, base: float = 10000.0):
+  """Rotary position embedding of x [B, T, H, D] at positions [T] (halves layout)."""
+  half = x.shape[-1] // 2
+  freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles = positions.astype(jnp.float32)[:, None] * freqs  # [T, D/2]
+  sin, cos = jnp.sin(angles)[:, None, :], jnp.cos(angles)[:, None, :]  # [T, 1, D/2]
+  x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def xla_attention(q, k, v, *, is_causal):
+  """The comparison: JAX's own attention on the same layout."""
+  return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal)
+
+
+class RotaryAttention(jf.MultiHeadAttention):
+  """The flash layer with rotary embeddings between projection and attention.
+
+  Reuses the layer's GQA projections (query to H heads, key and value to K);
+  `attention_fn` takes Flax's layout, jax_flash2.flax.dot_product_attention by
+  default.
+  """
+
+  def __init__(self, *args, attention_fn=jf.dot_product_attention, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.attention_fn = attention_fn
+
+  def __call__(self, x):
+    positions = jnp.arange(x.shape[-2])
+    q = rotary(self.query(x), positions)
+    k = rotary(self.key(x), positions)
+    return self.out(self.attention_fn(q, k, self.value(x), is_causal=True))
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg, attention_fn, rngs):
+    dim, dtype = cfg.dim, DTYPES[cfg.dtype]
+    self.attn_norm = nnx.RMSNorm(dim, dtype=dtype, rngs=rngs)
+    self.attn = RotaryAttention(
+        cfg.heads, dim, num_kv_heads=cfg.kv_heads, use_bias=False, dtype=dtype,
+        attention_fn=attention_fn, rngs=rngs)
+    self.mlp_norm = nnx.RMSNorm(dim, dtype=dtype, rngs=rngs)
+    self.up = nnx.Linear(dim, 4 * dim, use_bias=False, dtype=dtype, rngs=rngs)
+    self.down = nnx.Linear(4 * dim, dim, use_bias=False, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x):
+    x = x + self.attn(self.attn_norm(x))
+    return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
+
+
+class LanguageModel(nnx.Module):
+
+  def __init__(self, cfg, attention_fn, rngs):
+    dtype = DTYPES[cfg.dtype]
+    self.embed = nnx.Embed(VOCAB, cfg.dim, dtype=dtype, rngs=rngs)
+    self.blocks = nnx.List([Block(cfg, attention_fn, rngs) for _ in range(cfg.layers)])
+    self.norm = nnx.RMSNorm(cfg.dim, dtype=dtype, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    for block in self.blocks:
+      x = block(x)
+    # Logits in float32 against the (tied) embedding.
+    return self.embed.attend(self.norm(x)).astype(jnp.float32)
+
+
+# Training
+
+
+def peak_memory_bytes() -> tuple[int, str]:
+  stats = [d.memory_stats() or {} for d in jax.local_devices()]
+  peaks = [s["peak_bytes_in_use"] for s in stats if "peak_bytes_in_use" in s]
+  if peaks:
+    return max(peaks), "device peak_bytes_in_use"
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
+
+
+def train(cfg, attention: str = "flash", log=print) -> dict:
+  """Trains for cfg.steps; returns the losses, tokens/s and peak memory."""
+  attention_fn = jf.dot_product_attention if attention == "flash" else xla_attention
+  devices = jax.devices()
+  if cfg.batch % len(devices):
+    raise ValueError(f"--batch {cfg.batch} must be a multiple of the {len(devices)} devices")
+  # Auto axes: the compiler propagates the batch sharding through the model.
+  mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  data_sharding = NamedSharding(mesh, P("data"))
+  replicated = NamedSharding(mesh, P())
+
+  model = LanguageModel(cfg, attention_fn, nnx.Rngs(cfg.seed))
+  optimizer = nnx.Optimizer(model, optax.adamw(cfg.lr, weight_decay=0.01), wrt=nnx.Param)
+  # Data parallel: every device holds the whole model and a slice of the batch.
+  state = jax.device_put(nnx.state((model, optimizer)), replicated)
+  nnx.update((model, optimizer), state)
+
+  @nnx.jit
+  def step(model, optimizer, tokens):
+    def loss_fn(model):
+      logits = model(tokens[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  data = batches(corpus(), cfg.batch, cfg.seq_len, cfg.seed)
+  losses, times = [], []
+  for i in range(cfg.steps):
+    tokens = jax.device_put(next(data), data_sharding)
+    start = time.perf_counter()
+    loss = float(step(model, optimizer, tokens))  # float() waits for the step
+    times.append(time.perf_counter() - start)
+    losses.append(loss)
+    if i % cfg.log_every == 0 or i == cfg.steps - 1:
+      note = "  (includes compilation)" if i == 0 else ""
+      log(f"[{attention}] step {i + 1:4d}/{cfg.steps}  loss {loss:.4f}  "
+          f"{cfg.batch * cfg.seq_len / times[-1]:,.0f} tok/s{note}")
+  # The first step compiles; leave it out of the throughput.
+  timed = times[1:] or times
+  peak, peak_source = peak_memory_bytes()
+  return dict(attention=attention, losses=losses,
+              tokens_per_s=cfg.batch * cfg.seq_len * len(timed) / sum(timed),
+              peak_memory_bytes=peak, peak_memory_source=peak_source,
+              devices=len(devices), platform=jax.default_backend())
+
+
+def summary(result: dict) -> str:
+  return (f"[{result['attention']}] {result['devices']} {result['platform']} device(s): "
+          f"final loss {result['losses'][-1]:.4f}, {result['tokens_per_s']:,.0f} tok/s, "
+          f"peak memory {result['peak_memory_bytes'] / 2**20:,.1f} MiB "
+          f"({result['peak_memory_source']})")
+
+
+def compare(cfg, argv) -> tuple[dict, dict]:
+  """Runs each implementation in its own process and prints them side by side."""
+  results = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    for attention in ("flash", "xla"):
+      path = pathlib.Path(tmp) / f"{attention}.json"
+      child = [a for a in argv if a != "--compare"]
+      subprocess.run([sys.executable, __file__, *child, "--attention", attention,
+                      "--json-out", str(path)], check=True)
+      results[attention] = json.loads(path.read_text())
+  flash, xla = results["flash"], results["xla"]
+  print("\nstep   loss flash   loss jax.nn    |diff|")
+  for i in sorted(set(range(0, cfg.steps, cfg.log_every)) | {cfg.steps - 1}):
+    a, b = flash["losses"][i], xla["losses"][i]
+    print(f"{i + 1:4d}   {a:10.4f}   {b:11.4f}   {abs(a - b):.2e}")
+  diff = max(abs(a - b) for a, b in zip(flash["losses"], xla["losses"]))
+  tol = 1e-3 if cfg.dtype == "float32" else 5e-2
+  verdict = "agree" if diff <= tol * max(1.0, max(flash["losses"])) else "DIFFER"
+  print(f"\nloss curves {verdict}: max |diff| {diff:.2e} over {cfg.steps} steps")
+  print(f"{'':14s}{'flash':>16s}{'jax.nn':>16s}")
+  print(f"{'tokens/s':14s}{flash['tokens_per_s']:16,.0f}{xla['tokens_per_s']:16,.0f}")
+  print(f"{'peak MiB':14s}{flash['peak_memory_bytes'] / 2**20:16,.1f}"
+        f"{xla['peak_memory_bytes'] / 2**20:16,.1f}   ({flash['peak_memory_source']})")
+  return flash, xla
+
+
+def parse_args(argv=None):
+  gpu = jax.default_backend() == "gpu"
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--steps", type=int, default=100)
+  p.add_argument("--dtype", choices=sorted(DTYPES),
+                 # The CUDA kernels take 16-bit inputs; the CPU ones any.
+                 default="bfloat16" if gpu else "float32")
+  p.add_argument("--batch", type=int, default=16, help="global batch, split over devices")
+  p.add_argument("--seq-len", type=int, default=128)
+  p.add_argument("--layers", type=int, default=2)
+  p.add_argument("--dim", type=int, default=128)
+  p.add_argument("--heads", type=int, default=4)
+  p.add_argument("--kv-heads", type=int, default=2, help="K: 1 MQA, heads MHA, else GQA")
+  p.add_argument("--lr", type=float, default=3e-3)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--log-every", type=int, default=10)
+  p.add_argument("--compare", action="store_true",
+                 help="also train with jax.nn.dot_product_attention and compare")
+  p.add_argument("--attention", choices=("flash", "xla"), default="flash",
+                 help=argparse.SUPPRESS)
+  p.add_argument("--json-out", help=argparse.SUPPRESS)
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else list(argv)
+  cfg = parse_args(argv)
+  if cfg.compare:
+    return compare(cfg, argv)
+  result = train(cfg, cfg.attention)
+  print(summary(result))
+  if cfg.json_out:
+    pathlib.Path(cfg.json_out).write_text(json.dumps(result))
+  return result
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,81 @@
+"""FFI lowering of the primitives per platform; scalars as typed FFI attributes.
+
+A platform without compiled kernels (CUDA in a CPU-only build), or a request
+the kernels cannot serve (float32 on the GPU), raises NotImplementedError when
+the computation is compiled, naming the alternative.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.interpreters import mlir
+
+from jax_flash2 import _ext
+
+
+def _attributes(config) -> dict:
+  return dict(
+      softmax_scale=np.float32(config.softmax_scale),
+      window_left=np.int64(config.window_left),
+      window_right=np.int64(config.window_right),
+  )
+
+
+def _cpu_rule(target: str):
+  ffi_rule = jax.ffi.ffi_lowering(target)
+
+  def rule(ctx, *args, config):
+    return ffi_rule(ctx, *args, **_attributes(config))
+
+  return rule
+
+
+def _sm_count() -> int:
+  """Multiprocessors of the local GPUs (the largest, if they differ): the
+  split-KV plan, and so the workspace size, depends on it."""
+  counts = [getattr(d, "core_count", 0) or 0 for d in jax.local_devices(backend="gpu")]
+  return max(counts, default=0) or 132
+
+
+def _cuda_rule(target: str, backward: bool):
+  ffi_rule = jax.ffi.ffi_lowering(target)
+
+  def rule(ctx, *args, config):
+    if ctx.avals_in[0].dtype == np.float32:
+      raise NotImplementedError(
+          "jax_flash2: the CUDA kernels take float16 or bfloat16 (they accumulate in "
+          "float32); cast q, k, v or pass implementation='reference'"
+      )
+    batch, seqlen_q, heads_q, head_dim = ctx.avals_in[0].shape
+    seqlen_k, heads_kv = ctx.avals_in[1].shape[1:3]
+    sm_count = _sm_count()
+    # Scratch (split-KV partials; D and the fp32 dQ accumulator) is an extra
+    # output, so XLA allocates it with the call's other buffers.
+    nbytes = _ext.cuda_ext.workspace_bytes(
+        backward, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim,
+        config.window_left, config.window_right, sm_count)
+    workspace = jax.core.ShapedArray((max(int(nbytes), 1),), np.uint8)
+    ctx = ctx.replace(avals_out=[*ctx.avals_out, workspace])
+    results = ffi_rule(ctx, *args, sm_count=np.int64(sm_count), **_attributes(config))
+    return results[:-1]
+
+  return rule
+
+
+def _missing_rule(platform: str):
+  def rule(ctx, *args, config):
+    raise NotImplementedError(
+        f"jax_flash2 was built without {platform} kernels (reinstall with nvcc on PATH, or "
+        "JAX_FLASH2_CUDA=on); pass implementation='reference' for plain JAX"
+    )
+
+  return rule
+
+
+def register(fwd_p, bwd_p) -> None:
+  for prim, target in ((fwd_p, _ext.FORWARD_TARGET), (bwd_p, _ext.BACKWARD_TARGET)):
+    mlir.register_lowering(prim, _cpu_rule(target), platform="cpu")
+    backward = prim is bwd_p
+    cuda_rule = _cuda_rule(target, backward) if _ext.cuda_ext is not None else _missing_rule("cuda")
+    mlir.register_lowering(prim, cuda_rule, platform="cuda")

@@ -1,0 +1,307 @@
+"""Partition-aware calls of the attention primitives.
+
+_vjp calls exactly `forward` and `backward`. They bind two wrapper primitives
+whose lowering goes through `jax.experimental.custom_partitioning`, so that jit
+over a mesh splits the kernels along batch and heads instead of gathering q, k
+and v onto every device.
+
+Why wrapper primitives rather than calling a custom_partitioning function
+directly: custom_partitioning has no batching rule, so vmap of it fails. The
+wrappers batch by taking the vmapped axis as one more leading batch axis (no
+reshape, so a sharded B stays expressible), and reach custom_partitioning only
+at lowering time, when nothing is left to batch. Inside it the per-device
+function merges the leading axes into B and binds the core primitives
+flash_fwd_p / flash_bwd_p on per-device shapes.
+
+Operands here are [*L, T, H, D] for q, out, d_out, [*L, S, K, D] for k, v and
+[*L, H, T] for lse, d_lse, with L the leading batch axes (B, plus one per vmap).
+
+What gets partitioned:
+  * L: split freely; every batch entry is an independent attention problem.
+  * H and K together: a shard holds whole GQA groups, H/n query heads and the
+    K/n kv heads they read, which needs K % n == 0. With K == 1 (MQA) query
+    heads may be split while k and v stay replicated; the backward then sums
+    the partial dk, dv over the head axes. Any other head split is gathered.
+  * T, S and D are gathered (correct, not fast): a split sequence needs ring
+    attention, a split head_dim a cross-device softmax.
+
+Two partitioners: Shardy (jax's default since 0.7) reads the einsum-like
+`sharding_rule`; GSPMD (jax_use_shardy_partitioner=False) reads
+`infer_sharding_from_operands`. Both then call `partition`, which settles the
+final shardings and returns the per-device function. Under shard_map (all axes
+manual) and pmap there is nothing to partition and custom_partitioning lowers
+straight to the per-device function. jax.export lowers without
+custom_partitioning (see `_define`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.extend.core import Primitive
+from jax.interpreters import batching
+from jax.interpreters import mlir
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+# custom_partitioning needs the device assignment while lowering, and jit hands
+# it down only for primitives listed in this registry. There is no public API
+# for it (jax's own cuDNN attention registers its wrappers the same way).
+from jax._src import dispatch as _dispatch
+
+from jax_flash2 import _primitives
+
+
+def forward(q, k, v, config):
+  """(out, lse) = flash forward of q [B, T, H, D], k, v [B, S, K, D]."""
+  return tuple(_fwd_p.bind(q, k, v, config=config))
+
+
+def backward(q, k, v, out, lse, d_out, d_lse, config):
+  """(dq, dk, dv) from the forward's residuals and the output cotangents."""
+  return tuple(_bwd_p.bind(q, k, v, out, lse, d_out, d_lse, config=config))
+
+
+# Sharding decisions, shared by the Shardy and GSPMD paths and by the types
+# under Explicit mesh axes.
+
+
+def _axes(entry) -> tuple:
+  """A PartitionSpec entry as a tuple of mesh axis names."""
+  if entry is None:
+    return ()
+  if isinstance(entry, str):
+    return (entry,)
+  return tuple(entry)
+
+
+def _entry(axes: tuple):
+  """The inverse of `_axes`."""
+  if not axes:
+    return None
+  return axes[0] if len(axes) == 1 else axes
+
+
+def _plan(mesh, q_sharding, q_ndim: int, num_heads: int, num_kv_heads: int):
+  """Mesh axes (per leading axis, for q heads, for kv heads) from q's sharding.
+
+  The leading axes keep q's sharding. Heads keep q's head axes when each shard
+  can hold whole GQA groups (K divisible by the shard count), or when K == 1
+  and k, v can simply be replicated; otherwise heads are gathered.
+  """
+  spec = tuple(getattr(q_sharding, "spec", None) or ())
+  spec = spec + (None,) * (q_ndim - len(spec))
+  lead = tuple(_axes(e) for e in spec[:q_ndim - 3])
+  heads = _axes(spec[q_ndim - 2])
+  n = math.prod(mesh.shape[a] for a in heads)
+  if n == 1 or num_heads % n:
+    return lead, (), ()
+  if num_kv_heads % n == 0:
+    return lead, heads, heads
+  if num_kv_heads == 1:
+    return lead, heads, ()
+  return lead, (), ()
+
+
+def _specs(lead: tuple, heads: tuple, kv_heads: tuple):
+  """PartitionSpecs for [*L, T, H, D], [*L, S, K, D] and [*L, H, T] arrays."""
+  lead = tuple(_entry(a) for a in lead)
+  h, kh = _entry(heads), _entry(kv_heads)
+  return P(*lead, None, h, None), P(*lead, None, kh, None), P(*lead, h, None)
+
+
+def _plan_shardings(mesh, arg_shapes):
+  q, k = arg_shapes[0], arg_shapes[1]
+  lead, heads, kv_heads = _plan(mesh, q.sharding, q.ndim, q.shape[-2], k.shape[-2])
+  q_like, kv_like, lse_like = (
+      NamedSharding(mesh, s) for s in _specs(lead, heads, kv_heads))
+  # MQA with split query heads: each shard's dk, dv covers only its own query
+  # heads, so the full gradient is their sum over the head axes.
+  reduce_axes = heads if heads and not kv_heads else ()
+  return q_like, kv_like, lse_like, reduce_axes
+
+
+def _shardy_rule(backward: bool):
+  """Leading axes and heads pass through; T, S and D stay whole.
+
+  Query heads `h` and kv heads `kv` are separate factors on purpose: as one
+  compound factor `(kv group)` Shardy splits a mesh axis that does not divide
+  K into sub-axes (say model:(1)2 on kv, model:(2)2 on group), for which there
+  is no NamedSharding to hand to `partition`. `partition` lines them up.
+  """
+  q, k, v, o, lse = "... t h d", "... s kv d", "... s kv e", "... t h e", "... h t"
+  if backward:
+    rule = f"{q}, {k}, {v}, {o}, {lse}, {o}, {lse} -> {q}, {k}, {v}"
+  else:
+    rule = f"{q}, {k}, {v} -> {o}, {lse}"
+  # Shardy wants special factors in the order they first appear.
+  return dict(sharding_rule=rule, need_replication_factors=("t", "d", "s", "e"))
+
+
+# The per-device functions: merge the leading axes into B, call the kernels.
+
+
+def _merge_lead(x, trailing: int):
+  return x.reshape((-1,) + x.shape[x.ndim - trailing:])
+
+
+def _fwd_local(q, k, v, config):
+  lead = q.shape[:-3]
+  out, lse = _primitives.flash_fwd_p.bind(
+      _merge_lead(q, 3), _merge_lead(k, 3), _merge_lead(v, 3), config=config)
+  return out.reshape(lead + out.shape[1:]), lse.reshape(lead + lse.shape[1:])
+
+
+def _bwd_local(q, k, v, out, lse, d_out, d_lse, config):
+  lead = q.shape[:-3]
+  args = [_merge_lead(x, 3) for x in (q, k, v, out)]
+  args += [_merge_lead(lse, 2), _merge_lead(d_out, 3), _merge_lead(d_lse, 2)]
+  grads = _primitives.flash_bwd_p.bind(*args, config=config)
+  return tuple(g.reshape(lead + g.shape[1:]) for g in grads)
+
+
+_fwd_partitioned = custom_partitioning(_fwd_local, static_argnums=(3,))
+_bwd_partitioned = custom_partitioning(_bwd_local, static_argnums=(7,))
+
+
+def _fwd_infer(config, mesh, arg_shapes, result_shape):
+  del config, result_shape
+  q_like, _, lse_like, _ = _plan_shardings(mesh, arg_shapes)
+  return q_like, lse_like
+
+
+def _fwd_partition(config, mesh, arg_shapes, result_shape):
+  del result_shape
+  q_like, kv_like, lse_like, _ = _plan_shardings(mesh, arg_shapes)
+
+  def per_device(q, k, v):
+    return _fwd_local(q, k, v, config)
+
+  return mesh, per_device, (q_like, lse_like), (q_like, kv_like, kv_like)
+
+
+def _bwd_infer(config, mesh, arg_shapes, result_shape):
+  del config, result_shape
+  q_like, kv_like, _, _ = _plan_shardings(mesh, arg_shapes)
+  return q_like, kv_like, kv_like
+
+
+def _bwd_partition(config, mesh, arg_shapes, result_shape):
+  del result_shape
+  q_like, kv_like, lse_like, reduce_axes = _plan_shardings(mesh, arg_shapes)
+
+  def per_device(q, k, v, out, lse, d_out, d_lse):
+    dq, dk, dv = _bwd_local(q, k, v, out, lse, d_out, d_lse, config)
+    if reduce_axes:
+      dk = jax.lax.psum(dk, reduce_axes)
+      dv = jax.lax.psum(dv, reduce_axes)
+    return dq, dk, dv
+
+  arg_shardings = (q_like, kv_like, kv_like, q_like, lse_like, q_like, lse_like)
+  return mesh, per_device, (q_like, kv_like, kv_like), arg_shardings
+
+
+_fwd_partitioned.def_partition(
+    partition=_fwd_partition, infer_sharding_from_operands=_fwd_infer,
+    **_shardy_rule(backward=False))
+_bwd_partitioned.def_partition(
+    partition=_bwd_partition, infer_sharding_from_operands=_bwd_infer,
+    **_shardy_rule(backward=True))
+
+
+# The wrapper primitives.
+
+
+def _varying(aval) -> frozenset:
+  """Mesh axes a value varies over inside shard_map (empty elsewhere)."""
+  mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+  if mat is not None:
+    return mat.varying
+  return getattr(aval, "vma", frozenset())  # jax 0.7 to 0.9
+
+
+def _result_types(outs, avals, backward: bool):
+  """Puts mesh typing on the core primitive's result types.
+
+  A core abstract eval leaves out two things:
+    * sharding in types (jit over a mesh with Explicit axes): results carry the
+      batch and head sharding `partition` gives them, so that jit does not
+      gather them back to a replicated type;
+    * manual axes (shard_map with check_vma): results vary over the axes the
+      operands vary over; custom_vjp and shard_map compare these types.
+  """
+  q, k = avals[0], avals[1]
+  mesh = getattr(getattr(q, "sharding", None), "mesh", None)
+  if mesh is None or mesh.empty:
+    return outs
+  varying = _varying(q)
+  if any(_varying(a) != varying for a in avals):
+    raise ValueError(
+        "flash_attention inside shard_map: the operands vary over different mesh "
+        f"axes {[sorted(_varying(a)) for a in avals]}; make them vary alike, "
+        "e.g. with jax.lax.pcast(x, axes, to=\"varying\")")
+  q_like, kv_like, lse_like = _specs(
+      *_plan(mesh, q.sharding, q.ndim, q.shape[-2], k.shape[-2]))
+  specs = (q_like, kv_like, kv_like) if backward else (q_like, lse_like)
+  manual = {}
+  if varying:
+    manual = ({"manual_axis_type": q.manual_axis_type}
+              if hasattr(q, "manual_axis_type") else {"vma": varying})
+  return [o.update(sharding=NamedSharding(mesh, spec), **manual)
+          for o, spec in zip(outs, specs)]
+
+
+def _merged_aval(aval, trailing: int):
+  return jax.core.ShapedArray(
+      (math.prod(aval.shape[:aval.ndim - trailing]),) + aval.shape[aval.ndim - trailing:],
+      aval.dtype)
+
+
+def _define(name: str, inner: Primitive, local, partitioned, backward: bool):
+  prim = Primitive(name)
+  prim.multiple_results = True
+  # Trailing (non-batch) rank of each operand: lse and d_lse are [*L, H, T].
+  trailing = (3, 3, 3, 3, 2, 3, 2) if backward else (3, 3, 3)
+
+  def impl(*args, config):
+    return jax.jit(local, static_argnums=len(args))(*args, config)
+
+  def abstract_eval(*avals, config):
+    merged = [_merged_aval(a, n) for a, n in zip(avals, trailing)]
+    outs, effects = inner.abstract_eval(*merged, config=config)
+    lead = avals[0].shape[:-3]
+    outs = [o.update(shape=lead + o.shape[1:]) for o in outs]
+    return _result_types(outs, avals, backward), effects
+
+  def batch_rule(args, dims, *, config):
+    # The vmapped axis becomes one more leading batch axis. An unbatched
+    # operand has dim None; bdim_at_front broadcasts it.
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    args = [batching.bdim_at_front(x, d, size) for x, d in zip(args, dims)]
+    outs = prim.bind(*args, config=config)
+    return outs, [0] * len(outs)
+
+  def lowering(ctx, *args, config):
+    # jax.export cannot serialize custom_partitioning (its callbacks live in
+    # this process), so an exported function calls the kernels unpartitioned:
+    # a sharded export gathers q, k and v (correct, not fast).
+    if getattr(ctx.module_context.lowering_parameters, "for_export", False):
+      fn = local
+    else:
+      fn = partitioned
+    return mlir.lower_fun(lambda *xs: fn(*xs, config), multiple_results=True)(ctx, *args)
+
+  prim.def_impl(impl)
+  prim.def_effectful_abstract_eval(abstract_eval)
+  batching.primitive_batchers[prim] = batch_rule
+  mlir.register_lowering(prim, lowering)
+  _dispatch.prim_requires_devices_during_lowering.add(prim)
+  return prim
+
+
+_fwd_p = _define("jax_flash2_fwd_partitioned", _primitives.flash_fwd_p,
+                 _fwd_local, _fwd_partitioned, backward=False)
+_bwd_p = _define("jax_flash2_bwd_partitioned", _primitives.flash_bwd_p,
+                 _bwd_local, _bwd_partitioned, backward=True)

@@ -1,0 +1,34 @@
+"""jax.export of functions that call the flash kernels.
+
+jax.export refuses custom calls whose targets JAX itself does not promise to
+keep stable, so exporting a function that uses flash_attention needs
+
+    jax.export.export(jax.jit(f), disabled_checks=jax_flash2.export.disabled_checks())
+
+The exported artifact names the FFI targets jax_flash2_attention_fwd / _bwd
+with their operands and attributes (softmax_scale, window_left, window_right):
+the process that deserializes and runs it must `import jax_flash2` (which
+registers the targets) from a version with the same FFI signature. Gradients
+(`serialize(vjp_order=1)`), symbolic batch sizes and several platforms
+(`platforms=("cpu", "cuda")`, with a CUDA build) export as usual.
+
+Exports are not partitioned: jax.export cannot serialize custom_partitioning,
+so a function exported with shardings gathers q, k and v onto each device
+(correct, not fast).
+"""
+
+from __future__ import annotations
+
+from jax.export import DisabledSafetyCheck
+
+from jax_flash2 import _ext
+
+__all__ = ["TARGETS", "disabled_checks"]
+
+# The FFI custom-call targets an exported module may contain.
+TARGETS = (_ext.FORWARD_TARGET, _ext.BACKWARD_TARGET)
+
+
+def disabled_checks() -> list[DisabledSafetyCheck]:
+  """The `disabled_checks` jax.export.export needs for the flash kernels."""
+  return [DisabledSafetyCheck.custom_call(target) for target in TARGETS]

@@ -1,0 +1,115 @@
+"""Flax layers on the flash kernels (flax.nnx here, flax.linen in `.linen`).
+
+Flax is an optional dependency: `import jax_flash2` never imports it, this
+package does.
+
+  MultiHeadAttention     flax.nnx multi-head attention with MHA, GQA and MQA
+  dot_product_attention  drop-in `attention_fn` for flax.nnx.MultiHeadAttention
+                         and flax.linen.MultiHeadDotProductAttention
+"""
+
+from __future__ import annotations
+
+try:
+  from flax import nnx
+except ImportError as e:  # pragma: no cover - depends on the environment
+  raise ImportError(
+      "jax_flash2.flax needs flax (pip install flax); jax_flash2.flash_attention "
+      "works without it") from e
+
+import jax.numpy as jnp
+
+from jax_flash2.flax._attention_fn import attend, dot_product_attention
+
+__all__ = ["MultiHeadAttention", "dot_product_attention"]
+
+
+class MultiHeadAttention(nnx.Module):
+  """Multi-head attention (flax.nnx) computed by the flash kernels.
+
+  The query projection has `num_heads` heads; key and value projections have
+  only `num_kv_heads` (the memory saving of GQA and MQA lives in these smaller
+  projections, and the kernels read each kv head for its whole group).
+  Submodules and parameters are named as in flax.nnx.MultiHeadAttention
+  (query, key, value, out; kernel, bias), so weights move between the two with
+  nnx.state / nnx.update.
+
+  Args:
+    num_heads: query heads H.
+    in_features: features of the query input.
+    num_kv_heads: key/value heads K, a divisor of num_heads: num_heads (MHA,
+      the default), 1 (MQA) or in between (GQA).
+    qkv_features: total query features H * D (default in_features).
+    out_features: output features (default in_features).
+    in_kv_features: features of the key/value input for cross-attention
+      (default in_features).
+    causal: mask key j > query i (bottom-right aligned when S != T).
+    softmax_scale: logit scale (default 1 / sqrt(D)).
+    dtype: computation dtype (default: inferred from inputs and params).
+    param_dtype: parameter dtype.
+    kernel_init, bias_init, use_bias: as in flax.nnx.LinearGeneral.
+    rngs: the nnx.Rngs for the initializers.
+  """
+
+  def __init__(
+      self,
+      num_heads: int,
+      in_features: int,
+      *,
+      num_kv_heads: int | None = None,
+      qkv_features: int | None = None,
+      out_features: int | None = None,
+      in_kv_features: int | None = None,
+      causal: bool = False,
+      softmax_scale: float | None = None,
+      dtype=None,
+      param_dtype=jnp.float32,
+      kernel_init=nnx.initializers.lecun_normal(),
+      bias_init=nnx.initializers.zeros_init(),
+      use_bias: bool = True,
+      rngs: nnx.Rngs,
+  ):
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    qkv_features = in_features if qkv_features is None else qkv_features
+    out_features = in_features if out_features is None else out_features
+    in_kv_features = in_features if in_kv_features is None else in_kv_features
+    _check_heads(num_heads, num_kv_heads, qkv_features)
+    self.num_heads = num_heads
+    self.num_kv_heads = num_kv_heads
+    self.head_dim = qkv_features // num_heads
+    self.causal = causal
+    self.softmax_scale = softmax_scale
+    self.dtype = dtype
+
+    def linear(in_features, out_features, **kw):
+      return nnx.LinearGeneral(
+          in_features, out_features, dtype=dtype, param_dtype=param_dtype,
+          kernel_init=kernel_init, bias_init=bias_init, use_bias=use_bias, rngs=rngs, **kw)
+
+    self.query = linear(in_features, (num_heads, self.head_dim))
+    self.key = linear(in_kv_features, (num_kv_heads, self.head_dim))
+    self.value = linear(in_kv_features, (num_kv_heads, self.head_dim))
+    self.out = linear((num_heads, self.head_dim), out_features, axis=(-2, -1))
+
+  def __call__(self, inputs_q, inputs_kv=None):
+    """inputs_q [..., T, in_features] -> [..., T, out_features].
+
+    Self-attention when inputs_kv is None, else cross-attention on inputs_kv
+    [..., S, in_kv_features].
+    """
+    inputs_kv = inputs_q if inputs_kv is None else inputs_kv
+    x = attend(
+        self.query(inputs_q), self.key(inputs_kv), self.value(inputs_kv),
+        causal=self.causal, softmax_scale=self.softmax_scale)
+    return self.out(x)
+
+
+def _check_heads(num_heads: int, num_kv_heads: int, qkv_features: int) -> None:
+  if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
+    raise ValueError(
+        f"MultiHeadAttention: num_kv_heads ({num_kv_heads}) must divide num_heads "
+        f"({num_heads}): num_heads for MHA, 1 for MQA, a divisor for GQA")
+  if qkv_features % num_heads:
+    raise ValueError(
+        f"MultiHeadAttention: qkv_features ({qkv_features}) must be a multiple of "
+        f"num_heads ({num_heads})")

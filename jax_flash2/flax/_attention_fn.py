@@ -1,0 +1,90 @@
+"""The attention call shared by the Flax modules, and the attention_fn drop-in.
+
+Flax lays attention out as [..., T, H, D] with any number of batch axes (or
+none); the kernels take exactly one, so the batch axes are merged into B here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from jax_flash2 import api
+
+
+def attend(query, key, value, *, causal: bool, softmax_scale=None, dtype=None):
+  """flash_attention on Flax's layout: query [..., T, H, D], key, value [..., S, K, D].
+
+  dtype, when given, is the computation dtype (as in Flax); otherwise the three
+  are promoted to a common dtype.
+  """
+  dtype = jnp.dtype(dtype) if dtype is not None else jnp.result_type(query, key, value)
+  query, key, value = (x.astype(dtype) for x in (query, key, value))
+  batch = query.shape[:-3]
+  if key.shape[:-3] != batch or value.shape[:-3] != batch:
+    raise ValueError(
+        "dot_product_attention: query, key and value must share their batch axes "
+        f"[..., T|S, H|K, D]; got shapes {query.shape}, {key.shape}, {value.shape}")
+
+  def merged(x):
+    return x.reshape((math.prod(batch),) + x.shape[-3:])
+
+  out = api.flash_attention(
+      merged(query), merged(key), merged(value), causal=causal, softmax_scale=softmax_scale)
+  return out.reshape(batch + out.shape[1:])
+
+
+def dot_product_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    broadcast_dropout: bool = True,
+    dropout_rng=None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype=None,
+    precision=None,
+    module=None,
+    promote_dtype=None,
+    is_causal: bool = False,
+    force_fp32_for_softmax: bool = False,
+):
+  """A drop-in `attention_fn` for `flax.nnx.MultiHeadAttention` and
+  `flax.linen.MultiHeadDotProductAttention`, running the flash kernels.
+
+  Takes their layout (query [..., T, H, D], key and value [..., S, K, D], K
+  dividing H) and their keyword arguments. It serves the calls the kernels can:
+  no `bias`, no `mask` (causal masking through `is_causal`, or the `causal`
+  flag of jax_flash2.flax.MultiHeadAttention), no active dropout, no sown
+  weights; any other call raises a ValueError that names the argument.
+  `precision` is accepted and ignored: the kernels multiply in the input dtype
+  and accumulate in float32. `force_fp32_for_softmax` holds by construction.
+  """
+  del broadcast_dropout, dropout_rng, precision, promote_dtype, force_fp32_for_softmax
+  if bias is not None:
+    raise ValueError(
+        "jax_flash2.flax.dot_product_attention: bias is not supported (the kernels "
+        "never form the [T, S] logits); use flax's own dot_product_attention or "
+        "jax.nn.dot_product_attention for attention with a bias")
+  if mask is not None:
+    raise ValueError(
+        "jax_flash2.flax.dot_product_attention: mask is not supported; for causal "
+        "attention pass is_causal=True (flax.nnx) or use "
+        "jax_flash2.flax.MultiHeadAttention(causal=True) / "
+        "jax_flash2.flax.linen.MultiHeadAttention(causal=True), and for other masks "
+        "use flax's own dot_product_attention")
+  if dropout_rate > 0.0 and not deterministic:
+    raise ValueError(
+        f"jax_flash2.flax.dot_product_attention: dropout_rate={dropout_rate} with "
+        "deterministic=False is not supported (no dropout on the attention weights); "
+        "set dropout_rate=0.0 or deterministic=True, or use flax's own "
+        "dot_product_attention")
+  if module is not None:
+    raise ValueError(
+        "jax_flash2.flax.dot_product_attention: module (sow_weights=True) is not "
+        "supported, the attention weights are never materialized; call with "
+        "sow_weights=False or use flax's own dot_product_attention")
+  return attend(query, key, value, causal=is_causal, dtype=dtype)

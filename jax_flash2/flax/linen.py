@@ -1,0 +1,59 @@
+"""The flash MultiHeadAttention for flax.linen."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from jax_flash2.flax import _check_heads
+from jax_flash2.flax._attention_fn import attend, dot_product_attention
+
+__all__ = ["MultiHeadAttention", "dot_product_attention"]
+
+
+class MultiHeadAttention(nn.Module):
+  """Multi-head attention (flax.linen) computed by the flash kernels.
+
+  The Linen twin of jax_flash2.flax.MultiHeadAttention (see there for the
+  arguments). Parameters are named as in flax.linen.MultiHeadDotProductAttention
+  (query, key, value, out; kernel, bias) with key and value projecting to
+  `num_kv_heads` heads only.
+  """
+
+  num_heads: int
+  num_kv_heads: int | None = None
+  qkv_features: int | None = None
+  out_features: int | None = None
+  causal: bool = False
+  softmax_scale: float | None = None
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Callable = nn.initializers.lecun_normal()
+  bias_init: Callable = nn.initializers.zeros_init()
+  use_bias: bool = True
+
+  @nn.compact
+  def __call__(self, inputs_q, inputs_kv=None):
+    """inputs_q [..., T, F] -> [..., T, out_features]; cross-attention on
+    inputs_kv [..., S, F_kv] when given."""
+    inputs_kv = inputs_q if inputs_kv is None else inputs_kv
+    num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+    qkv_features = self.qkv_features or inputs_q.shape[-1]
+    out_features = self.out_features or inputs_q.shape[-1]
+    _check_heads(self.num_heads, num_kv_heads, qkv_features)
+    head_dim = qkv_features // self.num_heads
+
+    def dense(features, name, axis=-1):
+      return nn.DenseGeneral(
+          features, axis=axis, dtype=self.dtype, param_dtype=self.param_dtype,
+          kernel_init=self.kernel_init, bias_init=self.bias_init,
+          use_bias=self.use_bias, name=name)
+
+    x = attend(
+        dense((self.num_heads, head_dim), "query")(inputs_q),
+        dense((num_kv_heads, head_dim), "key")(inputs_kv),
+        dense((num_kv_heads, head_dim), "value")(inputs_kv),
+        causal=self.causal, softmax_scale=self.softmax_scale)
+    return dense(out_features, "out", axis=(-2, -1))(x)

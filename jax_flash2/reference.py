@@ -1,0 +1,63 @@
+"""Plain-JAX attention with flash_attention's signature and semantics.
+
+It materializes the [B, H, T, S] scores, so it is for documentation, tests and
+small inputs. Computation is in float32 (float64 when given float64 inputs with
+x64 enabled), the output in the input dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def visible(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int):
+  """[T, S] bool: query i sees key j (window around the bottom-right diagonal)."""
+  i = jnp.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)
+  j = jnp.arange(seqlen_k)[None, :]
+  ok = jnp.ones((seqlen_q, seqlen_k), bool)
+  if window_left >= 0:
+    ok &= j >= i - window_left
+  if window_right >= 0:
+    ok &= j <= i + window_right
+  return ok
+
+
+def forward_from_config(q, k, v, config):
+  """(out [B, T, H, D], lse [B, H, T]) for an api.AttentionConfig."""
+  compute = jnp.promote_types(q.dtype, jnp.float32)
+  batch, seqlen_q, num_heads, head_dim = q.shape
+  seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
+  group = num_heads // num_kv_heads
+  qg = q.astype(compute).reshape(batch, seqlen_q, num_kv_heads, group, head_dim)
+  # scores: [B, K, G, T, S]
+  # HIGHEST: a float32 reference must not silently run in TF32 on GPUs.
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(compute),
+                      precision=jax.lax.Precision.HIGHEST) * config.softmax_scale
+  mask = visible(seqlen_q, seqlen_k, config.window_left, config.window_right)
+  scores = jnp.where(mask, scores, -jnp.inf)
+  row_max = jnp.max(scores, axis=-1, keepdims=True)
+  # Rows that see no key: keep them finite (exp(-inf) = 0) and report LSE -inf.
+  safe_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  weights = jnp.exp(scores - safe_max)
+  row_sum = jnp.sum(weights, axis=-1, keepdims=True)
+  probs = weights / jnp.where(row_sum > 0, row_sum, 1.0)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(compute),
+                   precision=jax.lax.Precision.HIGHEST)
+  lse = (safe_max + jnp.log(row_sum))[..., 0]  # [B, K, G, T]; log(0) = -inf for empty rows
+  out = out.reshape(batch, seqlen_q, num_heads, head_dim).astype(q.dtype)
+  return out, lse.reshape(batch, num_heads, seqlen_q)
+
+
+def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
+              return_lse: bool = False, window_size: tuple[int, int] = (-1, -1),
+              implementation: str | None = None):
+  """Same arguments and results as jax_flash2.flash_attention (see there); also
+  takes float64 inputs (with x64 enabled), which makes it the tests' oracle."""
+  from jax_flash2 import api  # the argument checks live in the API layer
+
+  config = api.make_config(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                           window_size=window_size, implementation=implementation,
+                           dtypes=api.SUPPORTED_DTYPES + (jnp.float64,))
+  out, lse = forward_from_config(q, k, v, config)
+  return (out, lse) if return_lse else out

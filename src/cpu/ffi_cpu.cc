@@ -1,0 +1,99 @@
+// XLA FFI handlers for the CPU platform: typed implementations, then the
+// bindings that read like their signatures.
+#include "ffi_cpu.h"
+
+#include "../ffi_params.h"
+#include "flash_cpu.h"
+
+namespace jax_flash2::cpu {
+namespace {
+
+// Tasks go to XLA's intra-op pool; the calling thread works as well.
+SharedLoopRunner MakeRunner(ffi::ThreadPool& pool) {
+  const int64_t threads = pool.num_threads();
+  return SharedLoopRunner([&pool](std::function<void()> task) { pool.Schedule(std::move(task)); },
+                          static_cast<int>(threads > 0 ? threads : 1));
+}
+
+ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                       float softmax_scale, int64_t window_left, int64_t window_right) {
+  FlashParams p;
+  if (ffi::Error err = ParamsFromInputs(q, k, v, softmax_scale, window_left, window_right, &p);
+      err.failure()) {
+    return err;
+  }
+  if (ffi::Error err = CheckSameShape(*out, q, "out"); err.failure()) return err;
+  if (ffi::Error err = CheckLseShape(*lse, p, "lse"); err.failure()) return err;
+  p.o = out->untyped_data();
+  p.lse = static_cast<float*>(lse->untyped_data());
+  SharedLoopRunner runner = MakeRunner(pool);
+  ForwardCpu(p, runner);
+  return ffi::Error::Success();
+}
+
+ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer d_out,
+                        ffi::AnyBuffer d_lse, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                        float softmax_scale, int64_t window_left, int64_t window_right) {
+  FlashParams p;
+  if (ffi::Error err = ParamsFromInputs(q, k, v, softmax_scale, window_left, window_right, &p);
+      err.failure()) {
+    return err;
+  }
+  for (const auto& [buffer, expected, name] :
+       {std::tuple{&out, &q, "out"}, std::tuple{&d_out, &q, "d_out"}}) {
+    if (ffi::Error err = CheckSameShape(*buffer, *expected, name); err.failure()) return err;
+  }
+  if (ffi::Error err = CheckLseShape(lse, p, "lse"); err.failure()) return err;
+  if (ffi::Error err = CheckLseShape(d_lse, p, "d_lse"); err.failure()) return err;
+  if (ffi::Error err = CheckSameShape(*dq, q, "dq"); err.failure()) return err;
+  if (ffi::Error err = CheckSameShape(*dk, k, "dk"); err.failure()) return err;
+  if (ffi::Error err = CheckSameShape(*dv, v, "dv"); err.failure()) return err;
+  p.o = out.untyped_data();
+  p.lse = static_cast<float*>(lse.untyped_data());
+  p.d_o = d_out.untyped_data();
+  p.d_lse = static_cast<const float*>(d_lse.untyped_data());
+  p.dq = dq->untyped_data();
+  p.dk = dk->untyped_data();
+  p.dv = dv->untyped_data();
+  SharedLoopRunner runner = MakeRunner(pool);
+  BackwardCpu(p, runner);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFlash2CpuForward, ForwardImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
+        .Arg<ffi::AnyBuffer>()  // q: [B, T, H, D]
+        .Arg<ffi::AnyBuffer>()  // k: [B, S, K, D]
+        .Arg<ffi::AnyBuffer>()  // v: [B, S, K, D]
+        .Ret<ffi::AnyBuffer>()  // out: [B, T, H, D]
+        .Ret<ffi::AnyBuffer>()  // lse: [B, H, T] float32
+        .Attr<float>("softmax_scale")
+        .Attr<int64_t>("window_left")    // -1: unbounded
+        .Attr<int64_t>("window_right"));  // -1: unbounded; 0: causal
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFlash2CpuBackward, BackwardImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
+        .Arg<ffi::AnyBuffer>()  // q: [B, T, H, D]
+        .Arg<ffi::AnyBuffer>()  // k: [B, S, K, D]
+        .Arg<ffi::AnyBuffer>()  // v: [B, S, K, D]
+        .Arg<ffi::AnyBuffer>()  // out: [B, T, H, D], the forward's output
+        .Arg<ffi::AnyBuffer>()  // lse: [B, H, T] float32, the forward's LSE
+        .Arg<ffi::AnyBuffer>()  // d_out: [B, T, H, D]
+        .Arg<ffi::AnyBuffer>()  // d_lse: [B, H, T] float32
+        .Ret<ffi::AnyBuffer>()  // dq: [B, T, H, D]
+        .Ret<ffi::AnyBuffer>()  // dk: [B, S, K, D], summed over each head group
+        .Ret<ffi::AnyBuffer>()  // dv: [B, S, K, D], summed over each head group
+        .Attr<float>("softmax_scale")
+        .Attr<int64_t>("window_left")
+        .Attr<int64_t>("window_right"));
+
+}  // namespace jax_flash2::cpu

@@ -1,0 +1,109 @@
+// Host side of the backward: scratch size, argument checks, and the three
+// launches (preprocess, main per head-dim bucket, convert). See bwd_kernel.cuh.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "bwd_kernel.cuh"
+#include "flash_cuda.h"
+
+namespace jax_flash2::cuda {
+
+// The main kernels are instantiated in bwd_hdim{32,64,128,256}.cu.
+#define JF2_EXTERN_BWD(ELEM, D)                                                               \
+  extern template cudaError_t LaunchBwdMain<ELEM, D>(const FlashParams&, const BwdScratchPtrs&, \
+                                                     const DeviceInfo&, cudaStream_t);
+JF2_EXTERN_BWD(__half, 32)
+JF2_EXTERN_BWD(__half, 64)
+JF2_EXTERN_BWD(__half, 128)
+JF2_EXTERN_BWD(__half, 256)
+JF2_EXTERN_BWD(__nv_bfloat16, 32)
+JF2_EXTERN_BWD(__nv_bfloat16, 64)
+JF2_EXTERN_BWD(__nv_bfloat16, 128)
+JF2_EXTERN_BWD(__nv_bfloat16, 256)
+#undef JF2_EXTERN_BWD
+
+namespace {
+
+bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// What the kernels assume and do not re-check per element: 16-byte vector
+// access (every stride a multiple of 8 elements, every pointer 16-byte
+// aligned) and a head dim that is a multiple of 8 up to 256.
+bool BackwardSupported(const FlashParams& p, const DeviceInfo& dev) {
+  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return false;
+  if (dev.cc_major < 8) return false;
+  if (p.head_dim < 8 || p.head_dim > 256 || p.head_dim % 8 != 0) return false;
+  if (p.num_heads_kv <= 0 || p.group_size * p.num_heads_kv != p.num_heads_q) return false;
+  const int64_t strides[] = {p.q_batch_stride, p.q_row_stride, p.q_head_stride,
+                             p.k_batch_stride, p.k_row_stride, p.k_head_stride,
+                             p.v_batch_stride, p.v_row_stride, p.v_head_stride,
+                             p.o_batch_stride, p.o_row_stride, p.o_head_stride};
+  for (int64_t s : strides) {
+    if (s % 8 != 0) return false;
+  }
+  const void* ptrs[] = {p.q, p.k, p.v, p.o, p.d_o, p.dq, p.dk, p.dv};
+  for (const void* ptr : ptrs) {
+    if (!Aligned16(ptr)) return false;
+  }
+  return p.lse != nullptr;
+}
+
+template <typename Elem>
+cudaError_t RunBackwardTyped(const FlashParams& p, const BwdScratchPtrs& s, size_t dq_acc_bytes,
+                             const DeviceInfo& dev, cudaStream_t stream) {
+  // 1. Dvec, lse2; dQ accumulator = 0.
+  cudaError_t err = cudaMemsetAsync(s.dq_acc, 0, dq_acc_bytes, stream);
+  if (err != cudaSuccess) return err;
+  const int64_t rows = p.batch * p.num_heads_q * s.t_pad;
+  if (rows > 0) {
+    BwdPreprocessKernel<Elem><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(p, s);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+
+  // 2. dK, dV, dQ accumulator.
+  switch (BwdTileFor(p.head_dim).head_dim) {
+    case 32: err = LaunchBwdMain<Elem, 32>(p, s, dev, stream); break;
+    case 64: err = LaunchBwdMain<Elem, 64>(p, s, dev, stream); break;
+    case 128: err = LaunchBwdMain<Elem, 128>(p, s, dev, stream); break;
+    case 256: err = LaunchBwdMain<Elem, 256>(p, s, dev, stream); break;
+    default: return cudaErrorInvalidValue;
+  }
+  if (err != cudaSuccess) return err;
+
+  // 3. dq = dq_acc * scale. Grid-stride: a few waves of blocks are enough.
+  if (p.seqlen_q > 0) {
+    const int64_t chunks = p.batch * p.seqlen_q * p.num_heads_q * (p.head_dim / 8);
+    const int64_t max_blocks = static_cast<int64_t>(dev.sm_count > 0 ? dev.sm_count : 128) * 16;
+    const int64_t blocks = std::min<int64_t>((chunks + 255) / 256, max_blocks);
+    BwdConvertKernel<Elem><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p, s.dq_acc);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+
+size_t BackwardScratchBytes(const FlashParams& p, const DeviceInfo& dev) {
+  (void)dev;
+  return MakeBwdScratchLayout(p.batch, p.seqlen_q, p.num_heads_q, p.head_dim).total_bytes;
+}
+
+cudaError_t RunBackward(const FlashParams& p, void* scratch, const DeviceInfo& dev,
+                        cudaStream_t stream) {
+  if (!BackwardSupported(p, dev)) return cudaErrorInvalidValue;
+  if (p.batch == 0 || p.seqlen_k == 0 || p.num_heads_q == 0) return cudaSuccess;
+  const BwdScratchLayout layout =
+      MakeBwdScratchLayout(p.batch, p.seqlen_q, p.num_heads_q, p.head_dim);
+  if (scratch == nullptr || !Aligned16(scratch)) return cudaErrorInvalidValue;
+  char* base = static_cast<char*>(scratch);
+  const BwdScratchPtrs s{reinterpret_cast<float*>(base + layout.lse2_offset),
+                         reinterpret_cast<float*>(base + layout.dvec_offset),
+                         reinterpret_cast<float*>(base + layout.dq_acc_offset), layout.t_pad};
+  const size_t dq_acc_bytes = layout.total_bytes - layout.dq_acc_offset;
+  if (p.dtype == DType::kFloat16) return RunBackwardTyped<__half>(p, s, dq_acc_bytes, dev, stream);
+  return RunBackwardTyped<__nv_bfloat16>(p, s, dq_acc_bytes, dev, stream);
+}
+
+}  // namespace jax_flash2::cuda

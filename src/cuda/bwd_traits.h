@@ -1,0 +1,130 @@
+// Tile sizes of the backward kernel: one row per head-dim bucket, plus the
+// scratch layout shared by BackwardScratchBytes and RunBackward.
+//
+// Plain C++ (no CUDA headers): the host planner reads the same table.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace jax_flash2::cuda {
+
+struct BwdTileSizes {
+  int head_dim;  // bucket: the kernel's compile-time head dim
+  int block_m;   // query rows per inner-loop step
+  int warps_n;   // warps along the key block; block_n = 16 * warps_n
+  int warps_d;   // warps splitting head_dim (of dK/dV) and block_m (of S^T)
+};
+
+// Why these: the CTA owns block_n = 16 * warps_n keys and each warp owns 16 of
+// them for every product on the key side (S^T, dP^T, dV, dK), so dK and dV
+// (16 x head_dim / warps_d each, fp32) live in registers for the whole loop.
+// That is head_dim / warps_d accumulators per thread for the pair: d128 keeps
+// all of head_dim in one warp (128 registers) with a short block_m = 32 so
+// that S^T and dP^T (16 x block_m each) fit beside it under 255 registers;
+// d256 splits head_dim over 2 warps for the same reason. Shared memory (K, V,
+// double-buffered Q and dO, P^T and dS^T; rows padded by 16 bytes) stays
+// under 150 KB, which fits sm80's 163 KB opt-in limit (not sm86/89's 99 KB for
+// d128/d256, which RunBackward then refuses).
+inline constexpr BwdTileSizes kBwdTileTable[] = {
+    {32, 64, 8, 1},
+    {64, 64, 8, 1},
+    {128, 32, 8, 1},
+    {256, 32, 4, 2},
+};
+
+// Rows used instead where the device's opt-in shared memory holds them (sm90:
+// 227 KB): block_m = 64 with 16 warps, head_dim split over 2 (d128) or 4
+// (d256) warps so that each thread stays under 128 registers. Measured on an
+// H200 at B=4, T=S=4096, H*D=2048, bf16: d128 169 -> 190 TFLOP/s (non-causal),
+// 152 -> 170 (causal) against the row above. Only buckets listed here get a
+// second kernel.
+inline constexpr BwdTileSizes kBwdTileTableLargeSmem[] = {
+    {128, 64, 8, 2},
+    {256, 64, 4, 4},
+};
+
+// The largest block_m of both tables: Dvec and LSE rows are padded to it so
+// that every tile of them is a whole, aligned, in-bounds 16-byte copy.
+inline constexpr int kBwdRowPad = 64;
+
+constexpr BwdTileSizes BwdTileFor(int64_t head_dim) {
+  for (const BwdTileSizes& t : kBwdTileTable) {
+    if (head_dim <= t.head_dim) return t;
+  }
+  return BwdTileSizes{0, 0, 0, 0};
+}
+
+// The large-smem row of a bucket, or {0, ...} when it has none.
+constexpr BwdTileSizes BwdLargeSmemTileFor(int bucket) {
+  for (const BwdTileSizes& t : kBwdTileTableLargeSmem) {
+    if (t.head_dim == bucket) return t;
+  }
+  return BwdTileSizes{0, 0, 0, 0};
+}
+
+// Shared memory rows are padded by 8 elements (16 bytes): a row is then an odd
+// number of 16-byte chunks, so the 8 rows of one ldmatrix phase hit 8
+// distinct bank groups.
+inline constexpr int kBwdSmemPad = 8;
+
+template <int kHeadDim_, bool kLargeSmem_ = false>
+struct BwdTraits {
+  static constexpr bool kLargeSmem = kLargeSmem_;
+  static constexpr BwdTileSizes kTile =
+      kLargeSmem ? BwdLargeSmemTileFor(kHeadDim_) : BwdTileFor(kHeadDim_);
+  static_assert(kTile.head_dim == kHeadDim_, "not a head-dim bucket (of this table)");
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kWarpsN = kTile.warps_n;
+  static constexpr int kWarpsD = kTile.warps_d;
+  static constexpr int kWarps = kWarpsN * kWarpsD;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kBlockN = 16 * kWarpsN;
+  // S^T, dP^T: warp (wn, wd) computes keys [16 wn, +16) x queries [wd * kMw, +kMw).
+  static constexpr int kMw = kBlockM / kWarpsD;
+  // dK, dV: warp (wn, wd) owns keys [16 wn, +16) x dims [wd * kDw, +kDw).
+  static constexpr int kDw = kHeadDim / kWarpsD;
+  // dQ = dS K: warps tile (block_m x head_dim) as kDqWarpsM x kDqWarpsD.
+  static constexpr int kDqWarpsM = kBlockM / 16 < kWarps ? kBlockM / 16 : kWarps;
+  static constexpr int kDqWarpsD = kWarps / kDqWarpsM;
+  static constexpr int kDqDw = kHeadDim / kDqWarpsD;
+  static constexpr int kStride = kHeadDim + kBwdSmemPad;  // Q, dO, K, V rows (elements)
+  static constexpr int kPStride = kBlockM + kBwdSmemPad;  // P^T, dS^T rows (elements)
+  static constexpr int kChunksPerRow = kHeadDim / 8;      // 16-byte cp.async chunks
+  static constexpr int kSmemBytes = (2 * kBlockN + 4 * kBlockM) * kStride * 2  // K V, 2x(Q dO)
+                                    + 2 * kBlockN * kPStride * 2              // P^T, dS^T
+                                    + 4 * kBlockM * 4;                        // 2x(LSE, Dvec)
+  static_assert(kMw % 16 == 0 && kDw % 16 == 0 && kDqDw % 16 == 0);
+  static_assert(kBlockM % 16 == 0 && kDqWarpsM * kDqWarpsD == kWarps);
+  static_assert(kBlockM <= kBwdRowPad && kBwdRowPad % kBlockM == 0);
+};
+
+// Scratch of one backward call, in this order, each part 256-byte aligned:
+//   lse2  [B, H, T_pad] fp32: LSE * log2(e), +inf for rows with LSE = -inf and
+//                             for the padding rows T..T_pad (P = exp2(s - inf) = 0)
+//   dvec  [B, H, T_pad] fp32: rowsum(dO * O) - dLSE, 0 on padding rows
+//   dq_acc [B, T, H, D] fp32: dQ / scale, summed over key blocks by atomics
+struct BwdScratchLayout {
+  int64_t t_pad = 0;
+  size_t lse2_offset = 0;
+  size_t dvec_offset = 0;
+  size_t dq_acc_offset = 0;
+  size_t total_bytes = 0;
+};
+
+inline BwdScratchLayout MakeBwdScratchLayout(int64_t batch, int64_t seqlen_q, int64_t heads_q,
+                                             int64_t head_dim) {
+  auto align = [](size_t x) { return (x + 255) / 256 * 256; };
+  BwdScratchLayout s;
+  s.t_pad = (seqlen_q + kBwdRowPad - 1) / kBwdRowPad * kBwdRowPad;
+  const size_t row_bytes = static_cast<size_t>(batch * heads_q * s.t_pad) * sizeof(float);
+  s.lse2_offset = 0;
+  s.dvec_offset = align(row_bytes);
+  s.dq_acc_offset = s.dvec_offset + align(row_bytes);
+  s.total_bytes =
+      s.dq_acc_offset + align(static_cast<size_t>(batch * seqlen_q * heads_q * head_dim) * 4);
+  return s;
+}
+
+}  // namespace jax_flash2::cuda

@@ -1,0 +1,138 @@
+// XLA FFI handlers for the CUDA platform: typed implementations, then the
+// bindings that read like their signatures. Kernel failures come back as
+// ffi::Error; nothing here aborts the process.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "../ffi_params.h"
+#include "ffi_cuda.h"
+#include "flash_cuda.h"
+
+namespace jax_flash2::cuda {
+namespace {
+
+ffi::Error CudaError(cudaError_t err, const char* what) {
+  return ffi::Error::Internal(std::string("jax_flash2: ") + what + ": " + cudaGetErrorString(err));
+}
+
+// The device, the kernels' verdict on p, and the workspace they need. The
+// workspace is an extra output that XLA allocates with the call's other
+// buffers; the lowering sized it with the same function for `plan_sm_count`
+// multiprocessors, which the plan uses here too so that both agree.
+ffi::Error Prepare(const FlashParams& p, ffi::AnyBuffer& workspace, int64_t plan_sm_count,
+                   size_t (*bytes_for)(const FlashParams&, const DeviceInfo&), DeviceInfo* dev) {
+  if (cudaError_t err = GetCurrentDeviceInfo(dev); err != cudaSuccess) {
+    return CudaError(err, "querying the device");
+  }
+  if (std::string why = Unsupported(p, *dev); !why.empty()) {
+    return ffi::Error::InvalidArgument("jax_flash2: " + why);
+  }
+  if (plan_sm_count > 0) dev->sm_count = static_cast<int>(plan_sm_count);
+  const size_t bytes = bytes_for(p, *dev);
+  if (workspace.size_bytes() < bytes) {
+    return ffi::Error::InvalidArgument("jax_flash2: workspace of " +
+                                       std::to_string(workspace.size_bytes()) + " bytes, need " +
+                                       std::to_string(bytes));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                       ffi::Result<ffi::AnyBuffer> workspace, float softmax_scale,
+                       int64_t window_left, int64_t window_right, int64_t sm_count) {
+  FlashParams p;
+  if (ffi::Error err = ParamsFromInputs(q, k, v, softmax_scale, window_left, window_right, &p);
+      err.failure()) {
+    return err;
+  }
+  if (ffi::Error err = CheckSameShape(*out, q, "out"); err.failure()) return err;
+  if (ffi::Error err = CheckLseShape(*lse, p, "lse"); err.failure()) return err;
+  p.o = out->untyped_data();
+  p.lse = static_cast<float*>(lse->untyped_data());
+  DeviceInfo dev;
+  if (ffi::Error err = Prepare(p, *workspace, sm_count, &ForwardScratchBytes, &dev);
+      err.failure()) {
+    return err;
+  }
+  if (cudaError_t err = RunForward(p, workspace->untyped_data(), dev, stream); err != cudaSuccess) {
+    return CudaError(err, "forward kernel");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer d_out,
+                        ffi::AnyBuffer d_lse, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                        ffi::Result<ffi::AnyBuffer> workspace, float softmax_scale,
+                        int64_t window_left, int64_t window_right, int64_t sm_count) {
+  FlashParams p;
+  if (ffi::Error err = ParamsFromInputs(q, k, v, softmax_scale, window_left, window_right, &p);
+      err.failure()) {
+    return err;
+  }
+  if (ffi::Error err = CheckSameShape(out, q, "out"); err.failure()) return err;
+  if (ffi::Error err = CheckSameShape(d_out, q, "d_out"); err.failure()) return err;
+  if (ffi::Error err = CheckLseShape(lse, p, "lse"); err.failure()) return err;
+  if (ffi::Error err = CheckLseShape(d_lse, p, "d_lse"); err.failure()) return err;
+  if (ffi::Error err = CheckSameShape(*dq, q, "dq"); err.failure()) return err;
+  if (ffi::Error err = CheckSameShape(*dk, k, "dk"); err.failure()) return err;
+  if (ffi::Error err = CheckSameShape(*dv, v, "dv"); err.failure()) return err;
+  p.o = out.untyped_data();
+  p.lse = static_cast<float*>(lse.untyped_data());
+  p.d_o = d_out.untyped_data();
+  p.d_lse = static_cast<const float*>(d_lse.untyped_data());
+  p.dq = dq->untyped_data();
+  p.dk = dk->untyped_data();
+  p.dv = dv->untyped_data();
+  DeviceInfo dev;
+  if (ffi::Error err = Prepare(p, *workspace, sm_count, &BackwardScratchBytes, &dev);
+      err.failure()) {
+    return err;
+  }
+  if (cudaError_t err = RunBackward(p, workspace->untyped_data(), dev, stream); err != cudaSuccess) {
+    return CudaError(err, "backward kernel");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFlash2CudaForward, ForwardImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()  // q: [B, T, H, D]
+        .Arg<ffi::AnyBuffer>()  // k: [B, S, K, D]
+        .Arg<ffi::AnyBuffer>()  // v: [B, S, K, D]
+        .Ret<ffi::AnyBuffer>()  // out: [B, T, H, D]
+        .Ret<ffi::AnyBuffer>()  // lse: [B, H, T] float32
+        .Ret<ffi::AnyBuffer>()  // workspace: uint8, split-KV partial O and LSE
+        .Attr<float>("softmax_scale")
+        .Attr<int64_t>("window_left")   // -1: unbounded
+        .Attr<int64_t>("window_right")  // -1: unbounded; 0: causal
+        .Attr<int64_t>("sm_count"));    // multiprocessors the workspace was sized for
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFlash2CudaBackward, BackwardImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()  // q: [B, T, H, D]
+        .Arg<ffi::AnyBuffer>()  // k: [B, S, K, D]
+        .Arg<ffi::AnyBuffer>()  // v: [B, S, K, D]
+        .Arg<ffi::AnyBuffer>()  // out: [B, T, H, D], the forward's output
+        .Arg<ffi::AnyBuffer>()  // lse: [B, H, T] float32, the forward's LSE
+        .Arg<ffi::AnyBuffer>()  // d_out: [B, T, H, D]
+        .Arg<ffi::AnyBuffer>()  // d_lse: [B, H, T] float32
+        .Ret<ffi::AnyBuffer>()  // dq: [B, T, H, D]
+        .Ret<ffi::AnyBuffer>()  // dk: [B, S, K, D], summed over each head group
+        .Ret<ffi::AnyBuffer>()  // dv: [B, S, K, D], summed over each head group
+        .Ret<ffi::AnyBuffer>()  // workspace: uint8, D and the fp32 dQ accumulator
+        .Attr<float>("softmax_scale")
+        .Attr<int64_t>("window_left")
+        .Attr<int64_t>("window_right")
+        .Attr<int64_t>("sm_count"));
+
+}  // namespace jax_flash2::cuda

@@ -1,0 +1,525 @@
+// FlashAttention-2 forward for sm80+ (mma.sync m16n8k16, fp32 accumulators).
+//
+// One thread block computes O for kBlockM (packed) query rows of one head and
+// batch entry; grid (m_blocks * splits, B, H / pack) with m-blocks fastest, so
+// the blocks that read the same K/V run together and share it through L2.
+//
+// Per key block n (kBlockN keys), walking from the last visible block down so
+// that the diagonal and ragged blocks, the only ones needing the per-element
+// mask, come first:
+//   S = Q K_n^T                               (ldmatrix + mma, fp32)
+//   m' = max(m, rowmax(S));  P = exp2(S * scale_log2 - m' * scale_log2)
+//   l = l * exp2((m - m') * scale_log2) + rowsum(P);  O = O * (same) + P V_n
+// and at the end O / l and LSE = m * scale + log(l). O stays unnormalised in
+// registers until then. Warps split the query rows (no cross-warp reduction).
+//
+// Pipelining (FwdArgs::kv_stages, chosen by the host):
+//  1 stage (prefill): Q, K and V have one shared-memory tile each. The copy of
+//    V_n is in flight while S = Q K_n^T runs, and the copy of K_{n-1} while
+//    softmax and P V_n run (FlashAttention-2's schedule): every copy overlaps
+//    a compute phase at the smallest footprint (two blocks per SM on A100).
+//  2 stages (split-KV / packed decode): K_{n-1} and V_{n-1} stream into the
+//    second stage during all of block n's math. There the grid is small, the
+//    math per key block short (few real rows) and load latency the bound.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "../flash_mask.h"
+#include "fwd_launch.h"
+#include "kernel_traits.h"
+#include "primitives.cuh"
+
+namespace jax_flash2::cuda {
+namespace fwd {
+
+// A row of an mma C tile lives in the 4 lanes of a quad (lane / 4 equal).
+__device__ __forceinline__ float QuadMax(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float QuadSum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// ldmatrix from a raw shared address: the kernel keeps one base address per
+// operand and adds compile-time offsets, which become immediates of the
+// instruction instead of one live register per (tile, k-step) address.
+__device__ __forceinline__ void LdMatrixX4At(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void LdMatrixX4TransAt(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// Thread -> chunk map of the tile copies: kThreadsPerRow lanes share a row
+// (so a warp reads whole 16-byte-chunk runs of a row), each taking every
+// kThreadsPerRow-th chunk; the block covers kRowsPerIter rows per step.
+template <class Tr>
+struct CopyMap {
+  static constexpr int Gcd(int a, int b) { return b == 0 ? a : Gcd(b, a % b); }
+  static constexpr int kThreadsPerRow = Gcd(Tr::kChunksPerRow, Tr::kThreads);
+  static constexpr int kChunksPerThread = Tr::kChunksPerRow / kThreadsPerRow;
+  static constexpr int kRowsPerIter = Tr::kThreads / kThreadsPerRow;
+};
+
+// cp.async of kRows rows of one K or V head into smem, starting at key row0.
+// Rows >= num_rows and columns >= head_dim are zero-filled (zero K rows are
+// masked anyway; zero V columns add nothing). The source pointer advances by
+// one step per row group rather than being recomputed from the row index, so
+// no per-row offsets stay live across the main loop.
+template <class Tr, int kRows, typename Elem>
+__device__ __forceinline__ void LoadKvTile(Elem* smem, const Elem* head_base, int64_t row_stride,
+                                           int row0, int num_rows, int head_dim, int tid) {
+  using Map = CopyMap<Tr>;
+  static_assert(kRows % Map::kRowsPerIter == 0);
+  const int tr = tid / Map::kThreadsPerRow;
+  const int tc = (tid % Map::kThreadsPerRow) * 8;
+  const Elem* src = head_base + (row0 + tr) * row_stride + tc;
+  const int64_t step = Map::kRowsPerIter * row_stride;
+  Elem* dst = smem + tr * Tr::kSmemStride + tc;
+#pragma unroll
+  for (int i = 0; i < kRows / Map::kRowsPerIter; ++i) {
+    const bool row_ok = row0 + tr + i * Map::kRowsPerIter < num_rows;
+#pragma unroll
+    for (int j = 0; j < Map::kChunksPerThread; ++j) {
+      const int c = j * Map::kThreadsPerRow * 8;
+      const bool valid = row_ok && tc + c < head_dim;
+      CpAsync16(dst + i * Map::kRowsPerIter * Tr::kSmemStride + c, valid ? src + c : head_base,
+                valid);
+    }
+    src += step;
+  }
+}
+
+// cp.async of the block's Q rows. Packed row r is query r / pack of head
+// z * pack + r % pack; rows past num_rows are zero-filled.
+template <class Tr, typename Elem>
+__device__ __forceinline__ void LoadQTile(Elem* smem, const FlashParams& p, int b, int z, int pack,
+                                          int row_begin, int num_rows, int tid) {
+  constexpr int kChunks = Tr::kBlockM * Tr::kChunksPerRow;
+  const Elem* q = static_cast<const Elem*>(p.q);
+#pragma unroll
+  for (int i = 0; i < (kChunks + Tr::kThreads - 1) / Tr::kThreads; ++i) {
+    const int idx = tid + i * Tr::kThreads;
+    if (kChunks % Tr::kThreads != 0 && idx >= kChunks) break;
+    const int r = idx / Tr::kChunksPerRow;
+    const int c = (idx % Tr::kChunksPerRow) * 8;
+    const int row = row_begin + r;
+    const bool valid = row < num_rows && c < p.head_dim;
+    const Elem* src = q;
+    if (valid) {
+      const int t = row / pack;
+      const int head = z * pack + row % pack;
+      src = q + b * p.q_batch_stride + t * p.q_row_stride + head * p.q_head_stride + c;
+    }
+    CpAsync16(smem + r * Tr::kSmemStride + c, src, valid);
+  }
+}
+
+// S = Q K^T for the first kLive m16 tiles of the warp (the rest stay 0).
+template <class Tr, typename Elem, int kLive>
+__device__ __forceinline__ void ComputeS(float (&s)[Tr::kMTiles][Tr::kNTiles][4], uint32_t q_addr,
+                                         uint32_t k_tile, int head_dim) {
+  constexpr int kStride = Tr::kSmemStride;
+#pragma unroll
+  for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+    for (int nt = 0; nt < Tr::kNTiles; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[mt][nt][i] = 0.f;
+    }
+  }
+#pragma unroll
+  for (int ks = 0; ks < Tr::kHeadDim / 16; ++ks) {
+    if (ks * 16 >= head_dim) break;  // zero padding columns contribute nothing
+    uint32_t a[kLive][4];
+#pragma unroll
+    for (int mt = 0; mt < kLive; ++mt) {
+      LdMatrixX4At(a[mt], q_addr + (mt * 16 * kStride + ks * 16) * 2);
+    }
+#pragma unroll
+    for (int np = 0; np < Tr::kNTiles / 2; ++np) {
+      uint32_t kf[4];
+      LdMatrixX4At(kf, k_tile + (np * 16 * kStride + ks * 16) * 2);
+      const uint32_t b0[2] = {kf[0], kf[1]};
+      const uint32_t b1[2] = {kf[2], kf[3]};
+#pragma unroll
+      for (int mt = 0; mt < kLive; ++mt) {
+        Mma16816<Elem>(s[mt][2 * np], a[mt], b0);
+        Mma16816<Elem>(s[mt][2 * np + 1], a[mt], b1);
+      }
+    }
+  }
+}
+
+// O += P V for the first kLive m16 tiles. The C fragments of two adjacent n8
+// tiles of P are the A fragment of one k16 step (primitives.cuh), rounded to
+// Elem as in FA2.
+template <class Tr, typename Elem, int kLive>
+__device__ __forceinline__ void AccumulatePV(const float (&s)[Tr::kMTiles][Tr::kNTiles][4],
+                                             float (&o)[Tr::kMTiles][Tr::kDTiles][4],
+                                             uint32_t v_tile, int head_dim) {
+  constexpr int kStride = Tr::kSmemStride;
+#pragma unroll
+  for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
+    uint32_t a[kLive][4];
+#pragma unroll
+    for (int mt = 0; mt < kLive; ++mt) {
+      a[mt][0] = PackFloat2<Elem>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+      a[mt][1] = PackFloat2<Elem>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+      a[mt][2] = PackFloat2<Elem>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+      a[mt][3] = PackFloat2<Elem>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int dp = 0; dp < Tr::kHeadDim / 16; ++dp) {
+      if (dp * 16 >= head_dim) break;  // padding columns of O are never written
+      uint32_t vf[4];
+      LdMatrixX4TransAt(vf, v_tile + (kk * 16 * kStride + dp * 16) * 2);
+      const uint32_t b0[2] = {vf[0], vf[1]};
+      const uint32_t b1[2] = {vf[2], vf[3]};
+#pragma unroll
+      for (int mt = 0; mt < kLive; ++mt) {
+        Mma16816<Elem>(o[mt][2 * dp], a[mt], b0);
+        Mma16816<Elem>(o[mt][2 * dp + 1], a[mt], b1);
+      }
+    }
+  }
+}
+
+template <typename Elem, int kHeadDim>
+__global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, 1)
+    FwdKernel(const __grid_constant__ FwdArgs args) {
+  using Tr = FwdTraits<kHeadDim>;
+  constexpr int kBlockM = Tr::kBlockM;
+  constexpr int kBlockN = Tr::kBlockN;
+  constexpr int kMT = Tr::kMTiles;
+  constexpr int kNT = Tr::kNTiles;
+  constexpr int kDT = Tr::kDTiles;
+  constexpr int kStride = Tr::kSmemStride;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // Q, then per stage K and V (one stage: Q K V; two: Q K0 V0 K1 V1).
+  Elem* s_q = reinterpret_cast<Elem*>(smem_raw);
+  Elem* s_k = s_q + kBlockM * kStride;
+  Elem* s_v = s_k + kBlockN * kStride;
+
+  const FlashParams& p = args.p;
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4;   // C-layout row within an m16 tile (and g + 8)
+  const int t4 = lane % 4;  // C-layout column pair
+  const int m_block = blockIdx.x % args.num_m_blocks;
+  const int split = blockIdx.x / args.num_m_blocks;
+  const int b = blockIdx.y;
+  const int z = blockIdx.z;
+  const int pack = args.pack;
+  const int seqlen_q = static_cast<int>(p.seqlen_q);
+  const int seqlen_k = static_cast<int>(p.seqlen_k);
+  const int head_dim = static_cast<int>(p.head_dim);
+  const int num_rows = seqlen_q * pack;
+  const int row_begin = m_block * kBlockM;
+  const int row_end = min(row_begin + kBlockM, num_rows);
+  const int kv_head = z * pack / static_cast<int>(p.group_size);  // GQA by index, no copies
+
+  // Key blocks [n_first, n_end) that any query of this block may see, within
+  // this block's split.
+  const WindowMask mask = MakeWindowMask(p);
+  const int t_begin = row_begin / pack;
+  const int t_end = (row_end - 1) / pack + 1;
+  int64_t key_begin, key_end;
+  mask.KeyRange(t_begin, t_end, &key_begin, &key_end);
+  // BlockFullyVisible(t_begin, t_end, n0, n1) in two 32-bit registers: it is
+  // exactly [n0, n1) inside the keys every row sees, from the last row's
+  // first key (the window's left edge grows with t) to the first row's end
+  // (right edge and S).
+  int64_t lo, hi;
+  mask.KeyRange(t_end - 1, t_end, &lo, &hi);
+  const int full_begin = static_cast<int>(lo);
+  mask.KeyRange(t_begin, t_begin + 1, &lo, &hi);
+  const int full_end = static_cast<int>(hi);
+  int n_first = static_cast<int>(key_begin / kBlockN);
+  int n_end = key_end > key_begin ? static_cast<int>((key_end + kBlockN - 1) / kBlockN) : n_first;
+  if (args.num_splits > 1) {
+    n_first = max(n_first, split * args.n_blocks_per_split);
+    n_end = min(n_end, (split + 1) * args.n_blocks_per_split);
+  }
+
+  const Elem* k_head =
+      static_cast<const Elem*>(p.k) + b * p.k_batch_stride + kv_head * p.k_head_stride;
+  const Elem* v_head =
+      static_cast<const Elem*>(p.v) + b * p.v_batch_stride + kv_head * p.v_head_stride;
+
+  // Warp w owns block rows [w * 16 * kMT, (w + 1) * 16 * kMT). Warps whose
+  // rows are all past the last query (short decode blocks) only help copy.
+  const int warp_row0 = warp * 16 * kMT;
+  const bool warp_active = row_begin + warp_row0 < row_end;
+  const float scale_log2 = p.softmax_scale_log2;
+
+  // Per-lane ldmatrix row addresses (bytes); the tile and k-step offsets added
+  // below are compile-time constants.
+  // Q (A operand, x4): matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15), rows first.
+  const uint32_t q_addr = SmemAddress(s_q) +
+      ((warp_row0 + lane % 8 + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8) * 2;
+  // K (B operand of Q K^T, x4): two n8 tiles x (k 0-7 | 8-15), k first.
+  const uint32_t k_addr =
+      SmemAddress(s_k) + (((lane / 16) * 8 + lane % 8) * kStride + ((lane / 8) % 2) * 8) * 2;
+  // V (B operand of P V, x4 transposed): (keys 0-7 | 8-15) x two d8 tiles.
+  const uint32_t v_addr =
+      SmemAddress(s_v) + ((((lane / 8) % 2) * 8 + lane % 8) * kStride + (lane / 16) * 8) * 2;
+
+  float o[kMT][kDT][4];
+  float row_max[kMT][2];
+  float row_sum[kMT][2];  // this lane's columns only; quad-reduced at the end
+  int key_lo[kMT][2];     // keys [key_lo, key_hi) visible to each row the lane holds
+  int key_hi[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[mt][dt][i] = 0.f;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_max[mt][h] = -INFINITY;
+      row_sum[mt][h] = 0.f;
+      // Allowed(t, j) is exactly j in KeyRange(t, t + 1); 32-bit bounds keep
+      // the per-element mask cheap.
+      const int t = (row_begin + warp_row0 + mt * 16 + g + 8 * h) / pack;
+      mask.KeyRange(t, t + 1, &lo, &hi);
+      key_lo[mt][h] = static_cast<int>(lo);
+      key_hi[mt][h] = static_cast<int>(hi);
+    }
+  }
+
+  // Decode blocks hold only group_size * T real rows: when this warp's last
+  // m16 tile has none, the two-stage (decode) loop runs the mma over the first
+  // tile alone. The count is a compile-time argument (kLive) so that the
+  // one-stage prefill loop, which always runs full tiles, carries neither a
+  // per-tile predicate nor a second code path.
+  const bool all_live = row_begin + warp_row0 + (kMT - 1) * 16 < row_end;
+
+  // Mask, online softmax (S becomes P in place), O += P V_n.
+  auto softmax_pv = [&](float (&s)[kMT][kNT][4], int key0, uint32_t v_tile, bool all) {
+    // Per-element mask only where some (query, key) pair of the block is
+    // hidden: the diagonal band, window edges and the ragged last key block.
+    if (key0 < full_begin || key0 + kBlockN > full_end) {  // !BlockFullyVisible
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int key = key0 + nt * 8 + 2 * t4 + (i & 1);
+            if (key < key_lo[mt][i / 2] || key >= key_hi[mt][i / 2]) s[mt][nt][i] = -INFINITY;
+          }
+        }
+      }
+    }
+
+    // Online softmax: rescale the running state to the new row max.
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = row_max[mt][h];
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+          mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+        }
+        mx = QuadMax(mx);
+        // A row that has seen only masked keys still has max -inf: subtract 0
+        // then, so exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN. The
+        // old max is -inf exactly when o and l are still 0, and exp2(-inf) = 0
+        // rescales them harmlessly.
+        const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+        const float correction = FastExp2(row_max[mt][h] * scale_log2 - max_scaled);
+        row_max[mt][h] = mx;
+        row_sum[mt][h] *= correction;
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+          o[mt][dt][2 * h] *= correction;
+          o[mt][dt][2 * h + 1] *= correction;
+        }
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pv = FastExp2(fmaf(s[mt][nt][2 * h + e], scale_log2, -max_scaled));
+            s[mt][nt][2 * h + e] = pv;
+            row_sum[mt][h] += pv;
+          }
+        }
+      }
+    }
+
+    if (kMT == 1 || all) {
+      AccumulatePV<Tr, Elem, kMT>(s, o, v_tile, head_dim);
+    } else {
+      AccumulatePV<Tr, Elem, 1>(s, o, v_tile, head_dim);
+    }
+  };
+
+  // S = Q K_n^T (unscaled; the scale is folded into exp2 below).
+  auto compute_s = [&](float (&s)[kMT][kNT][4], uint32_t k_tile, bool all) {
+    if (kMT == 1 || all) {
+      ComputeS<Tr, Elem, kMT>(s, q_addr, k_tile, head_dim);
+    } else {
+      ComputeS<Tr, Elem, 1>(s, q_addr, k_tile, head_dim);
+    }
+  };
+
+  auto load_k = [&](Elem* dst, int n_block) {
+    LoadKvTile<Tr, kBlockN>(dst, k_head, p.k_row_stride, n_block * kBlockN, seqlen_k, head_dim,
+                            tid);
+  };
+  auto load_v = [&](Elem* dst, int n_block) {
+    LoadKvTile<Tr, kBlockN>(dst, v_head, p.v_row_stride, n_block * kBlockN, seqlen_k, head_dim,
+                            tid);
+  };
+  const uint32_t k_addr0 = k_addr;
+  const uint32_t v_addr0 = v_addr;
+
+  if (n_first < n_end) {
+    LoadQTile<Tr>(s_q, p, b, z, pack, row_begin, num_rows, tid);
+    load_k(s_k, n_end - 1);
+    if (args.kv_stages == 2) load_v(s_v, n_end - 1);
+    CpAsyncCommit();
+  }
+
+  if (args.kv_stages == 1) {
+    // One tile each of K and V: V_n lands while S = Q K_n^T runs, K_{n-1}
+    // while softmax and P V_n run.
+    for (int n_block = n_end - 1; n_block >= n_first; --n_block) {
+      CpAsyncWait<0>();
+      __syncthreads();  // K_n (and Q) visible to all warps; every warp is done with V_{n+1}
+      load_v(s_v, n_block);
+      CpAsyncCommit();
+      float s[kMT][kNT][4];
+      if (warp_active) compute_s(s, k_addr0, true);
+      CpAsyncWait<0>();
+      __syncthreads();  // V_n visible; every warp is done reading K_n
+      if (n_block > n_first) load_k(s_k, n_block - 1);
+      CpAsyncCommit();
+      if (warp_active) softmax_pv(s, n_block * kBlockN, v_addr0, true);
+    }
+  } else {
+    // Two K/V stages: K_{n-1} and V_{n-1} stream into the other stage during
+    // all of block n's math, so twice the bytes are in flight. Used where
+    // latency, not the tensor cores, bounds the time (split-KV and packed
+    // decode grids); prefill keeps the smaller one-stage footprint.
+    constexpr int kStageElems = 2 * kBlockN * kStride;  // K then V of one stage
+    int stage = 0;
+    for (int n_block = n_end - 1; n_block >= n_first; --n_block, stage ^= 1) {
+      if (n_block > n_first) {
+        // The other stage was last read in the previous iteration, which
+        // ended with a barrier.
+        load_k(s_k + (stage ^ 1) * kStageElems, n_block - 1);
+        load_v(s_v + (stage ^ 1) * kStageElems, n_block - 1);
+      }
+      CpAsyncCommit();
+      CpAsyncWait<1>();  // all but the group just issued: stage `stage` has landed
+      __syncthreads();
+      if (warp_active) {
+        float s[kMT][kNT][4];
+        const uint32_t offset = stage * kStageElems * 2;
+        compute_s(s, k_addr0 + offset, all_live);
+        softmax_pv(s, n_block * kBlockN, v_addr0 + offset, all_live);
+      }
+      __syncthreads();  // every warp is done with this stage before it is refilled
+    }
+  }
+
+  // Epilogue: O / l and LSE, or this split's normalised partials.
+  const bool write_partial = args.num_splits > 1;
+  const int64_t num_heads = p.num_heads_q;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float l = QuadSum(row_sum[mt][h]);
+      const int row = row_begin + warp_row0 + mt * 16 + g + 8 * h;
+      if (row >= row_end) continue;
+      const int t = row / pack;
+      const int head = z * pack + row % pack;
+      // l == 0 exactly when the row saw no key (the max key contributes
+      // exp2(0) = 1 otherwise): output 0 and LSE -inf rather than 0 / 0.
+      const float inv_l = l > 0.f ? 1.f / l : 0.f;
+      const float lse = l > 0.f ? row_max[mt][h] * p.softmax_scale + logf(l) : -INFINITY;
+      const int64_t lse_index = (b * num_heads + head) * seqlen_q + t;
+      if (!write_partial) {
+        Elem* o_row = static_cast<Elem*>(p.o) + b * p.o_batch_stride + t * p.o_row_stride +
+                      head * p.o_head_stride;
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+          const int d = dt * 8 + 2 * t4;
+          if (d < head_dim) {
+            *reinterpret_cast<uint32_t*>(o_row + d) =
+                PackFloat2<Elem>(o[mt][dt][2 * h] * inv_l, o[mt][dt][2 * h + 1] * inv_l);
+          }
+        }
+        if (t4 == 0) p.lse[lse_index] = lse;
+      } else {
+        const int64_t part = split * p.batch * num_heads * seqlen_q + lse_index;
+        float* o_row = args.o_partial + part * head_dim;
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+          const int d = dt * 8 + 2 * t4;
+          if (d < head_dim) {
+            *reinterpret_cast<float2*>(o_row + d) =
+                make_float2(o[mt][dt][2 * h] * inv_l, o[mt][dt][2 * h + 1] * inv_l);
+          }
+        }
+        if (t4 == 0) args.lse_partial[part] = lse;
+      }
+    }
+  }
+}
+
+}  // namespace fwd
+
+template <typename Elem, int kHeadDim>
+cudaError_t LaunchFwdKernel(const FwdArgs& args, cudaStream_t stream) {
+  using Tr = FwdTraits<kHeadDim>;
+  const auto kernel = &fwd::FwdKernel<Elem, kHeadDim>;
+  const int smem_bytes = FwdSmemBytes(Tr::kTile, args.kv_stages);
+  // Opt in once per device to the most dynamic shared memory any launch of
+  // this kernel may ask for there (the two-stage size when the device has it;
+  // the host only picks two stages then). Setting it per launch size instead
+  // could lower it under a later, larger launch.
+  static std::atomic<uint64_t> opted_in{0};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit == 0 || !(opted_in.load(std::memory_order_acquire) & bit)) {
+    int optin = 0;
+    err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (err != cudaSuccess) return err;
+    int max_bytes = FwdSmemBytes(Tr::kTile, 2);
+    if (max_bytes > optin) max_bytes = FwdSmemBytes(Tr::kTile, 1);
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_bytes);
+    if (err != cudaSuccess) return err;
+    opted_in.fetch_or(bit, std::memory_order_release);
+  }
+  const dim3 grid(args.num_m_blocks * args.num_splits, static_cast<unsigned>(args.p.batch),
+                  static_cast<unsigned>(args.p.num_heads_q / args.pack));
+  kernel<<<grid, Tr::kThreads, smem_bytes, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_flash2::cuda

@@ -1,0 +1,292 @@
+// Host side of the CUDA forward: device info, what the kernels support, the
+// launch plan (GQA packing, split-KV), the one runtime -> template dispatch,
+// and the split-KV combine kernel.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "../heuristics.h"
+#include "flash_cuda.h"
+#include "fwd_launch.h"
+#include "kernel_traits.h"
+#include "primitives.cuh"
+
+namespace jax_flash2::cuda {
+namespace {
+
+constexpr int kMaxSplits = 128;
+constexpr int kMaxDevices = 64;
+// The split heuristic assumes this many resident forward blocks per SM (the
+// d128 kernel's register use allows two), as FlashAttention-2 does.
+constexpr int kBlocksPerSm = 2;
+constexpr int kCombineWarps = 4;
+
+cudaError_t QueryDeviceInfo(int device, DeviceInfo* info) {
+  int sm_count = 0, major = 0, minor = 0, smem_optin = 0;
+  cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  }
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  }
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  }
+  if (err != cudaSuccess) return err;
+  info->device = device;
+  info->sm_count = sm_count;
+  info->cc_major = major;
+  info->cc_minor = minor;
+  info->max_smem_per_block_optin = static_cast<size_t>(smem_optin);
+  return cudaSuccess;
+}
+
+struct FwdPlan {
+  FwdTileSizes tile;
+  int pack = 1;
+  int num_m_blocks = 0;
+  int num_splits = 1;
+  int n_blocks_per_split = 0;
+  int kv_stages = 1;
+};
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Everything that decides the grid and the scratch size, so that
+// ForwardScratchBytes and RunForward cannot disagree.
+FwdPlan MakeFwdPlan(const FlashParams& p, const DeviceInfo& dev) {
+  FwdPlan plan;
+  plan.tile = FwdTileFor(p.head_dim);
+  // Pack a GQA group into the M dimension when the queries alone would leave
+  // most of a block empty (decode): each K/V head is then streamed once for
+  // its whole group instead of once per query head.
+  if (p.group_size > 1 && p.seqlen_q < plan.tile.block_m) plan.pack = static_cast<int>(p.group_size);
+  plan.num_m_blocks = static_cast<int>(CeilDiv(p.seqlen_q * plan.pack, plan.tile.block_m));
+  const int64_t num_n_blocks = CeilDiv(p.seqlen_k, plan.tile.block_n);
+  const int64_t blocks = p.batch * (p.num_heads_q / plan.pack) * plan.num_m_blocks;
+  const int splits =
+      ChooseNumSplits(blocks, num_n_blocks, dev.sm_count * kBlocksPerSm, kMaxSplits);
+  if (splits > 1) {
+    // Even shares of whole key blocks; recount so that no split is empty by
+    // construction (a split can still be empty under a mask).
+    plan.n_blocks_per_split = static_cast<int>(CeilDiv(num_n_blocks, splits));
+    plan.num_splits = static_cast<int>(CeilDiv(num_n_blocks, plan.n_blocks_per_split));
+  }
+  // Small (split or packed) grids are bound by copy latency, not by the tensor
+  // cores: give them a second K/V stage when it fits.
+  if ((plan.num_splits > 1 || plan.pack > 1) &&
+      static_cast<size_t>(FwdSmemBytes(plan.tile, 2)) <= dev.max_smem_per_block_optin) {
+    plan.kv_stages = 2;
+  }
+  return plan;
+}
+
+// Scratch: partial LSEs first (padded to 256 bytes), then partial O.
+size_t PartialLseBytes(const FlashParams& p, const FwdPlan& plan) {
+  const size_t n = static_cast<size_t>(plan.num_splits) * p.batch * p.num_heads_q * p.seqlen_q;
+  return (n * sizeof(float) + 255) / 256 * 256;
+}
+
+size_t ScratchBytes(const FlashParams& p, const FwdPlan& plan) {
+  if (plan.num_splits <= 1) return 0;
+  const size_t n = static_cast<size_t>(plan.num_splits) * p.batch * p.num_heads_q * p.seqlen_q;
+  return PartialLseBytes(p, plan) + n * p.head_dim * sizeof(float);
+}
+
+// One warp per (b, h, t) row: LSE = log sum_i exp(LSE_i), O = sum_i
+// exp(LSE_i - LSE) O_i, over the splits i.
+template <typename Elem>
+__global__ void __launch_bounds__(kCombineWarps * 32)
+    FwdCombineKernel(const __grid_constant__ FwdArgs args) {
+  __shared__ float weights[kCombineWarps][kMaxSplits];
+  const FlashParams& p = args.p;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t rows = p.batch * p.num_heads_q * p.seqlen_q;  // [B, H, T], LSE order
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineWarps + warp;
+  if (row >= rows) return;  // whole warps only: no block-wide barrier below
+  const int num_splits = args.num_splits;
+  const float* lse_part = args.lse_partial + row;
+
+  float mx = -INFINITY;
+  for (int s = lane; s < num_splits; s += 32) mx = fmaxf(mx, lse_part[s * rows]);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  // Empty splits carry -inf and weigh 0. When every split is empty the max
+  // itself is -inf and must not be subtracted (-inf - -inf = NaN): the row
+  // then gets O = 0 and LSE = -inf, like an unsplit row that sees no key.
+  const bool empty = mx == -INFINITY;
+  float sum = 0.f;
+  if (!empty) {
+    for (int s = lane; s < num_splits; s += 32) sum += expf(lse_part[s * rows] - mx);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  const float lse = empty ? -INFINITY : mx + logf(sum);
+  for (int s = lane; s < num_splits; s += 32) {
+    weights[warp][s] = empty ? 0.f : expf(lse_part[s * rows] - lse);
+  }
+  __syncwarp();
+
+  const int64_t t = row % p.seqlen_q;
+  const int64_t bh = row / p.seqlen_q;
+  const int64_t head = bh % p.num_heads_q;
+  const int64_t b = bh / p.num_heads_q;
+  Elem* o_row = static_cast<Elem*>(p.o) + b * p.o_batch_stride + t * p.o_row_stride +
+                head * p.o_head_stride;
+  const int64_t head_dim = p.head_dim;
+  const float* o_part = args.o_partial + row * head_dim;
+  const int64_t split_stride = rows * head_dim;
+  // head_dim is a multiple of 8, so 4 columns per lane never straddle the end.
+  for (int d = lane * 4; d < head_dim; d += 128) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    // Unrolled so that several splits' loads are in flight at once: rolled,
+    // each iteration waited a full memory latency for its one load.
+#pragma unroll 8
+    for (int s = 0; s < num_splits; ++s) {
+      const float w = weights[warp][s];
+      const float4 v = *reinterpret_cast<const float4*>(o_part + s * split_stride + d);
+      acc.x += w * v.x;
+      acc.y += w * v.y;
+      acc.z += w * v.z;
+      acc.w += w * v.w;
+    }
+    const uint2 packed = make_uint2(PackFloat2<Elem>(acc.x, acc.y), PackFloat2<Elem>(acc.z, acc.w));
+    *reinterpret_cast<uint2*>(o_row + d) = packed;
+  }
+  if (lane == 0) p.lse[row] = lse;
+}
+
+template <typename Elem>
+cudaError_t LaunchBucket(const FwdArgs& args, int bucket, cudaStream_t stream) {
+  switch (bucket) {
+    case 32: return LaunchFwdKernel<Elem, 32>(args, stream);
+    case 64: return LaunchFwdKernel<Elem, 64>(args, stream);
+    case 96: return LaunchFwdKernel<Elem, 96>(args, stream);
+    case 128: return LaunchFwdKernel<Elem, 128>(args, stream);
+    case 192: return LaunchFwdKernel<Elem, 192>(args, stream);
+    case 256: return LaunchFwdKernel<Elem, 256>(args, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename Elem>
+cudaError_t LaunchForward(const FwdArgs& args, int bucket, cudaStream_t stream) {
+  const cudaError_t err = LaunchBucket<Elem>(args, bucket, stream);
+  if (err != cudaSuccess || args.num_splits <= 1) return err;
+  return LaunchFwdCombine<Elem>(args, stream);
+}
+
+}  // namespace
+
+template <typename Elem>
+cudaError_t LaunchFwdCombine(const FwdArgs& args, cudaStream_t stream) {
+  const int64_t rows = args.p.batch * args.p.num_heads_q * args.p.seqlen_q;
+  const int64_t blocks = CeilDiv(rows, kCombineWarps);
+  FwdCombineKernel<Elem><<<static_cast<unsigned>(blocks), kCombineWarps * 32, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+cudaError_t GetCurrentDeviceInfo(DeviceInfo* info) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < 0 || device >= kMaxDevices) return QueryDeviceInfo(device, info);
+  // Only successful queries are cached, so a transient failure is retried.
+  static std::mutex mutex;
+  static DeviceInfo cache[kMaxDevices];
+  static bool cached[kMaxDevices] = {};
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!cached[device]) {
+    err = QueryDeviceInfo(device, &cache[device]);
+    if (err != cudaSuccess) return err;
+    cached[device] = true;
+  }
+  *info = cache[device];
+  return cudaSuccess;
+}
+
+std::string Unsupported(const FlashParams& p, const DeviceInfo& dev) {
+  if (p.dtype == DType::kFloat32) {
+    return "float32 is not supported by the CUDA kernels; use bfloat16/float16";
+  }
+  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) {
+    return "unknown dtype for the CUDA kernels; use bfloat16/float16";
+  }
+  if (dev.cc_major < 8) {
+    return "compute capability " + std::to_string(dev.cc_major) + "." +
+           std::to_string(dev.cc_minor) + " is not supported by the CUDA kernels (need 8.0+)";
+  }
+  if (p.head_dim <= 0 || p.head_dim > 256 || p.head_dim % 8 != 0) {
+    return "head_dim D=" + std::to_string(p.head_dim) +
+           " is not supported by the CUDA kernels: it must be a multiple of 8 in [8, 256]";
+  }
+  if (p.num_heads_kv <= 0 || p.num_heads_q % p.num_heads_kv != 0 ||
+      p.group_size != p.num_heads_q / p.num_heads_kv) {
+    return "num_heads_q H=" + std::to_string(p.num_heads_q) +
+           " must be a multiple of num_heads_kv K=" + std::to_string(p.num_heads_kv) +
+           " with group_size = H / K";
+  }
+  // cp.async moves 16-byte chunks: every row must start 16-byte aligned.
+  const int64_t strides[] = {p.q_batch_stride, p.q_row_stride, p.q_head_stride,
+                             p.k_batch_stride, p.k_row_stride, p.k_head_stride,
+                             p.v_batch_stride, p.v_row_stride, p.v_head_stride,
+                             p.o_batch_stride, p.o_row_stride, p.o_head_stride};
+  for (int64_t s : strides) {
+    if (s % 8 != 0) {
+      return "the CUDA kernels need every stride to be a multiple of 8 elements; got " +
+             std::to_string(s);
+    }
+  }
+  if (p.batch > 65535 || p.num_heads_q > 65535 || p.seqlen_q >= (int64_t{1} << 31) / 128 ||
+      p.seqlen_k >= (int64_t{1} << 31) - 256) {
+    return "shape too large for the CUDA kernels' grid: B=" + std::to_string(p.batch) +
+           " (max 65535), H=" + std::to_string(p.num_heads_q) + " (max 65535), T=" +
+           std::to_string(p.seqlen_q) + ", S=" + std::to_string(p.seqlen_k);
+  }
+  const int smem = FwdSmemBytes(FwdTileFor(p.head_dim), 1);
+  if (static_cast<size_t>(smem) > dev.max_smem_per_block_optin) {
+    return "head_dim D=" + std::to_string(p.head_dim) + " needs " + std::to_string(smem) +
+           " bytes of shared memory per block; this GPU allows " +
+           std::to_string(dev.max_smem_per_block_optin);
+  }
+  return "";
+}
+
+size_t ForwardScratchBytes(const FlashParams& p, const DeviceInfo& dev) {
+  if (!Unsupported(p, dev).empty() || p.batch * p.seqlen_q * p.num_heads_q == 0) return 0;
+  return ScratchBytes(p, MakeFwdPlan(p, dev));
+}
+
+cudaError_t RunForward(const FlashParams& p, void* scratch, const DeviceInfo& dev,
+                       cudaStream_t stream) {
+  if (!Unsupported(p, dev).empty()) return cudaErrorInvalidValue;
+  if (p.batch * p.seqlen_q * p.num_heads_q == 0) return cudaSuccess;  // nothing to write
+  const FwdPlan plan = MakeFwdPlan(p, dev);
+  FwdArgs args;
+  args.p = p;
+  args.pack = plan.pack;
+  args.num_m_blocks = plan.num_m_blocks;
+  args.kv_stages = plan.kv_stages;
+  args.num_splits = plan.num_splits;
+  args.n_blocks_per_split = plan.n_blocks_per_split;
+  if (plan.num_splits > 1) {
+    if (scratch == nullptr) return cudaErrorInvalidValue;
+    args.lse_partial = static_cast<float*>(scratch);
+    args.o_partial = reinterpret_cast<float*>(static_cast<char*>(scratch) +
+                                              PartialLseBytes(p, plan));
+  }
+  switch (p.dtype) {
+    case DType::kFloat16: return LaunchForward<__half>(args, plan.tile.head_dim, stream);
+    case DType::kBFloat16: return LaunchForward<__nv_bfloat16>(args, plan.tile.head_dim, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace jax_flash2::cuda

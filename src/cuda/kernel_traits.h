@@ -1,0 +1,68 @@
+// Tile sizes of the forward kernel: one row per head-dim bucket.
+//
+// Every head dim that is a multiple of 8 up to 256 runs in the smallest bucket
+// that holds it; the columns past head_dim are zero-filled in shared memory
+// and never written back, so no padded copy is made in HBM.
+//
+// Plain C++ (no CUDA headers): the host planner reads the same table.
+#pragma once
+
+#include <cstdint>
+
+namespace jax_flash2::cuda {
+
+struct FwdTileSizes {
+  int head_dim;  // bucket: the kernel's compile-time head dim
+  int block_m;   // query rows per thread block
+  int block_n;   // keys per inner-loop step
+  int warps;     // each warp owns block_m / warps query rows (split-Q)
+};
+
+// Why these: a warp holds its O slice (rows/warp x head_dim fp32) and one S
+// tile (rows/warp x block_n fp32) in registers. 32 rows per warp up to d128
+// keeps that under ~200 accumulators (no spills at 255 registers) and reuses
+// every K/V fragment twice; d192/d256 drop to 16 rows per warp for the same
+// reason. Shared memory is Q + K + V, one tile each, for prefill: at most
+// 101 KB (d256), which also fits sm86's 99 KB opt-in limit; split-KV/decode
+// launches add a second K/V stage where the device has room (fwd_kernel.cuh).
+inline constexpr FwdTileSizes kFwdTileTable[] = {
+    {32, 128, 128, 4}, {64, 128, 64, 4}, {96, 128, 64, 4},
+    {128, 128, 64, 4}, {192, 64, 64, 4}, {256, 64, 64, 4},
+};
+
+// The bucket serving head_dim, or {0, ...} when none does.
+constexpr FwdTileSizes FwdTileFor(int64_t head_dim) {
+  for (const FwdTileSizes& t : kFwdTileTable) {
+    if (head_dim <= t.head_dim) return t;
+  }
+  return FwdTileSizes{0, 0, 0, 0};
+}
+
+// Shared memory rows are padded by 8 elements (16 bytes): a row is then an odd
+// number of 16-byte chunks long (every bucket is a multiple of 16), so the 8
+// rows one ldmatrix phase reads fall into 8 distinct bank groups.
+inline constexpr int kSmemPad = 8;
+
+// Q tile plus `stages` K and V tiles, of 2-byte elements.
+constexpr int FwdSmemBytes(const FwdTileSizes& t, int stages) {
+  return (t.block_m + 2 * stages * t.block_n) * (t.head_dim + kSmemPad) * 2;
+}
+
+template <int kHeadDim_>
+struct FwdTraits {
+  static constexpr FwdTileSizes kTile = FwdTileFor(kHeadDim_);
+  static_assert(kTile.head_dim == kHeadDim_, "not a head-dim bucket");
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kWarps = kTile.warps;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kMTiles = kBlockM / (16 * kWarps);  // m16 mma tiles per warp
+  static constexpr int kNTiles = kBlockN / 8;              // n8 tiles of S per m16 tile
+  static constexpr int kDTiles = kHeadDim / 8;             // n8 tiles of O per m16 tile
+  static constexpr int kSmemStride = kHeadDim + kSmemPad;  // elements per smem row
+  static constexpr int kChunksPerRow = kHeadDim / 8;       // 16-byte cp.async chunks
+  static_assert(kBlockM % (16 * kWarps) == 0 && kBlockN % 16 == 0 && kHeadDim % 16 == 0);
+};
+
+}  // namespace jax_flash2::cuda

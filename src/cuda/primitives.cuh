@@ -1,0 +1,125 @@
+// Thin wrappers over the sm80 instructions the kernels are made of: cp.async
+// (global -> shared, bypassing registers), ldmatrix (shared -> mma fragments)
+// and mma.sync m16n8k16 with fp32 accumulators.
+//
+// Fragment layouts of mma.m16n8k16 (lane = 32 threads; g = lane / 4, t = lane % 4):
+//   C/D (fp32, 16x8):   c[0], c[1] -> row g,     cols 2t, 2t+1
+//                       c[2], c[3] -> row g + 8, cols 2t, 2t+1
+//   A (16x16, row):     a[0] -> (g, 2t..2t+1)   a[1] -> (g+8, 2t..2t+1)
+//                       a[2] -> (g, 2t+8..+9)   a[3] -> (g+8, 2t+8..+9)
+//   B (16x8, col):      b[0] -> (k 2t..2t+1, n g)  b[1] -> (k 2t+8..+9, n g)
+// So the accumulators of two adjacent 16x8 tiles of S = QK^T become the A
+// operand of P V without shuffles: a = {pack(c0[0],c0[1]), pack(c0[2],c0[3]),
+// pack(c1[0],c1[1]), pack(c1[2],c1[3])}.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace jax_flash2::cuda {
+
+__device__ __forceinline__ uint32_t SmemAddress(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// 16-byte asynchronous copy. With valid == false nothing is read and the 16
+// shared bytes are zero-filled: ragged tails become zeros, never garbage (gmem
+// must still be a mapped address; pass the tensor's base).
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddress(smem)),
+               "l"(gmem), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Waits until at most kPending committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddress(smem)));
+}
+
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddress(smem)));
+}
+
+__device__ __forceinline__ void LdMatrixX2(uint32_t (&r)[2], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(SmemAddress(smem)));
+}
+
+__device__ __forceinline__ void LdMatrixX2Trans(uint32_t (&r)[2], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(SmemAddress(smem)));
+}
+
+// d += a * b on the tensor cores, fp32 accumulate. Elem: __half or __nv_bfloat16.
+template <typename Elem>
+__device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4],
+                                         const uint32_t (&b)[2]) {
+  if constexpr (sizeof(Elem) == 2 && std::is_same_v<Elem, __half>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+}
+
+// Two floats -> one 32-bit register of two Elems (lo in the low half).
+template <typename Elem>
+__device__ __forceinline__ uint32_t PackFloat2(float lo, float hi) {
+  if constexpr (std::is_same_v<Elem, __half>) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  } else {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+}
+
+template <typename Elem>
+__device__ __forceinline__ float ToFloat(Elem x) {
+  if constexpr (std::is_same_v<Elem, __half>) {
+    return __half2float(x);
+  } else {
+    return __bfloat162float(x);
+  }
+}
+
+template <typename Elem>
+__device__ __forceinline__ Elem FromFloat(float x) {
+  if constexpr (std::is_same_v<Elem, __half>) {
+    return __float2half_rn(x);
+  } else {
+    return __float2bfloat16_rn(x);
+  }
+}
+
+__device__ __forceinline__ float FastExp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+}  // namespace jax_flash2::cuda

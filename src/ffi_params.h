@@ -1,0 +1,111 @@
+// FlashParams from FFI buffers and attributes: the one place where shapes are
+// checked on the C++ side, used by the CPU and CUDA handlers alike. Python
+// checks the same things at trace time with friendlier messages; these checks
+// guard against a custom call built by hand.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "flash_params.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_flash2 {
+
+namespace ffi = xla::ffi;
+
+inline std::string ShapeString(const ffi::AnyBuffer& buffer) {
+  std::string s = "[";
+  const auto dims = buffer.dimensions();
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(dims[i]);
+  }
+  return s + "]";
+}
+
+inline ffi::Error ToDType(ffi::DataType type, DType* dtype) {
+  switch (type) {
+    case ffi::DataType::F32: *dtype = DType::kFloat32; return ffi::Error::Success();
+    case ffi::DataType::F16: *dtype = DType::kFloat16; return ffi::Error::Success();
+    case ffi::DataType::BF16: *dtype = DType::kBFloat16; return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("jax_flash2: q, k, v must be float32, float16 or bfloat16");
+  }
+}
+
+// Sizes, strides, dtype, scale and window from q [B, T, H, D], k, v [B, S, K, D].
+inline ffi::Error ParamsFromInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                   const ffi::AnyBuffer& v, float softmax_scale,
+                                   int64_t window_left, int64_t window_right, FlashParams* p) {
+  const auto qd = q.dimensions();
+  const auto kd = k.dimensions();
+  const auto vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
+    return ffi::Error::InvalidArgument("jax_flash2: q, k, v must be rank 4 [B, T, H, D]; got q " +
+                                       ShapeString(q) + ", k " + ShapeString(k) + ", v " +
+                                       ShapeString(v));
+  }
+  const bool shapes_ok = kd[0] == qd[0] && vd[0] == qd[0] && kd[1] == vd[1] && kd[2] == vd[2] &&
+                         kd[3] == qd[3] && vd[3] == qd[3] && kd[2] > 0 && qd[2] % kd[2] == 0;
+  if (!shapes_ok) {
+    return ffi::Error::InvalidArgument("jax_flash2: incompatible shapes q " + ShapeString(q) +
+                                       ", k " + ShapeString(k) + ", v " + ShapeString(v));
+  }
+  if (q.element_type() != k.element_type() || q.element_type() != v.element_type()) {
+    return ffi::Error::InvalidArgument("jax_flash2: q, k, v must share one dtype");
+  }
+  if (ffi::Error err = ToDType(q.element_type(), &p->dtype); err.failure()) return err;
+  if (qd[3] % 8 != 0 || qd[3] > 256 || qd[3] <= 0) {
+    return ffi::Error::InvalidArgument("jax_flash2: head_dim must be a multiple of 8 in [8, 256]; "
+                                       "got " + std::to_string(qd[3]));
+  }
+  if (!(softmax_scale > 0.0f) || !std::isfinite(softmax_scale)) {
+    return ffi::Error::InvalidArgument("jax_flash2: softmax_scale must be finite and positive");
+  }
+  p->batch = qd[0];
+  p->seqlen_q = qd[1];
+  p->num_heads_q = qd[2];
+  p->head_dim = qd[3];
+  p->seqlen_k = kd[1];
+  p->num_heads_kv = kd[2];
+  p->group_size = p->num_heads_q / p->num_heads_kv;
+  p->softmax_scale = softmax_scale;
+  p->softmax_scale_log2 = softmax_scale * 1.4426950408889634f;
+  p->window_left = window_left;
+  p->window_right = window_right;
+  SetDenseStrides(*p);
+  p->q = q.untyped_data();
+  p->k = k.untyped_data();
+  p->v = v.untyped_data();
+  return ffi::Error::Success();
+}
+
+// Output and backward-input shapes must match what ParamsFromInputs derived.
+inline ffi::Error CheckSameShape(const ffi::AnyBuffer& actual, const ffi::AnyBuffer& expected,
+                                 const char* name) {
+  const auto a = actual.dimensions();
+  const auto e = expected.dimensions();
+  bool same = a.size() == e.size() && actual.element_type() == expected.element_type();
+  for (size_t i = 0; same && i < a.size(); ++i) same = a[i] == e[i];
+  if (!same) {
+    return ffi::Error::InvalidArgument(std::string("jax_flash2: ") + name + " has shape " +
+                                       ShapeString(actual) + ", expected " +
+                                       ShapeString(expected) + " of the same dtype");
+  }
+  return ffi::Error::Success();
+}
+
+// lse-like buffers are float32 [B, H, T].
+inline ffi::Error CheckLseShape(const ffi::AnyBuffer& lse, const FlashParams& p, const char* name) {
+  const auto d = lse.dimensions();
+  if (lse.element_type() != ffi::DataType::F32 || d.size() != 3 || d[0] != p.batch ||
+      d[1] != p.num_heads_q || d[2] != p.seqlen_q) {
+    return ffi::Error::InvalidArgument(std::string("jax_flash2: ") + name +
+                                       " must be float32 [B, H, T]; got " + ShapeString(lse));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_flash2

@@ -1,0 +1,74 @@
+// The one description of an attention call, shared by the CPU and CUDA paths.
+//
+// Shape letters (as in the Python API): B batch, T query length, S key length,
+// H query heads, K key/value heads, D head dim. Every tensor is [B, T|S, H|K, D]
+// with D contiguous; strides are in elements so that a kernel never needs a
+// transposed copy. LSE is [B, H, T] float32, contiguous.
+#pragma once
+
+#include <cstdint>
+
+namespace jax_flash2 {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+inline int DTypeBytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
+struct FlashParams {
+  DType dtype = DType::kFloat32;
+
+  // Forward: q, k, v in; o, lse out. Backward: q, k, v, o, lse, d_o, d_lse in;
+  // dq, dk, dv out (dk/dv are [B, S, K, D]: summed over each query-head group).
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* o = nullptr;
+  float* lse = nullptr;
+  const void* d_o = nullptr;
+  const float* d_lse = nullptr;  // cotangent of lse; may be all zeros
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+
+  int64_t batch = 0;
+  int64_t seqlen_q = 0;      // T
+  int64_t seqlen_k = 0;      // S
+  int64_t num_heads_q = 0;   // H
+  int64_t num_heads_kv = 0;  // K; H % K == 0
+  int64_t head_dim = 0;      // D
+  int64_t group_size = 1;    // H / K: query heads sharing one K/V head
+
+  // Strides in elements. d_o and dq share q/o's layout; dk, dv share k's.
+  int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+
+  float softmax_scale = 1.0f;
+  float softmax_scale_log2 = 1.4426950408889634f;  // scale * log2(e): exp folds into exp2
+
+  // Local window relative to the bottom-right-aligned diagonal: query i sees
+  // key j iff i + S - T - window_left <= j <= i + S - T + window_right.
+  // -1 means unbounded. causal == (window_left = -1, window_right = 0).
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+};
+
+// Fills the dense [B, T, H, D] strides of every tensor from the sizes.
+inline void SetDenseStrides(FlashParams& p) {
+  const int64_t d = p.head_dim;
+  p.q_head_stride = d;
+  p.q_row_stride = p.num_heads_q * d;
+  p.q_batch_stride = p.seqlen_q * p.q_row_stride;
+  p.o_head_stride = p.q_head_stride;
+  p.o_row_stride = p.q_row_stride;
+  p.o_batch_stride = p.q_batch_stride;
+  p.k_head_stride = d;
+  p.k_row_stride = p.num_heads_kv * d;
+  p.k_batch_stride = p.seqlen_k * p.k_row_stride;
+  p.v_head_stride = p.k_head_stride;
+  p.v_row_stride = p.k_row_stride;
+  p.v_batch_stride = p.k_batch_stride;
+}
+
+}  // namespace jax_flash2

@@ -1,0 +1,46 @@
+"""Shared fixtures: the backends every test runs against, and the oracle."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash2
+
+ON_GPU = jax.default_backend() == "gpu"
+
+# backend name -> dtypes it serves on the default device.
+BACKENDS = {
+    "kernel": (jnp.float16, jnp.bfloat16) + (() if ON_GPU else (jnp.float32,)),
+    "reference": (jnp.float16, jnp.bfloat16, jnp.float32),
+}
+
+
+def supports(backend: str, dtype) -> bool:
+  return jnp.dtype(dtype) in [jnp.dtype(d) for d in BACKENDS[backend]]
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def backend(request):
+  return request.param
+
+
+@pytest.fixture
+def rng(request):
+  """A fresh key per test, derived from the test's name: random but reproducible."""
+  seed = abs(hash(request.node.nodeid)) % (2**31)
+  return np.random.default_rng(seed)
+
+
+def random_inputs(rng, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype):
+  """Random normal q, k, v (never zeros) in `dtype`."""
+  q = rng.standard_normal((batch, seqlen_q, heads_q, head_dim))
+  k = rng.standard_normal((batch, seqlen_k, heads_kv, head_dim))
+  v = rng.standard_normal((batch, seqlen_k, heads_kv, head_dim))
+  return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def attention_fn(backend: str):
+  return lambda q, k, v, **kw: jax_flash2.flash_attention(q, k, v, implementation=backend, **kw)

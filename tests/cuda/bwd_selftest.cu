@@ -1,0 +1,511 @@
+// Self-test of the CUDA backward (RunBackward) against a float64 CPU oracle.
+//
+// For each case: random q, k, v, dO (and dLSE where asked) in the input dtype;
+// O and LSE from a float64 CPU forward (so the test does not depend on the
+// forward kernel), O rounded to the dtype and LSE to fp32 as the real forward
+// would hand them over; dq, dk, dv poisoned with NaN, scratch with 0xff; then
+// RunBackward against a float64 backward of the same inputs.
+//
+// Tolerance: the kernel's error comes from rounding P and dS to the dtype
+// before their products and the outputs to the dtype at the end (accumulation
+// is fp32). The oracle also runs that "same-dtype naive" backward (P, dS and
+// the outputs rounded, sums in float64); a case passes when
+//   ||out - ref|| / ||ref|| <= 3 * (||naive - ref|| / ||ref||) + 1e-4
+// for each of dq, dk, dv, and no NaN/Inf is left. The factor 3 leaves room for
+// fp32 accumulation order and ex2.approx; 1e-4 for outputs that round almost
+// exactly. Typical naive errors: ~2e-3 (bf16), ~3e-4 (fp16).
+//
+// Usage: bwd_selftest          all cases, then times D = 128
+//        bwd_selftest small    three tiny cases (for the sanitizers)
+//        bwd_selftest time     times D = 32, 64, 128, 256 only
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "src/cuda/flash_cuda.h"
+#include "src/flash_mask.h"
+#include "src/flash_params.h"
+
+using jax_flash2::DType;
+using jax_flash2::FlashParams;
+using jax_flash2::cuda::DeviceInfo;
+
+#define CHECK_CUDA(expr)                                                                 \
+  do {                                                                                   \
+    cudaError_t err_ = (expr);                                                           \
+    if (err_ != cudaSuccess) {                                                           \
+      std::printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(err_), __FILE__, \
+                  __LINE__, #expr);                                                      \
+      return false;                                                                      \
+    }                                                                                    \
+  } while (0)
+
+namespace {
+
+// Local stand-in for GetCurrentDeviceInfo (the test links only the backward).
+bool QueryDevice(DeviceInfo* info) {
+  CHECK_CUDA(cudaGetDevice(&info->device));
+  CHECK_CUDA(cudaDeviceGetAttribute(&info->sm_count, cudaDevAttrMultiProcessorCount, info->device));
+  CHECK_CUDA(
+      cudaDeviceGetAttribute(&info->cc_major, cudaDevAttrComputeCapabilityMajor, info->device));
+  CHECK_CUDA(
+      cudaDeviceGetAttribute(&info->cc_minor, cudaDevAttrComputeCapabilityMinor, info->device));
+  int smem = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, info->device));
+  info->max_smem_per_block_optin = static_cast<size_t>(smem);
+  return true;
+}
+
+uint16_t ToBits(double x, DType dt) {
+  if (dt == DType::kFloat16) {
+    __half h = __float2half_rn(static_cast<float>(x));
+    uint16_t u;
+    std::memcpy(&u, &h, 2);
+    return u;
+  }
+  __nv_bfloat16 h = __float2bfloat16_rn(static_cast<float>(x));
+  uint16_t u;
+  std::memcpy(&u, &h, 2);
+  return u;
+}
+
+double FromBits(uint16_t u, DType dt) {
+  if (dt == DType::kFloat16) {
+    __half h;
+    std::memcpy(&h, &u, 2);
+    return __half2float(h);
+  }
+  __nv_bfloat16 h;
+  std::memcpy(&h, &u, 2);
+  return __bfloat162float(h);
+}
+
+double Round(double x, DType dt) { return FromBits(ToBits(x, dt), dt); }
+
+struct Case {
+  std::string name;
+  DType dtype;
+  int64_t B, T, S, H, K, D;
+  int64_t window_left, window_right;  // (-1, -1) full, (-1, 0) causal
+  bool dlse;                          // nonzero dLSE
+};
+
+struct Tensor {  // host copy: dtype bits and the exact double values of them
+  std::vector<uint16_t> bits;
+  std::vector<double> val;
+};
+
+Tensor RandomTensor(size_t n, DType dt, std::mt19937_64& rng) {
+  std::normal_distribution<double> dist(0.0, 1.0);
+  Tensor t;
+  t.bits.resize(n);
+  t.val.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    t.bits[i] = ToBits(dist(rng), dt);
+    t.val[i] = FromBits(t.bits[i], dt);
+  }
+  return t;
+}
+
+struct ErrStats {
+  double rel = 0, naive_rel = 0;
+  bool finite = true;
+};
+
+ErrStats Compare(const std::vector<uint16_t>& out, const std::vector<double>& ref,
+                 const std::vector<double>& naive, DType dt) {
+  double num = 0, den = 0, nnum = 0;
+  ErrStats e;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double o = FromBits(out[i], dt);
+    if (!std::isfinite(o)) e.finite = false;
+    num += (o - ref[i]) * (o - ref[i]);
+    const double n = Round(naive[i], dt);
+    nnum += (n - ref[i]) * (n - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  if (den == 0) den = 1;  // all-zero reference: absolute error
+  e.rel = std::sqrt(num / den);
+  e.naive_rel = std::sqrt(nnum / den);
+  return e;
+}
+
+struct DevVariant {
+  DeviceInfo dev;
+  const char* label;
+};
+
+// Runs case c once per device variant (the same inputs and oracle); counts
+// failures in *failed.
+bool RunCase(const Case& c, const std::vector<DevVariant>& variants, int* failed) {
+  const DType dt = c.dtype;
+  const int64_t B = c.B, T = c.T, S = c.S, H = c.H, K = c.K, D = c.D, G = H / K;
+  FlashParams p;
+  p.dtype = dt;
+  p.batch = B;
+  p.seqlen_q = T;
+  p.seqlen_k = S;
+  p.num_heads_q = H;
+  p.num_heads_kv = K;
+  p.head_dim = D;
+  p.group_size = G;
+  p.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  p.softmax_scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  p.window_left = c.window_left;
+  p.window_right = c.window_right;
+  jax_flash2::SetDenseStrides(p);
+  const jax_flash2::WindowMask mask = jax_flash2::MakeWindowMask(p);
+  const double scale = p.softmax_scale;
+
+  std::mt19937_64 rng(0x5eed + T * 131 + S * 7 + D + H * 1000003 + static_cast<int>(dt));
+  const size_t nq = B * T * H * D, nk = B * S * K * D, nl = B * H * T;
+  Tensor q = RandomTensor(nq, dt, rng), k = RandomTensor(nk, dt, rng),
+         v = RandomTensor(nk, dt, rng), d_o = RandomTensor(nq, dt, rng);
+  std::vector<float> d_lse(nl, 0.f);
+  if (c.dlse) {
+    std::normal_distribution<float> dist(0.f, 1.f);
+    for (float& x : d_lse) x = dist(rng);
+  }
+  auto qi = [&](int64_t b, int64_t t, int64_t h) { return ((b * T + t) * H + h) * D; };
+  auto ki = [&](int64_t b, int64_t s, int64_t kh) { return ((b * S + s) * K + kh) * D; };
+  auto li = [&](int64_t b, int64_t h, int64_t t) { return (b * H + h) * T + t; };
+
+  // float64 forward: O (rounded to dtype), LSE (fp32).
+  Tensor o;
+  o.bits.resize(nq);
+  o.val.resize(nq);
+  std::vector<float> lse(nl);
+#pragma omp parallel for collapse(2) schedule(dynamic)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      std::vector<double> sc(S), acc(D);
+      const int64_t kh = h / G;
+      for (int64_t t = 0; t < T; ++t) {
+        double m = -INFINITY;
+        for (int64_t s = 0; s < S; ++s) {
+          if (!mask.Allowed(t, s)) {
+            sc[s] = -INFINITY;
+            continue;
+          }
+          double dot = 0;
+          for (int64_t d = 0; d < D; ++d) dot += q.val[qi(b, t, h) + d] * k.val[ki(b, s, kh) + d];
+          sc[s] = dot * scale;
+          m = std::max(m, sc[s]);
+        }
+        std::fill(acc.begin(), acc.end(), 0.0);
+        double l = 0;
+        if (m != -INFINITY) {
+          for (int64_t s = 0; s < S; ++s) {
+            if (sc[s] == -INFINITY) continue;
+            const double w = std::exp(sc[s] - m);
+            l += w;
+            for (int64_t d = 0; d < D; ++d) acc[d] += w * v.val[ki(b, s, kh) + d];
+          }
+        }
+        // A row that sees no key: O = 0, LSE = -inf (what the forward emits).
+        lse[li(b, h, t)] = m == -INFINITY ? -INFINITY : static_cast<float>(m + std::log(l));
+        for (int64_t d = 0; d < D; ++d) {
+          const double x = l > 0 ? acc[d] / l : 0.0;
+          o.bits[qi(b, t, h) + d] = ToBits(x, dt);
+          o.val[qi(b, t, h) + d] = FromBits(o.bits[qi(b, t, h) + d], dt);
+        }
+      }
+    }
+  }
+
+  // float64 backward of the same inputs, plus the same-dtype naive one.
+  std::vector<double> dq(nq, 0), dk(nk, 0), dv(nk, 0), dqn(nq, 0), dkn(nk, 0), dvn(nk, 0);
+#pragma omp parallel for collapse(2) schedule(dynamic)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t kh = 0; kh < K; ++kh) {
+      std::vector<double> pr(S), ds(S);
+      for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
+        for (int64_t t = 0; t < T; ++t) {
+          const double L = lse[li(b, h, t)];
+          if (L == -INFINITY) continue;  // no key visible: P = 0, all gradients 0
+          const double* qr = &q.val[qi(b, t, h)];
+          const double* dor = &d_o.val[qi(b, t, h)];
+          double Di = -d_lse[li(b, h, t)];
+          for (int64_t d = 0; d < D; ++d) Di += dor[d] * o.val[qi(b, t, h) + d];
+          for (int64_t s = 0; s < S; ++s) {
+            pr[s] = 0;
+            ds[s] = 0;
+            if (!mask.Allowed(t, s)) continue;
+            double dot = 0, dp = 0;
+            for (int64_t d = 0; d < D; ++d) {
+              dot += qr[d] * k.val[ki(b, s, kh) + d];
+              dp += dor[d] * v.val[ki(b, s, kh) + d];
+            }
+            pr[s] = std::exp(dot * scale - L);
+            ds[s] = pr[s] * (dp - Di);
+          }
+          for (int64_t s = 0; s < S; ++s) {
+            if (pr[s] == 0 && ds[s] == 0) continue;
+            const double pn = Round(pr[s], dt), dsn = Round(ds[s], dt);
+            const double* kr = &k.val[ki(b, s, kh)];
+            for (int64_t d = 0; d < D; ++d) {
+              dq[qi(b, t, h) + d] += scale * ds[s] * kr[d];
+              dqn[qi(b, t, h) + d] += scale * dsn * kr[d];
+              dk[ki(b, s, kh) + d] += scale * ds[s] * qr[d];
+              dkn[ki(b, s, kh) + d] += scale * dsn * qr[d];
+              dv[ki(b, s, kh) + d] += pr[s] * dor[d];
+              dvn[ki(b, s, kh) + d] += pn * dor[d];
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // Device run, once per variant.
+  for (const DevVariant& var : variants) {
+    const DeviceInfo& dev = var.dev;
+    const size_t eb = 2;
+    void *d_q, *d_k, *d_v, *d_out, *d_dout, *d_dq, *d_dk, *d_dv, *d_scratch = nullptr;
+    float *d_lse_buf, *d_dlse_buf;
+    CHECK_CUDA(cudaMalloc(&d_q, nq * eb));
+    CHECK_CUDA(cudaMalloc(&d_k, nk * eb));
+    CHECK_CUDA(cudaMalloc(&d_v, nk * eb));
+    CHECK_CUDA(cudaMalloc(&d_out, nq * eb));
+    CHECK_CUDA(cudaMalloc(&d_dout, nq * eb));
+    CHECK_CUDA(cudaMalloc(&d_dq, nq * eb));
+    CHECK_CUDA(cudaMalloc(&d_dk, nk * eb));
+    CHECK_CUDA(cudaMalloc(&d_dv, nk * eb));
+    CHECK_CUDA(cudaMalloc(&d_lse_buf, nl * 4));
+    CHECK_CUDA(cudaMalloc(&d_dlse_buf, nl * 4));
+    CHECK_CUDA(cudaMemcpy(d_q, q.bits.data(), nq * eb, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(d_k, k.bits.data(), nk * eb, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(d_v, v.bits.data(), nk * eb, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(d_out, o.bits.data(), nq * eb, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(d_dout, d_o.bits.data(), nq * eb, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(d_lse_buf, lse.data(), nl * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(d_dlse_buf, d_lse.data(), nl * 4, cudaMemcpyHostToDevice));
+    // Poison: 0xffff is NaN in fp16 and bf16; 0xffffffff is NaN in fp32.
+    CHECK_CUDA(cudaMemset(d_dq, 0xff, nq * eb));
+    CHECK_CUDA(cudaMemset(d_dk, 0xff, nk * eb));
+    CHECK_CUDA(cudaMemset(d_dv, 0xff, nk * eb));
+    p.q = d_q;
+    p.k = d_k;
+    p.v = d_v;
+    p.o = d_out;
+    p.lse = d_lse_buf;
+    p.d_o = d_dout;
+    p.d_lse = d_dlse_buf;
+    p.dq = d_dq;
+    p.dk = d_dk;
+    p.dv = d_dv;
+    const size_t scratch_bytes = jax_flash2::cuda::BackwardScratchBytes(p, dev);
+    CHECK_CUDA(cudaMalloc(&d_scratch, scratch_bytes));
+    CHECK_CUDA(cudaMemset(d_scratch, 0xff, scratch_bytes));
+    CHECK_CUDA(jax_flash2::cuda::RunBackward(p, d_scratch, dev, nullptr));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    std::vector<uint16_t> out_dq(nq), out_dk(nk), out_dv(nk);
+    CHECK_CUDA(cudaMemcpy(out_dq.data(), d_dq, nq * eb, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(out_dk.data(), d_dk, nk * eb, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(out_dv.data(), d_dv, nk * eb, cudaMemcpyDeviceToHost));
+    for (void* ptr : {d_q, d_k, d_v, d_out, d_dout, d_dq, d_dk, d_dv, d_scratch,
+                      static_cast<void*>(d_lse_buf), static_cast<void*>(d_dlse_buf)}) {
+      CHECK_CUDA(cudaFree(ptr));
+    }
+
+    const ErrStats eq = Compare(out_dq, dq, dqn, dt), ek = Compare(out_dk, dk, dkn, dt),
+                   ev = Compare(out_dv, dv, dvn, dt);
+    auto ok = [](const ErrStats& e) { return e.finite && e.rel <= 3 * e.naive_rel + 1e-4; };
+    const bool pass = ok(eq) && ok(ek) && ok(ev);
+    *failed += pass ? 0 : 1;
+    std::printf(
+        "%s %-40s%s dq %.2e (naive %.2e)%s  dk %.2e (naive %.2e)%s  dv %.2e (naive %.2e)%s\n",
+        pass ? "PASS" : "FAIL", c.name.c_str(), var.label, eq.rel, eq.naive_rel,
+        eq.finite ? "" : " NaN",
+        ek.rel, ek.naive_rel, ek.finite ? "" : " NaN", ev.rel, ev.naive_rel,
+        ev.finite ? "" : " NaN");
+  }
+  return true;
+}
+
+// Fills n dtype elements with hashed pseudo-random values in about [-2, 2].
+__global__ void FillRandom(uint16_t* x, size_t n, uint32_t seed, bool bf16) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    const float f = (h & 0xffffff) / float(0x1000000) * 4.f - 2.f;
+    if (bf16) {
+      __nv_bfloat16 b = __float2bfloat16_rn(f);
+      x[i] = *reinterpret_cast<uint16_t*>(&b);
+    } else {
+      __half b = __float2half_rn(f);
+      x[i] = *reinterpret_cast<uint16_t*>(&b);
+    }
+  }
+}
+
+// LSE of a row that sees `visible` keys of scores ~ 0: log(visible), so that P
+// has realistic magnitudes (~1 / visible); dLSE small nonzero.
+__global__ void FillLse(float* lse, float* d_lse, int64_t rows, int64_t T, int64_t S,
+                        bool causal) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i % T;
+    const int64_t visible = causal ? std::min<int64_t>(S, t + 1 + S - T) : S;
+    lse[i] = logf(static_cast<float>(visible > 0 ? visible : 1));
+    d_lse[i] = 1e-3f * static_cast<float>((i * 37) % 17 - 8);
+  }
+}
+
+// B = 4, T = S = 4096, H * D = 2048 (H = 16 at D = 128), bf16.
+bool TimeBackward(const DeviceInfo& dev, int64_t D, bool causal) {
+  const int64_t B = 4, T = 4096, S = 4096, H = 2048 / D;
+  FlashParams p;
+  p.dtype = DType::kBFloat16;
+  p.batch = B;
+  p.seqlen_q = T;
+  p.seqlen_k = S;
+  p.num_heads_q = H;
+  p.num_heads_kv = H;
+  p.head_dim = D;
+  p.group_size = 1;
+  p.softmax_scale = static_cast<float>(1.0 / std::sqrt(double(D)));
+  p.softmax_scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  p.window_left = -1;
+  p.window_right = causal ? 0 : -1;
+  jax_flash2::SetDenseStrides(p);
+  const size_t n = B * T * H * D;
+  std::vector<void*> bufs;
+  for (int i = 0; i < 8; ++i) {
+    void* ptr;
+    CHECK_CUDA(cudaMalloc(&ptr, n * 2));
+    FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(ptr), n, 1234u + i, true);
+    CHECK_CUDA(cudaGetLastError());
+    bufs.push_back(ptr);
+  }
+  float *lse, *d_lse;
+  CHECK_CUDA(cudaMalloc(&lse, B * H * T * 4));
+  CHECK_CUDA(cudaMalloc(&d_lse, B * H * T * 4));
+  FillLse<<<1024, 256>>>(lse, d_lse, B * H * T, T, S, causal);
+  CHECK_CUDA(cudaGetLastError());
+  p.q = bufs[0];
+  p.k = bufs[1];
+  p.v = bufs[2];
+  p.o = bufs[3];
+  p.d_o = bufs[4];
+  p.dq = bufs[5];
+  p.dk = bufs[6];
+  p.dv = bufs[7];
+  p.lse = lse;
+  p.d_lse = d_lse;
+  void* scratch;
+  CHECK_CUDA(cudaMalloc(&scratch, jax_flash2::cuda::BackwardScratchBytes(p, dev)));
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) CHECK_CUDA(jax_flash2::cuda::RunBackward(p, scratch, dev, nullptr));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<float> ms;
+  for (int i = 0; i < 15; ++i) {
+    CHECK_CUDA(cudaEventRecord(start));
+    CHECK_CUDA(jax_flash2::cuda::RunBackward(p, scratch, dev, nullptr));
+    CHECK_CUDA(cudaEventRecord(stop));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float t;
+    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  const double med = ms[ms.size() / 2];
+  double flops = 2.5 * 4.0 * B * T * S * H * D;
+  if (causal) flops /= 2;
+  std::printf("TIME bf16 B=%lld T=S=%lld H=%lld D=%lld %-9s median %.3f ms (min %.3f, max %.3f) "
+              "%.1f TFLOP/s\n",
+              (long long)B, (long long)T, (long long)H, (long long)D,
+              causal ? "causal" : "noncausal", med, ms.front(), ms.back(),
+              flops / (med * 1e-3) / 1e12);
+  for (void* ptr : bufs) CHECK_CUDA(cudaFree(ptr));
+  CHECK_CUDA(cudaFree(lse));
+  CHECK_CUDA(cudaFree(d_lse));
+  CHECK_CUDA(cudaFree(scratch));
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  const bool small = mode == "small";
+  DeviceInfo dev;
+  if (!QueryDevice(&dev)) return 2;
+  std::printf("device sm_%d%d, %d SMs, %zu B smem opt-in\n", dev.cc_major, dev.cc_minor,
+              dev.sm_count, dev.max_smem_per_block_optin);
+  const DType bf = DType::kBFloat16, hf = DType::kFloat16;
+  std::vector<Case> cases;
+  if (mode == "time") {
+    for (int64_t d : {32, 64, 128, 256}) {
+      if (!TimeBackward(dev, d, false) || !TimeBackward(dev, d, true)) return 1;
+    }
+    return 0;
+  }
+  if (small) {
+    cases = {
+        {"bf16 d64 T33 S47 causal gqa2", bf, 1, 33, 47, 4, 2, 64, -1, 0, true},
+        {"fp16 d256 T17 S70 full mqa", hf, 1, 17, 70, 2, 1, 256, -1, -1, false},
+        {"bf16 d128 T70 S130 causal", bf, 1, 70, 130, 1, 1, 128, -1, 0, false},
+    };
+  } else {
+    cases = {
+        {"bf16 d8 T1 S1 full", bf, 1, 1, 1, 1, 1, 8, -1, -1, false},
+        {"bf16 d32 T17 S17 causal", bf, 2, 17, 17, 2, 2, 32, -1, 0, false},
+        {"fp16 d32 T17 S257 full", hf, 1, 17, 257, 2, 2, 32, -1, -1, false},
+        {"fp16 d32 T257 S17 causal (empty rows)", hf, 1, 257, 17, 2, 2, 32, -1, 0, false},
+        {"bf16 d40 T17 S17 causal dlse", bf, 1, 17, 17, 2, 2, 40, -1, 0, true},
+        {"bf16 d64 T257 S257 full", bf, 2, 257, 257, 2, 2, 64, -1, -1, false},
+        {"fp16 d64 T257 S257 causal gqa4", hf, 1, 257, 257, 8, 2, 64, -1, 0, false},
+        {"bf16 d64 T257 S257 window(64,16)", bf, 1, 257, 257, 2, 2, 64, 64, 16, false},
+        {"fp16 d80 T1000 S257 full gqa4 dlse", hf, 1, 1000, 257, 4, 1, 80, -1, -1, true},
+        {"bf16 d128 T1000 S1000 causal mqa", bf, 1, 1000, 1000, 4, 1, 128, -1, 0, false},
+        {"bf16 d128 T1 S1000 full gqa4", bf, 1, 1, 1000, 8, 2, 128, -1, -1, false},
+        {"fp16 d128 T257 S17 full", hf, 2, 257, 17, 2, 2, 128, -1, -1, false},
+        {"fp16 d256 T257 S1000 causal gqa4", hf, 1, 257, 1000, 4, 1, 256, -1, 0, false},
+        {"bf16 d256 T1000 S17 full", bf, 1, 1000, 17, 2, 2, 256, -1, -1, false},
+        {"bf16 d200 T257 S257 causal mqa", bf, 1, 257, 257, 2, 1, 200, -1, 0, false},
+    };
+  }
+  // Every case runs with the device as it is and, where that device has more,
+  // with the shared memory of an A100 (163 KB opt-in), which selects the
+  // default tile rows instead of the large-smem ones.
+  DeviceInfo dev80 = dev;
+  dev80.max_smem_per_block_optin = std::min<size_t>(dev.max_smem_per_block_optin, 166912);
+  std::vector<DevVariant> variants = {{dev, ""}};
+  if (dev80.max_smem_per_block_optin < dev.max_smem_per_block_optin) {
+    variants.push_back({dev80, " [sm80 tiles]"});
+  }
+  int failed = 0;
+  for (const Case& c : cases) {
+    if (!RunCase(c, variants, &failed)) {
+      std::printf("FAIL %s (CUDA error)\n", c.name.c_str());
+      return 1;
+    }
+  }
+  if (!small) {
+    for (const DevVariant& var : variants) {
+      std::printf("timing%s:\n", var.label);
+      if (!TimeBackward(var.dev, 128, false) || !TimeBackward(var.dev, 128, true)) return 1;
+    }
+  }
+  std::printf("%s: %d of %zu runs failed\n", failed ? "FAILED" : "ALL PASSED", failed,
+              cases.size() * variants.size());
+  return failed ? 1 : 0;
+}

@@ -1,0 +1,431 @@
+// Standalone check of the CUDA forward (RunForward) against a float64 CPU
+// oracle, with the tolerance set by a plain same-dtype attention's error.
+//
+//   fwd_selftest            all cases + timings
+//   fwd_selftest --small    small cases only, no timings (for compute-sanitizer memcheck)
+//   fwd_selftest --tiny     a few small cases (for compute-sanitizer racecheck)
+//   fwd_selftest --probe    exits 0 at once: checks that a carried binary loads
+//
+// Outputs and scratch are poisoned with NaN before each run, so an element the
+// kernels fail to write shows up as a NaN.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "src/cuda/flash_cuda.h"
+#include "src/flash_mask.h"
+#include "src/flash_params.h"
+
+using namespace jax_flash2;
+
+#define CHECK_CUDA(x)                                                                   \
+  do {                                                                                  \
+    cudaError_t err_ = (x);                                                             \
+    if (err_ != cudaSuccess) {                                                          \
+      std::printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(err_), __FILE__,   \
+                  __LINE__, #x);                                                        \
+      std::exit(1);                                                                     \
+    }                                                                                   \
+  } while (0)
+
+namespace {
+
+float RoundTo(DType dt, float x) {
+  if (dt == DType::kFloat16) return __half2float(__float2half_rn(x));
+  return __bfloat162float(__float2bfloat16_rn(x));
+}
+
+uint16_t ToBits(DType dt, float x) {
+  uint16_t bits;
+  if (dt == DType::kFloat16) {
+    __half h = __float2half_rn(x);
+    std::memcpy(&bits, &h, 2);
+  } else {
+    __nv_bfloat16 h = __float2bfloat16_rn(x);
+    std::memcpy(&bits, &h, 2);
+  }
+  return bits;
+}
+
+float FromBits(DType dt, uint16_t bits) {
+  if (dt == DType::kFloat16) {
+    __half h;
+    std::memcpy(&h, &bits, 2);
+    return __half2float(h);
+  }
+  __nv_bfloat16 h;
+  std::memcpy(&h, &bits, 2);
+  return __bfloat162float(h);
+}
+
+struct Case {
+  std::string name;
+  DType dtype;
+  int64_t B, T, S, H, K, D;
+  int64_t wl, wr;       // window; causal = (-1, 0)
+  bool bhtd = false;    // [B, H, T, D] layout through strides
+};
+
+template <typename F>
+void ParallelFor(int64_t n, F f) {
+  const int workers = std::max(1u, std::thread::hardware_concurrency());
+  std::atomic<int64_t> next{0};
+  std::vector<std::thread> pool;
+  for (int w = 0; w < workers; ++w) {
+    pool.emplace_back([&] {
+      for (int64_t i = next++; i < n; i = next++) f(i);
+    });
+  }
+  for (auto& t : pool) t.join();
+}
+
+struct Tensors {
+  std::vector<float> q, k, v;  // values exactly representable in the dtype
+};
+
+// Element offset of (b, t, h, d) under p's strides.
+int64_t Off(int64_t bs, int64_t rs, int64_t hs, int64_t b, int64_t t, int64_t h, int64_t d) {
+  return b * bs + t * rs + h * hs + d;
+}
+
+FlashParams MakeParams(const Case& c) {
+  FlashParams p;
+  p.dtype = c.dtype;
+  p.batch = c.B;
+  p.seqlen_q = c.T;
+  p.seqlen_k = c.S;
+  p.num_heads_q = c.H;
+  p.num_heads_kv = c.K;
+  p.head_dim = c.D;
+  p.group_size = c.H / c.K;
+  SetDenseStrides(p);
+  if (c.bhtd) {
+    p.q_row_stride = c.D;
+    p.q_head_stride = c.T * c.D;
+    p.q_batch_stride = c.H * c.T * c.D;
+    p.o_row_stride = p.q_row_stride;
+    p.o_head_stride = p.q_head_stride;
+    p.o_batch_stride = p.q_batch_stride;
+    p.k_row_stride = c.D;
+    p.k_head_stride = c.S * c.D;
+    p.k_batch_stride = c.K * c.S * c.D;
+    p.v_row_stride = p.k_row_stride;
+    p.v_head_stride = p.k_head_stride;
+    p.v_batch_stride = p.k_batch_stride;
+  }
+  p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+  p.softmax_scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  p.window_left = c.wl;
+  p.window_right = c.wr;
+  return p;
+}
+
+// Returns true on PASS.
+bool RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
+  const FlashParams p0 = MakeParams(c);
+  const std::string why = cuda::Unsupported(p0, dev);
+  if (!why.empty()) {
+    std::printf("FAIL %-34s unsupported: %s\n", c.name.c_str(), why.c_str());
+    return false;
+  }
+  const int64_t nq = c.B * c.T * c.H * c.D, nk = c.B * c.S * c.K * c.D;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<uint16_t> hq(nq), hk(nk), hv(nk);
+  std::vector<float> fq(nq), fk(nk), fv(nk);
+  // Fill by storage index: every element is written regardless of layout.
+  for (int64_t i = 0; i < nq; ++i) { hq[i] = ToBits(c.dtype, normal(rng)); fq[i] = FromBits(c.dtype, hq[i]); }
+  for (int64_t i = 0; i < nk; ++i) { hk[i] = ToBits(c.dtype, normal(rng)); fk[i] = FromBits(c.dtype, hk[i]); }
+  for (int64_t i = 0; i < nk; ++i) { hv[i] = ToBits(c.dtype, normal(rng)); fv[i] = FromBits(c.dtype, hv[i]); }
+
+  void *dq, *dk, *dv, *d_o, *dscratch = nullptr;
+  float* dlse;
+  CHECK_CUDA(cudaMalloc(&dq, nq * 2));
+  CHECK_CUDA(cudaMalloc(&dk, nk * 2));
+  CHECK_CUDA(cudaMalloc(&dv, nk * 2));
+  CHECK_CUDA(cudaMalloc(&d_o, nq * 2));
+  CHECK_CUDA(cudaMalloc(&dlse, c.B * c.H * c.T * sizeof(float)));
+  CHECK_CUDA(cudaMemcpy(dq, hq.data(), nq * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dk, hk.data(), nk * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dv, hv.data(), nk * 2, cudaMemcpyHostToDevice));
+  // Poison: 0xFFFF is NaN in fp16 and bf16, 0xFFFFFFFF in fp32.
+  CHECK_CUDA(cudaMemset(d_o, 0xFF, nq * 2));
+  CHECK_CUDA(cudaMemset(dlse, 0xFF, c.B * c.H * c.T * sizeof(float)));
+
+  FlashParams p = p0;
+  p.q = dq;
+  p.k = dk;
+  p.v = dv;
+  p.o = d_o;
+  p.lse = dlse;
+  const size_t scratch_bytes = cuda::ForwardScratchBytes(p, dev);
+  if (scratch_bytes > 0) {
+    CHECK_CUDA(cudaMalloc(&dscratch, scratch_bytes));
+    CHECK_CUDA(cudaMemset(dscratch, 0xFF, scratch_bytes));
+  }
+  cudaError_t err = cuda::RunForward(p, dscratch, dev, 0);
+  if (err == cudaSuccess) err = cudaDeviceSynchronize();
+  if (err != cudaSuccess) {
+    std::printf("FAIL %-34s RunForward: %s\n", c.name.c_str(), cudaGetErrorString(err));
+    return false;
+  }
+  std::vector<uint16_t> ho(nq);
+  std::vector<float> hlse(c.B * c.H * c.T);
+  CHECK_CUDA(cudaMemcpy(ho.data(), d_o, nq * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(hlse.data(), dlse, hlse.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaFree(dq));
+  CHECK_CUDA(cudaFree(dk));
+  CHECK_CUDA(cudaFree(dv));
+  CHECK_CUDA(cudaFree(d_o));
+  CHECK_CUDA(cudaFree(dlse));
+  if (dscratch) CHECK_CUDA(cudaFree(dscratch));
+
+  // Oracle (float64) and naive same-dtype attention (S and P rounded to the
+  // dtype, fp32 accumulation, as a framework's plain attention computes it).
+  const WindowMask mask = MakeWindowMask(p);
+  const double scale = p.softmax_scale;
+  std::vector<double> err_kernel(c.B * c.H, 0.0), err_naive(c.B * c.H, 0.0),
+      err_lse(c.B * c.H, 0.0);
+  std::vector<int64_t> bad(c.B * c.H, 0);
+  ParallelFor(c.B * c.H, [&](int64_t bh) {
+    const int64_t b = bh / c.H, h = bh % c.H, kh = h / (c.H / c.K);
+    std::vector<double> s(c.S), o(c.D);
+    std::vector<float> sf(c.S), of(c.D);
+    for (int64_t t = 0; t < c.T; ++t) {
+      const float* qr = &fq[Off(p.q_batch_stride, p.q_row_stride, p.q_head_stride, b, t, h, 0)];
+      double mx = -INFINITY;
+      float mxf = -INFINITY;
+      for (int64_t j = 0; j < c.S; ++j) {
+        if (!mask.Allowed(t, j)) { s[j] = -INFINITY; sf[j] = -INFINITY; continue; }
+        const float* kr = &fk[Off(p.k_batch_stride, p.k_row_stride, p.k_head_stride, b, j, kh, 0)];
+        double acc = 0;
+        float accf = 0;
+        for (int64_t d = 0; d < c.D; ++d) { acc += double(qr[d]) * kr[d]; accf += qr[d] * kr[d]; }
+        s[j] = acc * scale;
+        sf[j] = RoundTo(c.dtype, accf * p.softmax_scale);
+        mx = std::max(mx, s[j]);
+        mxf = std::max(mxf, sf[j]);
+      }
+      double l = 0;
+      float lf = 0;
+      std::fill(o.begin(), o.end(), 0.0);
+      std::fill(of.begin(), of.end(), 0.f);
+      if (mx != -INFINITY) {
+        for (int64_t j = 0; j < c.S; ++j) {
+          if (s[j] == -INFINITY) continue;
+          s[j] = std::exp(s[j] - mx);
+          l += s[j];
+          sf[j] = std::exp(sf[j] - mxf);
+          lf += sf[j];
+        }
+        for (int64_t j = 0; j < c.S; ++j) {
+          if (sf[j] == -INFINITY) continue;
+          const float* vr = &fv[Off(p.v_batch_stride, p.v_row_stride, p.v_head_stride, b, j, kh, 0)];
+          const double w = s[j] / l;
+          const float wf = RoundTo(c.dtype, sf[j] / lf);
+          for (int64_t d = 0; d < c.D; ++d) { o[d] += w * vr[d]; of[d] += wf * vr[d]; }
+        }
+      }
+      const double lse_ref = mx == -INFINITY ? -INFINITY : mx + std::log(l);
+      const int64_t ob = Off(p.o_batch_stride, p.o_row_stride, p.o_head_stride, b, t, h, 0);
+      for (int64_t d = 0; d < c.D; ++d) {
+        const float got = FromBits(c.dtype, ho[ob + d]);
+        if (std::isnan(got)) { ++bad[bh]; continue; }
+        err_kernel[bh] = std::max(err_kernel[bh], std::abs(got - o[d]));
+        err_naive[bh] = std::max(err_naive[bh], std::abs(RoundTo(c.dtype, of[d]) - o[d]));
+      }
+      const float lse_got = hlse[(b * c.H + h) * c.T + t];
+      if (std::isnan(lse_got)) {
+        ++bad[bh];
+      } else if (lse_ref == -INFINITY || lse_got == -INFINITY) {
+        if (lse_ref != lse_got) ++bad[bh];
+      } else {
+        err_lse[bh] = std::max(err_lse[bh], std::abs(lse_got - lse_ref) / std::max(1.0, std::abs(lse_ref)));
+      }
+    }
+  });
+  const double ek = *std::max_element(err_kernel.begin(), err_kernel.end());
+  const double en = *std::max_element(err_naive.begin(), err_naive.end());
+  const double el = *std::max_element(err_lse.begin(), err_lse.end());
+  int64_t nbad = 0;
+  for (int64_t x : bad) nbad += x;
+  // FlashAttention's criterion: no worse than twice the plain same-dtype
+  // attention's max error (plus a hair for cases where that error is ~0).
+  const bool ok = nbad == 0 && ek <= 2 * en + 1e-5 && el <= 1e-4;
+  std::printf("%s %-34s O err %.3e (naive %.3e)  LSE rel err %.2e  nan/-inf mismatches %lld  scratch %zu B\n",
+              ok ? "PASS" : "FAIL", c.name.c_str(), ek, en, el, static_cast<long long>(nbad),
+              scratch_bytes);
+  return ok;
+}
+
+__global__ void FillRandom(uint16_t* x, int64_t n, uint32_t seed, bool bf16) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 16;
+    h *= 0x7feb352du;
+    h ^= h >> 15;
+    const float u = (h & 0xFFFFFF) / float(1 << 24) * 2.f - 1.f;  // [-1, 1)
+    if (bf16) {
+      __nv_bfloat16 v = __float2bfloat16_rn(u);
+      x[i] = *reinterpret_cast<uint16_t*>(&v);
+    } else {
+      __half v = __float2half_rn(u);
+      x[i] = *reinterpret_cast<uint16_t*>(&v);
+    }
+  }
+}
+
+// Median milliseconds of one RunForward over `reps` runs, rotating among
+// `sets` input copies so that L2 does not hold the inputs between runs.
+double TimeForward(const Case& c, const cuda::DeviceInfo& dev, int sets, int reps, int* splits_out) {
+  const FlashParams p0 = MakeParams(c);
+  const int64_t nq = c.B * c.T * c.H * c.D, nk = c.B * c.S * c.K * c.D;
+  std::vector<FlashParams> ps(sets, p0);
+  std::vector<void*> bufs;
+  size_t scratch_bytes = 0;
+  void* scratch = nullptr;
+  for (int i = 0; i < sets; ++i) {
+    void *q, *k, *v, *o;
+    float* lse;
+    CHECK_CUDA(cudaMalloc(&q, nq * 2));
+    CHECK_CUDA(cudaMalloc(&k, nk * 2));
+    CHECK_CUDA(cudaMalloc(&v, nk * 2));
+    CHECK_CUDA(cudaMalloc(&o, nq * 2));
+    CHECK_CUDA(cudaMalloc(&lse, c.B * c.H * c.T * 4));
+    FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(q), nq, 1 + 3 * i, c.dtype == DType::kBFloat16);
+    FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(k), nk, 2 + 3 * i, c.dtype == DType::kBFloat16);
+    FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(v), nk, 3 + 3 * i, c.dtype == DType::kBFloat16);
+    CHECK_CUDA(cudaGetLastError());
+    ps[i].q = q; ps[i].k = k; ps[i].v = v; ps[i].o = o; ps[i].lse = lse;
+    bufs.insert(bufs.end(), {q, k, v, o, lse});
+  }
+  scratch_bytes = cuda::ForwardScratchBytes(ps[0], dev);
+  if (scratch_bytes) CHECK_CUDA(cudaMalloc(&scratch, scratch_bytes));
+  *splits_out = scratch_bytes > 0;
+  for (int i = 0; i < 3; ++i) CHECK_CUDA(cuda::RunForward(ps[i % sets], scratch, dev, 0));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  std::vector<float> ms(reps);
+  for (int r = 0; r < reps; ++r) {
+    CHECK_CUDA(cudaEventRecord(e0));
+    CHECK_CUDA(cuda::RunForward(ps[r % sets], scratch, dev, 0));
+    CHECK_CUDA(cudaEventRecord(e1));
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    CHECK_CUDA(cudaEventElapsedTime(&ms[r], e0, e1));
+  }
+  std::sort(ms.begin(), ms.end());
+  for (void* b : bufs) CHECK_CUDA(cudaFree(b));
+  if (scratch) CHECK_CUDA(cudaFree(scratch));
+  return ms[reps / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  if (mode == "--probe") return 0;
+  const bool tiny = mode == "--tiny";
+  const bool small = tiny || mode == "--small";
+  cuda::DeviceInfo dev;
+  CHECK_CUDA(cuda::GetCurrentDeviceInfo(&dev));
+  std::printf("device %d: %d SMs, cc %d.%d, smem opt-in %zu\n", dev.device, dev.sm_count,
+              dev.cc_major, dev.cc_minor, dev.max_smem_per_block_optin);
+
+  int failures = 0;
+  {  // Unsupported messages (host only).
+    Case c{"", DType::kFloat32, 1, 1, 1, 1, 1, 64, -1, -1};
+    const bool f32 = !cuda::Unsupported(MakeParams(c), dev).empty();
+    c.dtype = DType::kBFloat16;
+    c.D = 264;
+    const bool d264 = !cuda::Unsupported(MakeParams(c), dev).empty();
+    c.D = 12;
+    const bool d12 = !cuda::Unsupported(MakeParams(c), dev).empty();
+    const bool ok = f32 && d264 && d12;
+    std::printf("%s unsupported: float32, D=264, D=12 rejected\n", ok ? "PASS" : "FAIL");
+    failures += !ok;
+  }
+
+  const DType bf = DType::kBFloat16, fp = DType::kFloat16;
+  std::vector<Case> cases = {
+      {"T1 S1 D64 bf16", bf, 1, 1, 1, 2, 2, 64, -1, -1},
+      {"T17 S257 D32 causal fp16", fp, 2, 17, 257, 4, 4, 32, -1, 0},
+      {"T257 S17 D128 causal bf16 (empty rows)", bf, 1, 257, 17, 2, 2, 128, -1, 0},
+      {"T17 S17 D8 fp16", fp, 1, 17, 17, 2, 1, 8, -1, -1},
+      {"T257 S257 D64 causal bf16 bhtd", bf, 2, 257, 257, 4, 2, 64, -1, 0, true},
+      {"T100 S300 D40 window(64,16) bf16", bf, 1, 100, 300, 4, 4, 40, 64, 16},
+      {"T257 S257 D192 causal MQA bf16", bf, 1, 257, 257, 4, 1, 192, -1, 0},
+      {"T17 S1000 D256 fp16", fp, 1, 17, 1000, 2, 2, 256, -1, -1},
+      {"T1 S2000 D128 MHA decode bf16", bf, 2, 1, 2000, 4, 4, 128, -1, -1},
+      {"T5 S3000 D64 causal GQA8 fp16", fp, 1, 5, 3000, 16, 2, 64, -1, 0},
+  };
+  if (tiny) {  // one of each path: causal + empty rows, window, packed GQA split
+    cases = {cases[1], cases[2], cases[5], cases[9]};
+  }
+  if (!small) {
+    std::vector<Case> big = {
+        {"T1000 S1000 D96 MQA fp16", fp, 1, 1000, 1000, 8, 1, 96, -1, -1},
+        {"T1000 S257 D80 causal GQA8 bf16", bf, 1, 1000, 257, 16, 2, 80, -1, 0},
+        {"T257 S1000 D128 causal fp16", fp, 2, 257, 1000, 4, 4, 128, -1, 0},
+        {"T1000 S1000 D256 causal bf16", bf, 1, 1000, 1000, 2, 1, 256, -1, 0},
+        {"T1000 S1000 D200 bf16", bf, 1, 1000, 1000, 2, 2, 200, -1, -1},
+        {"T1000 S1000 D32 causal fp16", fp, 1, 1000, 1000, 4, 4, 32, -1, 0},
+        {"T1000 S17 D192 fp16", fp, 1, 1000, 17, 2, 2, 192, -1, -1},
+        // Grids that fill the GPU: no split, one-stage pipeline over many key blocks.
+        {"T2048 S2048 D128 causal GQA4 bf16 B2", bf, 2, 2048, 2048, 8, 2, 128, -1, 0},
+        {"T1500 S2100 D64 fp16 B2 H12", fp, 2, 1500, 2100, 12, 12, 64, -1, -1},
+        {"T1024 S1500 D256 causal fp16 B2 H8", fp, 2, 1024, 1500, 8, 8, 256, -1, 0},
+        {"decode T1 S32768 H32 K4 D128 bf16", bf, 1, 1, 32768, 32, 4, 128, -1, 0},
+        {"decode T16 S8000 H32 K4 D128 causal fp16", fp, 2, 16, 8000, 32, 4, 128, -1, 0},
+        {"decode T3 S4096 win(100,0) K8 D64 bf16", bf, 1, 3, 4096, 8, 1, 64, 100, 0},
+    };
+    cases.insert(cases.end(), big.begin(), big.end());
+  }
+  uint64_t seed = 1234;
+  for (const Case& c : cases) failures += !RunCase(c, dev, seed++);
+
+  if (!small) {
+    const std::vector<Case> prefill = {
+        {"B4 T=S=4096 H16 D128 bf16", bf, 4, 4096, 4096, 16, 16, 128, -1, -1},
+        {"B4 T=S=4096 H16 D128 bf16 causal", bf, 4, 4096, 4096, 16, 16, 128, -1, 0},
+        {"B4 T=S=4096 H16 D64 bf16", bf, 4, 4096, 4096, 16, 16, 64, -1, -1},
+        {"B2 T=S=4096 H16 D256 bf16", bf, 2, 4096, 4096, 16, 16, 256, -1, -1},
+        {"B4 T=S=4096 H16 D128 bf16 (again)", bf, 4, 4096, 4096, 16, 16, 128, -1, -1},
+    };
+    for (const Case& c : prefill) {
+      int split;
+      const double ms = TimeForward(c, dev, 1, 20, &split);
+      double flops = 4.0 * c.B * c.T * c.S * c.H * c.D;
+      if (c.wr == 0) flops /= 2;
+      std::printf("TIME %-36s %8.3f ms  %6.1f TFLOP/s\n", c.name.c_str(), ms, flops / ms / 1e9);
+    }
+    const std::vector<Case> decode = {
+        {"decode B1 T1 S32k H32 K4 D128 bf16", bf, 1, 1, 32768, 32, 4, 128, -1, 0},
+        {"decode B1 T16 S32k H32 K4 D128 bf16", bf, 1, 16, 32768, 32, 4, 128, -1, 0},
+        {"decode B1 T1 S128k H32 K4 D128 bf16", bf, 1, 1, 131072, 32, 4, 128, -1, 0},
+        {"decode B8 T1 S4k H32 K4 D128 bf16", bf, 8, 1, 4096, 32, 4, 128, -1, 0},
+    };
+    for (const Case& c : decode) {
+      int split;
+      const double ms = TimeForward(c, dev, 4, 100, &split);
+      const double bytes = 2.0 * c.B * c.S * c.K * c.D * 2;
+      std::printf("TIME %-36s %8.4f ms  %6.0f GB/s of K+V  (split-KV %s)\n", c.name.c_str(), ms,
+                  bytes / ms / 1e6, split ? "on" : "off");
+    }
+  }
+  std::printf("%s: %d failure(s)\n", failures ? "FAILED" : "ALL PASSED", failures);
+  return failures ? 1 : 0;
+}

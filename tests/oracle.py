@@ -1,0 +1,107 @@
+"""Float64 oracle and the 'plain same-dtype attention' that sets the tolerance.
+
+The tolerance of the standards: for fp16/bf16, our error against the float64
+oracle must be within 2x (plus a small absolute slack) of the error of a plain
+attention computed in that dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flash2 import reference
+
+ABS_SLACK = {jnp.dtype(jnp.float16): 2e-3, jnp.dtype(jnp.bfloat16): 1e-2,
+             jnp.dtype(jnp.float32): 2e-5}
+
+
+def _window(seqlen_q, seqlen_k, causal, window_size):
+  left, right = window_size
+  if causal:
+    right = 0 if right < 0 else min(right, 0)
+  return np.asarray(reference.visible(seqlen_q, seqlen_k, left, right))
+
+
+def oracle(q, k, v, d_out, d_lse, *, causal=False, softmax_scale=None, window_size=(-1, -1)):
+  """out, lse and (dq, dk, dv) of loss = <out, d_out> + <lse, d_lse>, in float64 numpy.
+
+  Written directly from the definition (softmax of the masked, scaled scores and
+  its textbook derivative), independent of the kernels' blocking.
+  """
+  q, k, v, d_out, d_lse = (np.asarray(x, np.float64) for x in (q, k, v, d_out, d_lse))
+  batch, seqlen_q, num_heads, head_dim = q.shape
+  seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
+  group = num_heads // num_kv_heads
+  scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
+  qh = q.transpose(0, 2, 1, 3)                                   # [B, H, T, D]
+  kh = np.repeat(k.transpose(0, 2, 1, 3), group, axis=1)         # [B, H, S, D]
+  vh = np.repeat(v.transpose(0, 2, 1, 3), group, axis=1)
+  mask = _window(seqlen_q, seqlen_k, causal, window_size)
+  scores = np.where(mask, scale * (qh @ kh.transpose(0, 1, 3, 2)), -np.inf)
+  row_max = scores.max(-1, keepdims=True)
+  row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+  weights = np.exp(scores - row_max)
+  row_sum = weights.sum(-1, keepdims=True)
+  with np.errstate(divide="ignore"):
+    lse = (row_max + np.log(row_sum))[..., 0]                    # [B, H, T]; -inf if empty
+  probs = weights / np.where(row_sum > 0, row_sum, 1.0)
+  out = probs @ vh                                               # [B, H, T, D]
+  do = d_out.transpose(0, 2, 1, 3)
+  dl = np.where(np.isfinite(lse), d_lse, 0.0)
+  dv = probs.transpose(0, 1, 3, 2) @ do
+  dp = do @ vh.transpose(0, 1, 3, 2)
+  ds = probs * (dp - (do * out).sum(-1, keepdims=True) + dl[..., None])
+  dq = scale * ds @ kh
+  dk = scale * ds.transpose(0, 1, 3, 2) @ qh
+
+  def per_kv_head(x):  # [B, H, S, D] -> [B, S, K, D], summed over each group
+    return x.reshape(batch, num_kv_heads, group, seqlen_k, head_dim).sum(2).transpose(0, 2, 1, 3)
+
+  return ((out.transpose(0, 2, 1, 3), lse),
+          (dq.transpose(0, 2, 1, 3), per_kv_head(dk), per_kv_head(dv)))
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "window_size"))
+def naive_same_dtype(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)):
+  """(out, lse) computed entirely in the inputs' dtype, as a plain implementation would."""
+  dtype = q.dtype
+  batch, seqlen_q, num_heads, head_dim = q.shape
+  seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
+  group = num_heads // num_kv_heads
+  scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
+  left, right = window_size
+  if causal:
+    right = 0 if right < 0 else min(right, 0)
+  kr = jnp.repeat(k, group, axis=2)
+  vr = jnp.repeat(v, group, axis=2)
+  scores = jnp.einsum("bthd,bshd->bhts", q, kr, preferred_element_type=dtype) * jnp.asarray(scale, dtype)
+  mask = reference.visible(seqlen_q, seqlen_k, left, right)
+  scores = jnp.where(mask, scores, jnp.asarray(-jnp.inf, dtype))
+  lse = jax.nn.logsumexp(scores, axis=-1)
+  probs = jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0)[..., None])
+  out = jnp.einsum("bhts,bshd->bthd", probs.astype(dtype), vr, preferred_element_type=dtype)
+  return out, lse
+
+
+def max_err(a, b):
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  both_inf = np.isinf(a) & np.isinf(b) & (np.sign(a) == np.sign(b))
+  with np.errstate(invalid="ignore"):
+    diff = np.where(both_inf, 0.0, np.abs(a - b))
+  return float(np.max(diff)) if diff.size else 0.0
+
+
+def assert_close_to_oracle(name, ours, expected, baseline, dtype):
+  """|ours - expected| <= 2 |baseline - expected| + slack, elementwise max norms."""
+  ours = np.asarray(ours, np.float64)
+  assert np.all(np.isfinite(ours) | np.isinf(np.asarray(expected))), f"{name}: non-finite values"
+  err = max_err(ours, expected)
+  base = max_err(baseline, expected)
+  scale = max(1.0, float(np.max(np.abs(np.where(np.isfinite(expected), expected, 0)))))
+  bound = 2.0 * base + ABS_SLACK[jnp.dtype(dtype)] * scale
+  assert err <= bound, f"{name}: error {err:.3g} > bound {bound:.3g} (plain {jnp.dtype(dtype).name}: {base:.3g})"

@@ -1,0 +1,133 @@
+"""The test matrix, run against every backend: forward, LSE and gradients
+against a float64 oracle, with the tolerance set by a plain same-dtype attention."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import attention_fn, random_inputs, supports
+from oracle import assert_close_to_oracle, naive_same_dtype, oracle
+
+DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+
+# (batch, T, S, H, K, D, causal): every value of each axis appears; odd lengths,
+# T != S both ways, GQA and MQA.
+CASES = [
+    (1, 1, 1, 1, 1, 8, False),
+    (2, 17, 17, 2, 1, 32, True),
+    (1, 128, 128, 8, 8, 64, False),
+    (1, 128, 257, 8, 2, 64, True),
+    (2, 257, 128, 2, 2, 80, True),
+    (1, 1, 1000, 8, 1, 128, False),
+    (1, 1000, 17, 2, 1, 128, True),
+    (1, 17, 257, 8, 1, 256, False),
+    (1, 257, 257, 1, 1, 256, True),
+    (1, 1000, 1000, 2, 1, 32, True),
+    (3, 65, 63, 4, 2, 40, False),
+]
+SLOW_CASES = [
+    (1, t, s, h, hk, d, c)
+    for t, s, (h, hk), d, c in itertools.product(
+        (1, 17, 128, 257, 1000), (1, 17, 128, 257, 1000), ((1, 1), (2, 1), (8, 2), (8, 8)),
+        (8, 32, 64, 80, 128, 256), (False, True))
+]
+
+
+def _case_id(case):
+  b, t, s, h, k, d, c = case
+  return f"b{b}-t{t}-s{s}-h{h}k{k}-d{d}" + ("-causal" if c else "")
+
+
+def _check_forward(backend, case, dtype, rng):
+  if not supports(backend, dtype):
+    pytest.skip(f"{backend} does not serve {jnp.dtype(dtype).name} here")
+  b, t, s, h, hk, d, causal = case
+  q, k, v = random_inputs(rng, b, t, s, h, hk, d, dtype)
+  out, lse = jax.jit(lambda q, k, v: attention_fn(backend)(q, k, v, causal=causal, return_lse=True))(q, k, v)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert lse.shape == (b, h, t) and lse.dtype == jnp.float32
+  d_out = jnp.zeros_like(out)
+  (ref_out, ref_lse), _ = oracle(q, k, v, d_out, jnp.zeros_like(lse), causal=causal)
+  base_out, base_lse = naive_same_dtype(q, k, v, causal=causal)
+  assert_close_to_oracle("out", out, ref_out, base_out, dtype)
+  assert_close_to_oracle("lse", lse, ref_lse, base_lse, dtype)
+  # Rows that see no key: output 0 and LSE -inf, never NaN.
+  assert np.array_equal(np.isneginf(np.asarray(lse)), np.isneginf(ref_lse))
+
+
+def _check_gradients(backend, case, dtype, rng, with_lse_cotangent):
+  if not supports(backend, dtype):
+    pytest.skip(f"{backend} does not serve {jnp.dtype(dtype).name} here")
+  b, t, s, h, hk, d, causal = case
+  q, k, v = random_inputs(rng, b, t, s, h, hk, d, dtype)
+  d_out = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
+  d_lse = jnp.asarray(rng.standard_normal((b, h, t)) if with_lse_cotangent else np.zeros((b, h, t)),
+                      jnp.float32)
+
+  def ours(q, k, v):
+    return attention_fn(backend)(q, k, v, causal=causal, return_lse=True)
+
+  _, vjp = jax.vjp(jax.jit(ours), q, k, v)
+  grads = vjp((d_out, d_lse))
+  _, ref_grads = oracle(q, k, v, d_out, d_lse, causal=causal)
+  base_grads = _naive_grads(q, k, v, d_out, d_lse.astype(dtype), causal)
+  for name, g, r, bg, x in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads, (q, k, v)):
+    assert g.shape == x.shape and g.dtype == x.dtype
+    assert_close_to_oracle(name, g, r, bg, dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("causal",))
+def _naive_grads(q, k, v, d_out, d_lse, causal):
+  _, vjp = jax.vjp(lambda q, k, v: naive_same_dtype(q, k, v, causal=causal), q, k, v)
+  return vjp((d_out, d_lse))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_forward(backend, case, dtype, rng):
+  _check_forward(backend, case, dtype, rng)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_gradients(backend, case, dtype, rng):
+  _check_gradients(backend, case, dtype, rng, with_lse_cotangent=False)
+
+
+@pytest.mark.parametrize("case", CASES[1:6], ids=_case_id)
+def test_gradients_through_lse(backend, case, rng):
+  _check_gradients(backend, case, jnp.bfloat16, rng, with_lse_cotangent=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("case", SLOW_CASES, ids=_case_id)
+def test_full_sweep(backend, case, dtype, rng):
+  _check_forward(backend, case, dtype, rng)
+  _check_gradients(backend, case, dtype, rng, with_lse_cotangent=True)
+
+
+def test_oracle_matches_autodiff_of_reference(rng):
+  """The numpy oracle's gradients equal jax.grad of the float64 reference."""
+  import jax_flash2
+
+  q, k, v = random_inputs(rng, 2, 19, 23, 4, 2, 16, jnp.float32)
+  d_out = rng.standard_normal(q.shape)
+  d_lse = rng.standard_normal((2, 4, 19))
+  (out, lse), grads = oracle(q, k, v, d_out, d_lse, causal=True, window_size=(7, -1))
+  with jax.enable_x64(True):
+    args = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)]
+    f = lambda q, k, v: jax_flash2.reference.attention(q, k, v, causal=True, window_size=(7, -1),
+                                                       return_lse=True)
+    (ref_out, ref_lse), vjp = jax.vjp(f, *args)
+    ref_grads = vjp((jnp.asarray(d_out), jnp.asarray(d_lse)))
+  np.testing.assert_allclose(out, ref_out, atol=1e-12)
+  np.testing.assert_allclose(lse, ref_lse, atol=1e-12)
+  for g, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(g, r, atol=1e-10)

@@ -1,0 +1,309 @@
+"""Flax layers: jax_flash2.flax (nnx), jax_flash2.flax.linen and the attention_fn drop-in.
+
+With the same weights the flash layers match plain Flax attention (which runs
+jax.nn.dot_product_attention), outputs and parameter gradients, for MHA, GQA
+and MQA, causal and not, and under Flax's transforms.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+flax = pytest.importorskip("flax")
+import flax.linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jax_flash2.flax as jf  # noqa: E402
+import jax_flash2.flax.linen as jfl  # noqa: E402
+
+FEATURES = 32
+HEADS = 4
+HEAD_CASES = {"mha": HEADS, "gqa": 2, "mqa": 1}
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def close(a, b, **tol):
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), **(tol or TOL))
+
+
+def tree_close(a, b, **tol):
+  la, ta = jax.tree.flatten(a)
+  lb, tb = jax.tree.flatten(b)
+  assert ta == tb
+  for x, y in zip(la, lb):
+    close(x, y, **tol)
+
+
+def inputs(shape, seed=0):
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def flash_and_plain(kv_heads, causal, **kw):
+  """A flash nnx layer and a plain nnx.MultiHeadAttention with its weights."""
+  flash = jf.MultiHeadAttention(
+      HEADS, FEATURES, num_kv_heads=kv_heads, causal=causal, rngs=nnx.Rngs(0), **kw)
+  plain = nnx.MultiHeadAttention(
+      HEADS, FEATURES, num_kv_heads=kv_heads, decode=False, rngs=nnx.Rngs(1), **kw)
+  nnx.update(plain, nnx.state(flash, nnx.Param))
+  return flash, plain
+
+
+def param_grads(model, loss):
+  return nnx.grad(loss)(model)
+
+
+# nnx module
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", sorted(HEAD_CASES))
+def test_nnx_matches_plain_flax(heads, causal):
+  flash, plain = flash_and_plain(HEAD_CASES[heads], causal)
+  x = inputs((2, 24, FEATURES))
+  close(flash(x), plain(x, is_causal=causal))
+
+  # The K/V projections really are the smaller ones.
+  assert flash.key.kernel.shape == (FEATURES, HEAD_CASES[heads], FEATURES // HEADS)
+
+  g_flash = param_grads(flash, lambda m: jnp.sum(jnp.sin(m(x))))
+  g_plain = param_grads(plain, lambda m: jnp.sum(jnp.sin(m(x, is_causal=causal))))
+  tree_close(nnx.state(g_flash), nnx.state(g_plain), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("heads", ["gqa", "mqa"])
+def test_nnx_cross_attention(heads):
+  # Cross-attention on a longer memory with its own feature width. (Not
+  # causal: with T != S jax.nn.dot_product_attention aligns the causal mask
+  # top-left, the kernels bottom-right.)
+  kw = dict(in_kv_features=16, out_features=8, qkv_features=64)
+  flash, plain = flash_and_plain(HEAD_CASES[heads], causal=False, **kw)
+  x, mem = inputs((2, 8, FEATURES), 1), inputs((2, 24, 16), 2)
+  close(flash(x, mem), plain(x, mem))
+  assert flash(x, mem).shape == (2, 8, 8)
+
+
+@pytest.mark.parametrize("batch", [(), (2, 3)])
+def test_nnx_batch_axes(batch):
+  flash, plain = flash_and_plain(2, causal=False)
+  x = inputs(batch + (16, FEATURES))
+  close(flash(x), plain(x))
+
+
+def test_nnx_dtype():
+  flash, plain = flash_and_plain(2, causal=True, dtype=jnp.bfloat16)
+  x = inputs((2, 16, FEATURES))
+  out = flash(x)
+  assert out.dtype == jnp.bfloat16
+  assert flash.query.kernel.dtype == jnp.float32
+  close(out.astype(jnp.float32), plain(x, is_causal=True).astype(jnp.float32),
+        atol=3e-2, rtol=3e-2)
+
+
+def test_nnx_rejects_bad_heads():
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    jf.MultiHeadAttention(4, FEATURES, num_kv_heads=3, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="qkv_features"):
+    jf.MultiHeadAttention(4, FEATURES, qkv_features=30, rngs=nnx.Rngs(0))
+
+
+# Transforms
+
+
+def test_jax_jit_functional():
+  flash, plain = flash_and_plain(2, causal=True)
+  graphdef, state = nnx.split(flash)
+  x = inputs((2, 16, FEATURES))
+
+  @jax.jit
+  def loss(state, x):
+    return jnp.sum(nnx.merge(graphdef, state)(x) ** 2)
+
+  grads = jax.grad(loss)(state, x)
+  ref = param_grads(plain, lambda m: jnp.sum(m(x, is_causal=True) ** 2))
+  tree_close(grads, nnx.state(ref), atol=1e-4, rtol=1e-4)
+
+
+def test_nnx_jit_grad_train_step():
+  optax = pytest.importorskip("optax")
+  flash, plain = flash_and_plain(2, causal=True)
+  x, y = inputs((2, 16, FEATURES), 1), inputs((2, 16, FEATURES), 2)
+
+  def make_step(model, **call):
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt):
+      loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x, **call) - y) ** 2))(model)
+      opt.update(model, grads)
+      return loss
+
+    return lambda: step(model, opt)
+
+  step_flash, step_plain = make_step(flash), make_step(plain, is_causal=True)
+  losses = [(step_flash(), step_plain()) for _ in range(3)]
+  close([a for a, _ in losses], [b for _, b in losses], atol=1e-5, rtol=1e-5)
+  assert losses[-1][0] < losses[0][0]
+  tree_close(nnx.state(flash, nnx.Param), nnx.state(plain, nnx.Param), atol=1e-5, rtol=1e-5)
+
+
+def test_nnx_remat():
+  flash, plain = flash_and_plain(2, causal=True)
+  x = inputs((2, 16, FEATURES))
+
+  def loss(model):
+    return jnp.sum(nnx.remat(lambda m, x: m(x))(model, x) ** 2)
+
+  g = nnx.jit(nnx.grad(loss))(flash)
+  ref = param_grads(plain, lambda m: jnp.sum(m(x, is_causal=True) ** 2))
+  tree_close(nnx.state(g), nnx.state(ref), atol=1e-4, rtol=1e-4)
+
+
+class Block(nnx.Module):
+  """Pre-norm residual attention block, as stacked in a transformer."""
+
+  def __init__(self, attention_cls, rngs):
+    self.norm = nnx.LayerNorm(FEATURES, rngs=rngs)
+    self.attn = attention_cls(rngs)
+
+  def __call__(self, x, **call):
+    return x + self.attn(self.norm(x), **call)
+
+
+def test_nnx_scan_over_layers():
+  layers = 3
+
+  def stacked(attention_cls):
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+      return Block(attention_cls, rngs)
+
+    return create(nnx.Rngs(0))
+
+  flash = stacked(lambda rngs: jf.MultiHeadAttention(
+      HEADS, FEATURES, num_kv_heads=2, causal=True, rngs=rngs))
+  plain = stacked(lambda rngs: nnx.MultiHeadAttention(
+      HEADS, FEATURES, num_kv_heads=2, decode=False, rngs=rngs))
+  nnx.update(plain, nnx.state(flash, nnx.Param))
+  x = inputs((2, 16, FEATURES))
+
+  def run(model, x, **call):
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def body(block, x):
+      return block(x, **call)
+
+    return body(model, x)
+
+  def loss(model, **call):
+    return jnp.sum(run(model, x, **call) ** 2)
+
+  close(nnx.jit(run)(flash, x), run(plain, x, is_causal=True), atol=1e-4, rtol=1e-4)
+  g_flash = nnx.jit(nnx.grad(loss))(flash)
+  g_plain = nnx.grad(lambda m: loss(m, is_causal=True))(plain)
+  tree_close(nnx.state(g_flash), nnx.state(g_plain), atol=1e-3, rtol=1e-3)
+
+
+# Linen
+
+
+def plain_linen(params, x, kv, causal):
+  """The same Linen parameters through jax.nn.dot_product_attention."""
+  p = params["params"]
+
+  def proj(name, y):
+    return jnp.einsum("...f,fhd->...hd", y, p[name]["kernel"]) + p[name]["bias"]
+
+  q, k, v = proj("query", x), proj("key", kv), proj("value", kv)
+  o = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+  return jnp.einsum("...hd,hdf->...f", o, p["out"]["kernel"]) + p["out"]["bias"]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", sorted(HEAD_CASES))
+def test_linen_matches_plain(heads, causal):
+  layer = jfl.MultiHeadAttention(HEADS, num_kv_heads=HEAD_CASES[heads], causal=causal)
+  x = inputs((2, 24, FEATURES))
+  params = layer.init(jax.random.key(0), x)
+  assert params["params"]["key"]["kernel"].shape == (
+      FEATURES, HEAD_CASES[heads], FEATURES // HEADS)
+  close(jax.jit(layer.apply)(params, x), plain_linen(params, x, x, causal))
+
+  g = jax.grad(lambda p: jnp.sum(jnp.sin(layer.apply(p, x))))(params)
+  ref = jax.grad(lambda p: jnp.sum(jnp.sin(plain_linen(p, x, x, causal))))(params)
+  tree_close(g, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_linen_matches_flax_mha_and_cross_attention():
+  x, mem = inputs((2, 8, FEATURES), 1), inputs((2, 20, FEATURES), 2)
+  plain = nn.MultiHeadDotProductAttention(HEADS)
+  params = plain.init(jax.random.key(0), x, mem)
+  # MHA parameters are interchangeable with flax's own layer.
+  close(jfl.MultiHeadAttention(HEADS).apply(params, x, mem), plain.apply(params, x, mem))
+  layer = jfl.MultiHeadAttention(HEADS, num_kv_heads=1)
+  p = layer.init(jax.random.key(1), x, mem)
+  close(layer.apply(p, x, mem), plain_linen(p, x, mem, causal=False))
+
+
+# The attention_fn drop-in
+
+
+def test_drop_in_nnx():
+  flash_fn = nnx.MultiHeadAttention(
+      HEADS, FEATURES, num_kv_heads=2, attention_fn=jf.dot_product_attention,
+      decode=False, rngs=nnx.Rngs(0))
+  plain = nnx.MultiHeadAttention(HEADS, FEATURES, num_kv_heads=2, decode=False,
+                                 rngs=nnx.Rngs(0))
+  x = inputs((2, 16, FEATURES))
+  for causal in (False, True):
+    close(flash_fn(x, is_causal=causal), plain(x, is_causal=causal))
+  # Dropout configured but switched off is fine.
+  flash_fn.dropout_rate = 0.5
+  close(flash_fn(x, deterministic=True), plain(x))
+
+
+def test_drop_in_linen():
+  x = inputs((2, 16, FEATURES))
+  flash_fn = nn.MultiHeadDotProductAttention(HEADS, attention_fn=jf.dot_product_attention)
+  plain = nn.MultiHeadDotProductAttention(HEADS)
+  params = plain.init(jax.random.key(0), x)
+  close(flash_fn.apply(params, x), plain.apply(params, x))
+  close(jax.grad(lambda p: jnp.sum(flash_fn.apply(p, x) ** 2))(params)["params"]["query"]["kernel"],
+        jax.grad(lambda p: jnp.sum(plain.apply(p, x) ** 2))(params)["params"]["query"]["kernel"],
+        atol=1e-4, rtol=1e-4)
+
+
+def test_drop_in_errors():
+  x = inputs((2, 16, HEADS, 8))
+  with pytest.raises(ValueError, match="bias is not supported"):
+    jf.dot_product_attention(x, x, x, bias=jnp.zeros((2, HEADS, 16, 16)))
+  with pytest.raises(ValueError, match="mask is not supported.*is_causal=True"):
+    jf.dot_product_attention(x, x, x, mask=jnp.ones((2, HEADS, 16, 16), bool))
+  with pytest.raises(ValueError, match="dropout_rate=0.1"):
+    jf.dot_product_attention(x, x, x, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+  close(jf.dot_product_attention(x, x, x, dropout_rate=0.1, deterministic=True),
+        jax.nn.dot_product_attention(x, x, x))
+
+  # Through the layers: a Linen mask, nnx dropout, sown weights.
+  y = inputs((2, 16, FEATURES))
+  linen = nn.MultiHeadDotProductAttention(HEADS, attention_fn=jf.dot_product_attention)
+  params = linen.init(jax.random.key(0), y)
+  with pytest.raises(ValueError, match="mask is not supported"):
+    linen.apply(params, y, mask=nn.make_causal_mask(y[..., 0]))
+  layer = nnx.MultiHeadAttention(
+      HEADS, FEATURES, attention_fn=jf.dot_product_attention, dropout_rate=0.1,
+      decode=False, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="dropout_rate"):
+    layer(y, deterministic=False, rngs=nnx.Rngs(dropout=1))
+  with pytest.raises(ValueError, match="sow_weights"):
+    layer(y, deterministic=True, sow_weights=True)
+
+
+def test_import_jax_flash2_does_not_import_flax():
+  code = "import sys, jax_flash2; assert 'flax' not in sys.modules, 'flax imported'"
+  subprocess.run([sys.executable, "-c", code], check=True)
