@@ -309,6 +309,7 @@ def test_drop_in_errors():
     layer(y, deterministic=True, sow_weights=True)
 
 
-def test_import_jax_flash2_does_not_import_flax():
+def test_import_jax_flash2_does_not_import_flax(tmp_path):
   code = "import sys, jax_flash2; assert 'flax' not in sys.modules, 'flax imported'"
-  subprocess.run([sys.executable, "-c", code], check=True)
+  # cwd outside the source tree: `python -c` puts the cwd first on sys.path.
+  subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
