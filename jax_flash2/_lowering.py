@@ -19,6 +19,7 @@ def _attributes(config) -> dict:
       softmax_scale=np.float32(config.softmax_scale),
       window_left=np.int64(config.window_left),
       window_right=np.int64(config.window_right),
+      softcap=np.float32(config.softcap),
   )
 
 
@@ -34,7 +35,12 @@ def _cpu_rule(target: str):
 def _sm_count() -> int:
   """Multiprocessors of the local GPUs (the largest, if they differ): the
   split-KV plan, and so the workspace size, depends on it."""
-  counts = [getattr(d, "core_count", 0) or 0 for d in jax.local_devices(backend="gpu")]
+  try:
+    counts = [getattr(d, "core_count", 0) or 0 for d in jax.local_devices(backend="gpu")]
+  except RuntimeError:  # lowering for CUDA without a local GPU (jax.export)
+    counts = []
+  # Without a GPU to ask, plan for an H100/H200's 132: the plan only sets how
+  # many key splits the workspace holds, never correctness.
   return max(counts, default=0) or 132
 
 
@@ -46,6 +52,11 @@ def _cuda_rule(target: str, backward: bool):
       raise NotImplementedError(
           "jax_flash2: the CUDA kernels take float16 or bfloat16 (they accumulate in "
           "float32); cast q, k, v or pass implementation='reference'"
+      )
+    if config.softcap > 0:
+      raise NotImplementedError(
+          "jax_flash2: softcap is not implemented by the CUDA kernels yet; pass "
+          "implementation='reference' or run on CPU"
       )
     batch, seqlen_q, heads_q, head_dim = ctx.avals_in[0].shape
     seqlen_k, heads_kv = ctx.avals_in[1].shape[1:3]

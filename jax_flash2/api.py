@@ -35,6 +35,7 @@ class AttentionConfig:
   softmax_scale: float
   window_left: int = -1
   window_right: int = -1
+  softcap: float = 0.0
   implementation: str = "kernel"
 
 
@@ -106,8 +107,20 @@ def _check_window(window_size, causal: bool) -> tuple[int, int]:
   return left, right
 
 
+def _check_softcap(softcap) -> float:
+  if isinstance(softcap, jax.core.Tracer):
+    raise TypeError("flash_attention: softcap must be a static Python number, not a traced value")
+  try:
+    value = float(softcap)
+  except (TypeError, ValueError):
+    raise TypeError(f"flash_attention: softcap must be a number; got {softcap!r}") from None
+  if not math.isfinite(value) or value < 0:
+    raise ValueError(f"flash_attention: softcap must be finite and >= 0 (0 = off); got {softcap!r}")
+  return value
+
+
 def make_config(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                implementation=None, dtypes=SUPPORTED_DTYPES) -> AttentionConfig:
+                softcap=0.0, implementation=None, dtypes=SUPPORTED_DTYPES) -> AttentionConfig:
   """Checks the arguments of flash_attention and returns its static config."""
   _check_arrays(q, k, v, dtypes)
   if not isinstance(causal, (bool, np.bool_)):
@@ -123,13 +136,14 @@ def make_config(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -
       softmax_scale=_check_scale(softmax_scale, q.shape[3]),
       window_left=left,
       window_right=right,
+      softcap=_check_softcap(softcap),
       implementation=implementation,
   )
 
 
 def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                     return_lse: bool = False, window_size: tuple[int, int] = (-1, -1),
-                    implementation: str | None = None):
+                    softcap: float = 0.0, implementation: str | None = None):
   """FlashAttention-2: softmax(q k^T * scale [masked]) v without the T x S matrix.
 
   Args:
@@ -144,6 +158,8 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     window_size: (left, right) local attention around the bottom-right-aligned
       diagonal: query i sees keys i + S - T - left <= j <= i + S - T + right;
       -1 = unbounded. Combined with causal, right is at most 0.
+    softcap: if > 0, scaled scores s become softcap * tanh(s / softcap)
+      (Gemma-2); 0 = off. CPU kernels and reference (CUDA: not yet).
     implementation: None or "kernel" (the compiled kernels of the platform),
       or "reference" (plain JAX, materializes the T x S scores).
 
@@ -152,7 +168,7 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     [B, H, T] float32. Both are differentiable in q, k, v.
   """
   config = make_config(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                       window_size=window_size, implementation=implementation)
+                       window_size=window_size, softcap=softcap, implementation=implementation)
   if config.implementation == "reference":
     out, lse = reference.forward_from_config(q, k, v, config)
   else:

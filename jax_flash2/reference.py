@@ -34,6 +34,8 @@ def forward_from_config(q, k, v, config):
   # HIGHEST: a float32 reference must not silently run in TF32 on GPUs.
   scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(compute),
                       precision=jax.lax.Precision.HIGHEST) * config.softmax_scale
+  if config.softcap > 0:
+    scores = config.softcap * jnp.tanh(scores / config.softcap)
   mask = visible(seqlen_q, seqlen_k, config.window_left, config.window_right)
   scores = jnp.where(mask, scores, -jnp.inf)
   row_max = jnp.max(scores, axis=-1, keepdims=True)
@@ -51,13 +53,14 @@ def forward_from_config(q, k, v, config):
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
               return_lse: bool = False, window_size: tuple[int, int] = (-1, -1),
-              implementation: str | None = None):
+              softcap: float = 0.0, implementation: str | None = None):
   """Same arguments and results as jax_flash2.flash_attention (see there); also
   takes float64 inputs (with x64 enabled), which makes it the tests' oracle."""
   from jax_flash2 import api  # the argument checks live in the API layer
 
   config = api.make_config(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                           window_size=window_size, implementation=implementation,
+                           window_size=window_size, softcap=softcap,
+                           implementation=implementation,
                            dtypes=api.SUPPORTED_DTYPES + (jnp.float64,))
   out, lse = forward_from_config(q, k, v, config)
   return (out, lse) if return_lse else out

@@ -38,7 +38,8 @@ inline ffi::Error ToDType(ffi::DataType type, DType* dtype) {
 // Sizes, strides, dtype, scale and window from q [B, T, H, D], k, v [B, S, K, D].
 inline ffi::Error ParamsFromInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                                    const ffi::AnyBuffer& v, float softmax_scale,
-                                   int64_t window_left, int64_t window_right, FlashParams* p) {
+                                   int64_t window_left, int64_t window_right, float softcap,
+                                   FlashParams* p) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   const auto vd = v.dimensions();
@@ -73,8 +74,15 @@ inline ffi::Error ParamsFromInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer
   p->group_size = p->num_heads_q / p->num_heads_kv;
   p->softmax_scale = softmax_scale;
   p->softmax_scale_log2 = softmax_scale * 1.4426950408889634f;
+  if (window_left < -1 || window_right < -1) {
+    return ffi::Error::InvalidArgument("jax_flash2: window bounds must be >= -1");
+  }
+  if (!(softcap >= 0.0f) || !std::isfinite(softcap)) {
+    return ffi::Error::InvalidArgument("jax_flash2: softcap must be finite and >= 0");
+  }
   p->window_left = window_left;
   p->window_right = window_right;
+  p->softcap = softcap;
   SetDenseStrides(*p);
   p->q = q.untyped_data();
   p->k = k.untyped_data();

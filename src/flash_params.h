@@ -52,6 +52,10 @@ struct FlashParams {
   // -1 means unbounded. causal == (window_left = -1, window_right = 0).
   int64_t window_left = -1;
   int64_t window_right = -1;
+
+  // Gemma-2 style score capping: S = softcap * tanh(S / softcap) after the
+  // softmax scale; 0 = off.
+  float softcap = 0.0f;
 };
 
 // Fills the dense [B, T, H, D] strides of every tensor from the sizes.

@@ -26,7 +26,8 @@ def _window(seqlen_q, seqlen_k, causal, window_size):
   return np.asarray(reference.visible(seqlen_q, seqlen_k, left, right))
 
 
-def oracle(q, k, v, d_out, d_lse, *, causal=False, softmax_scale=None, window_size=(-1, -1)):
+def oracle(q, k, v, d_out, d_lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+           softcap=0.0):
   """out, lse and (dq, dk, dv) of loss = <out, d_out> + <lse, d_lse>, in float64 numpy.
 
   Written directly from the definition (softmax of the masked, scaled scores and
@@ -41,7 +42,13 @@ def oracle(q, k, v, d_out, d_lse, *, causal=False, softmax_scale=None, window_si
   kh = np.repeat(k.transpose(0, 2, 1, 3), group, axis=1)         # [B, H, S, D]
   vh = np.repeat(v.transpose(0, 2, 1, 3), group, axis=1)
   mask = _window(seqlen_q, seqlen_k, causal, window_size)
-  scores = np.where(mask, scale * (qh @ kh.transpose(0, 1, 3, 2)), -np.inf)
+  scores = scale * (qh @ kh.transpose(0, 1, 3, 2))
+  slope = 1.0
+  if softcap:
+    capped = np.tanh(scores / softcap)
+    slope = 1.0 - capped**2  # d(softcap * tanh(s / softcap)) / ds
+    scores = softcap * capped
+  scores = np.where(mask, scores, -np.inf)
   row_max = scores.max(-1, keepdims=True)
   row_max = np.where(np.isfinite(row_max), row_max, 0.0)
   weights = np.exp(scores - row_max)
@@ -54,7 +61,7 @@ def oracle(q, k, v, d_out, d_lse, *, causal=False, softmax_scale=None, window_si
   dl = np.where(np.isfinite(lse), d_lse, 0.0)
   dv = probs.transpose(0, 1, 3, 2) @ do
   dp = do @ vh.transpose(0, 1, 3, 2)
-  ds = probs * (dp - (do * out).sum(-1, keepdims=True) + dl[..., None])
+  ds = probs * (dp - (do * out).sum(-1, keepdims=True) + dl[..., None]) * slope
   dq = scale * ds @ kh
   dk = scale * ds.transpose(0, 1, 3, 2) @ qh
 
@@ -65,8 +72,9 @@ def oracle(q, k, v, d_out, d_lse, *, causal=False, softmax_scale=None, window_si
           (dq.transpose(0, 2, 1, 3), per_kv_head(dk), per_kv_head(dv)))
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "window_size"))
-def naive_same_dtype(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)):
+@functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "window_size", "softcap"))
+def naive_same_dtype(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                     softcap=0.0):
   """(out, lse) computed entirely in the inputs' dtype, as a plain implementation would."""
   dtype = q.dtype
   batch, seqlen_q, num_heads, head_dim = q.shape
@@ -79,6 +87,8 @@ def naive_same_dtype(q, k, v, *, causal=False, softmax_scale=None, window_size=(
   kr = jnp.repeat(k, group, axis=2)
   vr = jnp.repeat(v, group, axis=2)
   scores = jnp.einsum("bthd,bshd->bhts", q, kr, preferred_element_type=dtype) * jnp.asarray(scale, dtype)
+  if softcap:
+    scores = jnp.asarray(softcap, dtype) * jnp.tanh(scores / jnp.asarray(softcap, dtype))
   mask = reference.visible(seqlen_q, seqlen_k, left, right)
   scores = jnp.where(mask, scores, jnp.asarray(-jnp.inf, dtype))
   lse = jax.nn.logsumexp(scores, axis=-1)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import attention_fn, random_inputs, supports
+from conftest import ON_GPU, attention_fn, random_inputs, supports
 from oracle import assert_close_to_oracle, naive_same_dtype, oracle
 
 DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
@@ -44,47 +44,56 @@ def _case_id(case):
   return f"b{b}-t{t}-s{s}-h{h}k{k}-d{d}" + ("-causal" if c else "")
 
 
-def _check_forward(backend, case, dtype, rng):
+def _skip_unsupported(backend, dtype, options):
   if not supports(backend, dtype):
     pytest.skip(f"{backend} does not serve {jnp.dtype(dtype).name} here")
+  if options.get("softcap") and backend == "kernel" and ON_GPU:
+    pytest.skip("softcap is not in the CUDA kernels yet")
+
+
+def _check_forward(backend, case, dtype, rng, options=None):
+  options = dict(options or {})
+  _skip_unsupported(backend, dtype, options)
   b, t, s, h, hk, d, causal = case
+  options["causal"] = causal
   q, k, v = random_inputs(rng, b, t, s, h, hk, d, dtype)
-  out, lse = jax.jit(lambda q, k, v: attention_fn(backend)(q, k, v, causal=causal, return_lse=True))(q, k, v)
+  out, lse = jax.jit(lambda q, k, v: attention_fn(backend)(q, k, v, return_lse=True, **options))(q, k, v)
   assert out.shape == q.shape and out.dtype == q.dtype
   assert lse.shape == (b, h, t) and lse.dtype == jnp.float32
   d_out = jnp.zeros_like(out)
-  (ref_out, ref_lse), _ = oracle(q, k, v, d_out, jnp.zeros_like(lse), causal=causal)
-  base_out, base_lse = naive_same_dtype(q, k, v, causal=causal)
+  (ref_out, ref_lse), _ = oracle(q, k, v, d_out, jnp.zeros_like(lse), **options)
+  base_out, base_lse = naive_same_dtype(q, k, v, **options)
   assert_close_to_oracle("out", out, ref_out, base_out, dtype)
   assert_close_to_oracle("lse", lse, ref_lse, base_lse, dtype)
   # Rows that see no key: output 0 and LSE -inf, never NaN.
   assert np.array_equal(np.isneginf(np.asarray(lse)), np.isneginf(ref_lse))
 
 
-def _check_gradients(backend, case, dtype, rng, with_lse_cotangent):
-  if not supports(backend, dtype):
-    pytest.skip(f"{backend} does not serve {jnp.dtype(dtype).name} here")
+def _check_gradients(backend, case, dtype, rng, with_lse_cotangent, options=None):
+  options = dict(options or {})
+  _skip_unsupported(backend, dtype, options)
   b, t, s, h, hk, d, causal = case
+  options["causal"] = causal
   q, k, v = random_inputs(rng, b, t, s, h, hk, d, dtype)
   d_out = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
   d_lse = jnp.asarray(rng.standard_normal((b, h, t)) if with_lse_cotangent else np.zeros((b, h, t)),
                       jnp.float32)
 
   def ours(q, k, v):
-    return attention_fn(backend)(q, k, v, causal=causal, return_lse=True)
+    return attention_fn(backend)(q, k, v, return_lse=True, **options)
 
   _, vjp = jax.vjp(jax.jit(ours), q, k, v)
   grads = vjp((d_out, d_lse))
-  _, ref_grads = oracle(q, k, v, d_out, d_lse, causal=causal)
-  base_grads = _naive_grads(q, k, v, d_out, d_lse.astype(dtype), causal)
+  _, ref_grads = oracle(q, k, v, d_out, d_lse, **options)
+  base_grads = _naive_grads(q, k, v, d_out, d_lse.astype(dtype), tuple(sorted(options.items())))
   for name, g, r, bg, x in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads, (q, k, v)):
     assert g.shape == x.shape and g.dtype == x.dtype
     assert_close_to_oracle(name, g, r, bg, dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("causal",))
-def _naive_grads(q, k, v, d_out, d_lse, causal):
-  _, vjp = jax.vjp(lambda q, k, v: naive_same_dtype(q, k, v, causal=causal), q, k, v)
+@functools.partial(jax.jit, static_argnames=("options",))
+def _naive_grads(q, k, v, d_out, d_lse, options):
+  _, vjp = jax.vjp(lambda q, k, v: naive_same_dtype(q, k, v, **dict(options)), q, k, v)
   return vjp((d_out, d_lse))
 
 
@@ -103,6 +112,31 @@ def test_gradients(backend, case, dtype, rng):
 @pytest.mark.parametrize("case", CASES[1:6], ids=_case_id)
 def test_gradients_through_lse(backend, case, rng):
   _check_gradients(backend, case, jnp.bfloat16, rng, with_lse_cotangent=True)
+
+
+# (case, options): local windows (with and without causal, T != S) and softcap,
+# alone and combined with GQA.
+VARIANT_CASES = [
+    ((1, 200, 200, 2, 1, 32, False), {"window_size": (16, 7)}),
+    ((2, 130, 300, 4, 2, 64, True), {"window_size": (40, -1)}),
+    ((1, 300, 130, 2, 2, 64, False), {"window_size": (-1, 0)}),
+    ((1, 257, 257, 4, 1, 80, True), {"window_size": (64, 16)}),
+    ((1, 150, 170, 2, 2, 32, False), {"softcap": 5.0}),
+    ((2, 97, 97, 4, 2, 64, True), {"softcap": 2.0, "window_size": (30, -1)}),
+]
+
+
+def _variant_id(variant):
+  case, options = variant
+  return _case_id(case) + "-" + "-".join(f"{k}{v}" for k, v in sorted(options.items()))
+
+
+@pytest.mark.parametrize("dtype", (jnp.bfloat16, jnp.float32), ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("variant", VARIANT_CASES, ids=_variant_id)
+def test_variants(backend, variant, dtype, rng):
+  case, options = variant
+  _check_forward(backend, case, dtype, rng, options)
+  _check_gradients(backend, case, dtype, rng, with_lse_cotangent=True, options=options)
 
 
 @pytest.mark.slow

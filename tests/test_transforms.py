@@ -162,6 +162,8 @@ def _arrays(q=(1, 8, 2, 16), k=(1, 8, 2, 16), v=None, dtype=jnp.float32):
     (_arrays(), {"window_size": (-2, 0)}, ValueError, "window_size left"),
     (_arrays(), {"window_size": 3}, ValueError, "window_size must be a pair"),
     (_arrays(), {"implementation": "triton"}, ValueError, "implementation must be one of"),
+    (_arrays(), {"softcap": -1.0}, ValueError, "softcap must be finite and >= 0"),
+    (_arrays(), {"softcap": float("inf")}, ValueError, "softcap must be finite"),
 ])
 def test_bad_arguments(arrays, kwargs, error, match):
   with pytest.raises(error, match=match):

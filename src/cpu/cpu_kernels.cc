@@ -113,6 +113,18 @@ void Gemm(float* c, int64_t ldc, const float* a, int64_t a_row, int64_t a_k, con
 
 inline int64_t RoundUp(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
+// S <- softcap * tanh(S / softcap) * out_scale for the first `rows` rows of a
+// [kBlockM, kBlockN] tile (S already times the softmax scale); the derivative
+// 1 - tanh^2 goes to `slope` when the backward needs it.
+void ApplySoftcap(float* s, int64_t rows, float softcap, float out_scale, float* slope) {
+  const float inv = 1.0f / softcap;
+  for (int64_t i = 0; i < rows * kBlockN; ++i) {
+    const float t = std::tanh(s[i] * inv);
+    s[i] = softcap * t * out_scale;
+    if (slope != nullptr) slope[i] = 1.0f - t * t;
+  }
+}
+
 // rows x D elements of a [.., rows, .., D] tensor into a zero-padded
 // [kBlockM x dp] float tile, times `scale`.
 void LoadTile(const void* base, DType dtype, int64_t offset, int64_t row_stride, int64_t rows,
@@ -154,8 +166,11 @@ void ForwardBlock(const FlashParams& p, float* ws, int64_t b, int64_t h, int64_t
   float* row_sum = row_max + kBlockM;      // running sum of P
   float* row_buffer = row_sum + kBlockM;   // [dp]
 
+  // With softcap, S is capped in natural units, then moved to log2 units.
+  const bool capped = p.softcap > 0.0f;
   const int64_t q_offset = b * p.q_batch_stride + m0 * p.q_row_stride + h * p.q_head_stride;
-  LoadTile(p.q, p.dtype, q_offset, p.q_row_stride, rows, d, dp, p.softmax_scale_log2, q);
+  LoadTile(p.q, p.dtype, q_offset, p.q_row_stride, rows, d, dp,
+           capped ? p.softmax_scale : p.softmax_scale_log2, q);
   std::fill(o, o + kBlockM * dp, 0.0f);
   std::fill(row_max, row_max + kBlockM, kNegInf);
   std::fill(row_sum, row_sum + kBlockM, 0.0f);
@@ -172,6 +187,7 @@ void ForwardBlock(const FlashParams& p, float* ws, int64_t b, int64_t h, int64_t
     // S = (Q * scale * log2 e) K^T
     std::fill(s, s + kBlockM * kBlockN, 0.0f);
     Gemm(s, kBlockN, q, dp, 1, kt, kBlockN, m_rows, kBlockN, dp);
+    if (capped) ApplySoftcap(s, rows, p.softcap, kLog2e, nullptr);
     if (!mask.BlockFullyVisible(m0, m0 + rows, n0, n0 + kBlockN)) {
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < kBlockN; ++j)
@@ -229,6 +245,9 @@ void BackwardBlocks(const FlashParams& p, float* ws, const float* dvec, float* d
   const int64_t d = p.head_dim;
   const int64_t dp = PaddedHeadDim(d);
   const WindowMask mask = MakeWindowMask(p);
+  const bool capped = p.softcap > 0.0f;
+  // P = exp2(S' * multiplier - LSE * log2 e), S' the (capped) scaled scores.
+  const float exp_multiplier = capped ? kLog2e : p.softmax_scale_log2;
 
   float* kmat = ws;                  // [kBlockN, dp]
   float* kt = kmat + kBlockN * dp;   // [dp, kBlockN]
@@ -240,7 +259,8 @@ void BackwardBlocks(const FlashParams& p, float* ws, const float* dvec, float* d
   float* dq = d_o + kBlockM * dp;    // [kBlockM, dp]
   float* pm = dq + kBlockM * dp;     // [kBlockM, kBlockN]: P
   float* ds = pm + kBlockM * kBlockN;  // [kBlockM, kBlockN]: dP, then dS
-  float* lse2 = ds + kBlockM * kBlockN;  // LSE in log2 units
+  float* slope = ds + kBlockM * kBlockN;   // d softcap(S) / dS, when capped
+  float* lse2 = slope + kBlockM * kBlockN;  // LSE in log2 units
   float* row_d = lse2 + kBlockM;
   float* row_buffer = row_d + kBlockM;
 
@@ -275,6 +295,10 @@ void BackwardBlocks(const FlashParams& p, float* ws, const float* dvec, float* d
         // P = exp2(S * scale * log2 e - LSE * log2 e), 0 where masked.
         std::fill(pm, pm + kBlockM * kBlockN, 0.0f);
         Gemm(pm, kBlockN, q, dp, 1, kt, kBlockN, m_rows, kBlockN, dp);
+        if (capped) {
+          for (int64_t i = 0; i < rows * kBlockN; ++i) pm[i] *= p.softmax_scale;
+          ApplySoftcap(pm, rows, p.softcap, 1.0f, slope);
+        }
         const bool fully_visible = mask.BlockFullyVisible(m0, m0 + rows, n0, n0 + kBlockN);
         for (int64_t r = 0; r < kBlockM; ++r) {
           float* p_row = pm + r * kBlockN;
@@ -288,7 +312,7 @@ void BackwardBlocks(const FlashParams& p, float* ws, const float* dvec, float* d
               if (!mask.Allowed(m0 + r, n0 + j)) p_row[j] = kNegInf;
           }
           for (int64_t j = 0; j < kBlockN; j += kLanes)
-            Store(p_row + j, Exp2(Load(p_row + j) * p.softmax_scale_log2 - lse2[r]));
+            Store(p_row + j, Exp2(Load(p_row + j) * exp_multiplier - lse2[r]));
         }
 
         // dV += P^T dO
@@ -300,6 +324,10 @@ void BackwardBlocks(const FlashParams& p, float* ws, const float* dvec, float* d
           float* ds_row = ds + r * kBlockN;
           const float* p_row = pm + r * kBlockN;
           for (int64_t j = 0; j < kBlockN; ++j) ds_row[j] = p_row[j] * (ds_row[j] - row_d[r]);
+          if (capped) {  // chain rule through the cap
+            const float* slope_row = slope + r * kBlockN;
+            for (int64_t j = 0; j < kBlockN; ++j) ds_row[j] *= slope_row[j];
+          }
         }
         for (int64_t r = rows; r < kBlockM; ++r) std::fill(ds + r * kBlockN, ds + (r + 1) * kBlockN, 0.0f);
         // dK += dS^T Q (scaled once at the end)

@@ -18,10 +18,11 @@ inline constexpr int64_t kDimPad = 16;
 inline int64_t PaddedHeadDim(int64_t head_dim) { return (head_dim + kDimPad - 1) / kDimPad * kDimPad; }
 
 // Floats of per-worker scratch one task needs (tiles of Q, K, V, O, dO, dK,
-// dV, dQ, S, dP and row statistics), for the forward and backward alike.
+// dV, dQ, S, dP, the softcap derivative and row statistics), forward and
+// backward alike.
 inline int64_t WorkspaceFloats(int64_t head_dim) {
   const int64_t dp = PaddedHeadDim(head_dim);
-  return 10 * kBlockM * dp + 2 * kBlockM * kBlockN + 4 * kBlockM + dp;
+  return 10 * kBlockM * dp + 3 * kBlockM * kBlockN + 4 * kBlockM + dp;
 }
 
 struct KernelTable {

@@ -17,9 +17,10 @@ SharedLoopRunner MakeRunner(ffi::ThreadPool& pool) {
 
 ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                       float softmax_scale, int64_t window_left, int64_t window_right) {
+                       float softmax_scale, int64_t window_left, int64_t window_right,
+                       float softcap) {
   FlashParams p;
-  if (ffi::Error err = ParamsFromInputs(q, k, v, softmax_scale, window_left, window_right, &p);
+  if (ffi::Error err = ParamsFromInputs(q, k, v, softmax_scale, window_left, window_right, softcap, &p);
       err.failure()) {
     return err;
   }
@@ -36,9 +37,10 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
                         ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer d_out,
                         ffi::AnyBuffer d_lse, ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                        float softmax_scale, int64_t window_left, int64_t window_right) {
+                        float softmax_scale, int64_t window_left, int64_t window_right,
+                       float softcap) {
   FlashParams p;
-  if (ffi::Error err = ParamsFromInputs(q, k, v, softmax_scale, window_left, window_right, &p);
+  if (ffi::Error err = ParamsFromInputs(q, k, v, softmax_scale, window_left, window_right, softcap, &p);
       err.failure()) {
     return err;
   }
@@ -76,7 +78,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::AnyBuffer>()  // lse: [B, H, T] float32
         .Attr<float>("softmax_scale")
         .Attr<int64_t>("window_left")    // -1: unbounded
-        .Attr<int64_t>("window_right"));  // -1: unbounded; 0: causal
+        .Attr<int64_t>("window_right")  // -1: unbounded; 0: causal
+        .Attr<float>("softcap"));       // 0: off
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFlash2CpuBackward, BackwardImpl,
@@ -94,6 +97,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::AnyBuffer>()  // dv: [B, S, K, D], summed over each head group
         .Attr<float>("softmax_scale")
         .Attr<int64_t>("window_left")
-        .Attr<int64_t>("window_right"));
+        .Attr<int64_t>("window_right")
+        .Attr<float>("softcap"));
 
 }  // namespace jax_flash2::cpu

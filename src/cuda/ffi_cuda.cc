@@ -28,6 +28,9 @@ ffi::Error Prepare(const FlashParams& p, ffi::AnyBuffer& workspace, int64_t plan
   if (std::string why = Unsupported(p, *dev); !why.empty()) {
     return ffi::Error::InvalidArgument("jax_flash2: " + why);
   }
+  if (p.softcap != 0.0f) {
+    return ffi::Error::InvalidArgument("jax_flash2: softcap is not implemented by the CUDA kernels");
+  }
   if (plan_sm_count > 0) dev->sm_count = static_cast<int>(plan_sm_count);
   const size_t bytes = bytes_for(p, *dev);
   if (workspace.size_bytes() < bytes) {
@@ -41,9 +44,10 @@ ffi::Error Prepare(const FlashParams& p, ffi::AnyBuffer& workspace, int64_t plan
 ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                        ffi::Result<ffi::AnyBuffer> workspace, float softmax_scale,
-                       int64_t window_left, int64_t window_right, int64_t sm_count) {
+                       int64_t window_left, int64_t window_right, float softcap,
+                       int64_t sm_count) {
   FlashParams p;
-  if (ffi::Error err = ParamsFromInputs(q, k, v, softmax_scale, window_left, window_right, &p);
+  if (ffi::Error err = ParamsFromInputs(q, k, v, softmax_scale, window_left, window_right, softcap, &p);
       err.failure()) {
     return err;
   }
@@ -67,9 +71,10 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer d_lse, ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                         ffi::Result<ffi::AnyBuffer> workspace, float softmax_scale,
-                        int64_t window_left, int64_t window_right, int64_t sm_count) {
+                        int64_t window_left, int64_t window_right, float softcap,
+                       int64_t sm_count) {
   FlashParams p;
-  if (ffi::Error err = ParamsFromInputs(q, k, v, softmax_scale, window_left, window_right, &p);
+  if (ffi::Error err = ParamsFromInputs(q, k, v, softmax_scale, window_left, window_right, softcap, &p);
       err.failure()) {
     return err;
   }
@@ -113,6 +118,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("softmax_scale")
         .Attr<int64_t>("window_left")   // -1: unbounded
         .Attr<int64_t>("window_right")  // -1: unbounded; 0: causal
+        .Attr<float>("softcap")         // 0: off; not in the CUDA kernels yet
         .Attr<int64_t>("sm_count"));    // multiprocessors the workspace was sized for
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -133,6 +139,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("softmax_scale")
         .Attr<int64_t>("window_left")
         .Attr<int64_t>("window_right")
+        .Attr<float>("softcap")
         .Attr<int64_t>("sm_count"));
 
 }  // namespace jax_flash2::cuda
