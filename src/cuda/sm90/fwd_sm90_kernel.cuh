@@ -1,0 +1,480 @@
+// FlashAttention-2 forward for Hopper (sm_90a): TMA loads into a K/V ring of
+// shared-memory stages synchronised by mbarriers, wgmma for both products,
+// and warp specialisation (one producer warpgroup, two consumer warpgroups).
+//
+// One thread block computes O for kBlockM = 128 query rows of one (batch,
+// head); grid (m_blocks, H, B), the m-blocks of a head in reverse order so
+// that under a causal mask the longest blocks start first.
+//
+// Producer (warpgroup 0, one thread; setmaxnreg down to kProducerRegs):
+//   Q tile once -> q_full; then for each visible key block n, from the last
+//   down: wait k_empty[stage], K_n -> k_full[stage]; wait v_empty[stage],
+//   V_n -> v_full[stage].
+// Consumers (warpgroups 1, 2; setmaxnreg up to kConsumerRegs), 64 rows each,
+// per key block n:
+//   S = Q K_n^T                       wgmma SS, fp32, both operands in smem
+//   mask (diagonal / window / ragged blocks only)
+//   m' = max(m, rowmax S);  P = exp2(S * scale_log2 - m' * scale_log2)
+//   l = l * exp2((m - m') * scale_log2) + rowsum P;  O = O * (same)
+//   O += P V_n                        wgmma RS: P (bf16/fp16) in registers
+// releasing K_n once S is done and V_n once PV is done; at the end O / l and
+// LSE = m * scale + log(l), written straight from the accumulator registers.
+// Three schedules of that loop (Sm90Schedule, fwd_sm90.h): kSerial runs it
+// as written; kOverlap pipelines it by one block so that O += P_{n+1} V_{n+1}
+// executes on the tensor cores while the softmax of block n runs (see the
+// loop); kPingpong adds turns between the two consumer warpgroups so that
+// their wgmma batches alternate. Without turns, each waits only on the shared
+// K/V stages, and one's softmax overlaps the other's wgmma only as far as they
+// happen to drift apart.
+//
+// Masking follows WindowMask (flash_mask.h); key blocks outside the window of
+// every row are skipped, and only blocks not fully visible to all 64 rows of
+// a warpgroup pay for the per-element predicate. Ragged tails: TMA zero-fills
+// rows past T (Q) and S (K, V); the mask removes the zero keys, and zero V
+// rows add nothing. Rows past T are computed but never written.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "../../flash_mask.h"
+#include "../primitives.cuh"
+#include "fwd_sm90.h"
+#include "primitives.cuh"
+#include "wgmma.cuh"
+
+namespace jax_flash2::cuda::sm90 {
+
+template <int kHeadDim_>
+struct FwdSm90Traits {
+  static constexpr FwdSm90Tile kTile = FwdSm90TileFor(kHeadDim_);
+  static_assert(kTile.head_dim == kHeadDim_, "no sm90 tile for this head dim");
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kStages = kTile.stages;
+  static constexpr int kPanelCols = 64;  // one 128-byte swizzled row of 2-byte elements
+  static constexpr int kPanels = kHeadDim / kPanelCols;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kKvBytes = kBlockN * kHeadDim * 2;  // one K or V tile
+  static constexpr int kQPanelBytes = kBlockM * 128;
+  static constexpr int kKvPanelBytes = kBlockN * 128;
+  static constexpr int kSAcc = kBlockN / 2;   // fp32 S accumulators per thread
+  static constexpr int kOAcc = kHeadDim / 2;  // fp32 O accumulators per thread
+  static constexpr int kPSlices = kBlockN / 16;  // k16 slices of P
+  static constexpr int kConsumerWarps = 4 * kConsumerWarpgroups;
+  static_assert(kBlockM == 64 * kConsumerWarpgroups, "each consumer warpgroup owns 64 rows");
+  static_assert(kHeadDim % kPanelCols == 0 && kBlockN % 16 == 0 && kBlockN <= 256);
+};
+
+// Shared-memory carve-up (byte offsets from the 1024-aligned base). Every tile
+// and every panel starts on a 1024-byte boundary (the swizzle atom).
+template <class Tr>
+struct FwdSm90Smem {
+  static constexpr int kQ = 0;
+  static constexpr int kK = kQ + Tr::kQBytes;
+  static constexpr int kV = kK + Tr::kStages * Tr::kKvBytes;
+  static constexpr int kBars = kV + Tr::kStages * Tr::kKvBytes;
+  static_assert(kK % 1024 == 0 && kV % 1024 == 0 && Tr::kKvBytes % 1024 == 0);
+};
+
+// A row of a warp's accumulator slice lives in the 4 lanes of a quad.
+__device__ __forceinline__ float QuadMax(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float QuadSum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+template <typename Elem, int kHeadDim, Sm90Schedule kSchedule>
+__global__ void __launch_bounds__(kFwdSm90Threads, 1)
+    FwdSm90Kernel(const __grid_constant__ FwdSm90Args args) {
+  using Tr = FwdSm90Traits<kHeadDim>;
+  using Smem = FwdSm90Smem<Tr>;
+  constexpr int kBlockM = Tr::kBlockM;
+  constexpr int kBlockN = Tr::kBlockN;
+  constexpr int kStages = Tr::kStages;
+
+  extern __shared__ unsigned char smem_raw[];
+  // Dynamic shared memory is only guaranteed 16-byte aligned; the swizzle
+  // atoms need 1024 (FwdSm90SmemBytes reserves the slack).
+  unsigned char* smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  Elem* s_q = reinterpret_cast<Elem*>(smem + Smem::kQ);
+  Elem* s_k = reinterpret_cast<Elem*>(smem + Smem::kK);
+  Elem* s_v = reinterpret_cast<Elem*>(smem + Smem::kV);
+  // K and V have their own full/empty barriers: a K slot is released as soon
+  // as S = Q K^T has completed, a V slot only after O += P V, so the next K
+  // can land while the current V is still being read.
+  uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + Smem::kBars);
+  uint64_t* k_full = q_full + 1;
+  uint64_t* v_full = k_full + kStages;
+  uint64_t* k_empty = v_full + kStages;
+  uint64_t* v_empty = k_empty + kStages;
+
+  const FlashParams& p = args.p;
+  const int m_block = args.num_m_blocks - 1 - static_cast<int>(blockIdx.x);
+  const int head = blockIdx.y;
+  const int b = blockIdx.z;
+  const int kv_head = head / static_cast<int>(p.group_size);  // GQA by index
+  const int seqlen_q = static_cast<int>(p.seqlen_q);
+  const int row_begin = m_block * kBlockM;
+  const int row_end = min(row_begin + kBlockM, seqlen_q);
+
+  // Key blocks [n_first, n_end) that some query of this block may see.
+  const WindowMask mask = MakeWindowMask(p);
+  int64_t key_begin, key_end;
+  mask.KeyRange(row_begin, row_end, &key_begin, &key_end);
+  const int n_first = static_cast<int>(key_begin / kBlockN);
+  const int n_end =
+      key_end > key_begin ? static_cast<int>((key_end + kBlockN - 1) / kBlockN) : n_first;
+
+  if (threadIdx.x == 0) {
+    MbarInit(q_full, 1);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      MbarInit(&k_full[s], 1);
+      MbarInit(&v_full[s], 1);
+      // Every consumer warp arrives once its own wait for the last wgmma
+      // reading the slot has returned: all 8 warps, so no warp's view of a
+      // warpgroup-wide wgmma is assumed to cover another's.
+      MbarInit(&k_empty[s], Tr::kConsumerWarps);
+      MbarInit(&v_empty[s], Tr::kConsumerWarps);
+    }
+    FenceBarrierInit();
+  }
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    // ---------------------------------------------------------------- producer
+    SetMaxNRegDec<kProducerRegs>();
+    if (threadIdx.x == 0 && n_first < n_end) {
+      PrefetchTensorMap(&args.tma_q);
+      PrefetchTensorMap(&args.tma_k);
+      PrefetchTensorMap(&args.tma_v);
+      // The two middle coordinates are (head, row) or (row, head), by the
+      // tensor map's dimension order (see FwdSm90Args).
+      const int q1 = args.q_heads_inner ? head : row_begin;
+      const int q2 = args.q_heads_inner ? row_begin : head;
+      MbarArriveExpectTx(q_full, Tr::kQBytes);
+#pragma unroll
+      for (int panel = 0; panel < Tr::kPanels; ++panel) {
+        TmaLoad4d(reinterpret_cast<unsigned char*>(s_q) + panel * Tr::kQPanelBytes, &args.tma_q,
+                  q_full, panel * Tr::kPanelCols, q1, q2, b);
+      }
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int n = n_end - 1; n >= n_first; --n) {
+        const int key0 = n * kBlockN;
+        // Slot free? (Parity phase ^ 1: the first pass over the ring finds
+        // every slot free.)
+        MbarWait(&k_empty[stage], phase ^ 1);
+        MbarArriveExpectTx(&k_full[stage], Tr::kKvBytes);
+        unsigned char* k_dst = reinterpret_cast<unsigned char*>(s_k) + stage * Tr::kKvBytes;
+#pragma unroll
+        for (int panel = 0; panel < Tr::kPanels; ++panel) {
+          TmaLoad4d(k_dst + panel * Tr::kKvPanelBytes, &args.tma_k, &k_full[stage],
+                    panel * Tr::kPanelCols, args.k_heads_inner ? kv_head : key0,
+                    args.k_heads_inner ? key0 : kv_head, b);
+        }
+        MbarWait(&v_empty[stage], phase ^ 1);
+        MbarArriveExpectTx(&v_full[stage], Tr::kKvBytes);
+        unsigned char* v_dst = reinterpret_cast<unsigned char*>(s_v) + stage * Tr::kKvBytes;
+#pragma unroll
+        for (int panel = 0; panel < Tr::kPanels; ++panel) {
+          TmaLoad4d(v_dst + panel * Tr::kKvPanelBytes, &args.tma_v, &v_full[stage],
+                    panel * Tr::kPanelCols, args.v_heads_inner ? kv_head : key0,
+                    args.v_heads_inner ? key0 : kv_head, b);
+        }
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  SetMaxNRegInc<kConsumerRegs>();
+  const int cg = warpgroup - 1;         // consumer warpgroup: rows [64 cg, 64 cg + 64)
+  const int wg_tid = threadIdx.x % 128;
+  const int warp = wg_tid / 32;         // warp within the warpgroup: 16 rows each
+  const int lane = wg_tid % 32;
+  const int g = lane / 4;               // accumulator row (and g + 8)
+  const int t4 = lane % 4;              // accumulator column pair
+  const int wg_row0 = row_begin + 64 * cg;
+  const float scale_log2 = p.softmax_scale_log2;
+
+  // Keys [full_begin, full_end) are visible to all 64 rows of this warpgroup
+  // (rows past T included: that only makes the test stricter). A key block
+  // inside it skips the per-element mask.
+  int64_t lo, hi;
+  mask.KeyRange(wg_row0 + 63, wg_row0 + 64, &lo, &hi);
+  const int full_begin = static_cast<int>(lo);
+  mask.KeyRange(wg_row0, wg_row0 + 1, &lo, &hi);
+  const int full_end = static_cast<int>(hi);
+
+  // Keys [key_lo[h], key_hi[h]) visible to the two rows this thread holds.
+  int key_lo[2], key_hi[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int t = wg_row0 + warp * 16 + g + 8 * h;
+    mask.KeyRange(t, t + 1, &lo, &hi);
+    key_lo[h] = static_cast<int>(lo);
+    key_hi[h] = static_cast<int>(hi);
+  }
+
+  float o[Tr::kOAcc];
+#pragma unroll
+  for (int i = 0; i < Tr::kOAcc; ++i) o[i] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};  // this lane's columns only; quad-reduced at the end
+
+  // Descriptors: Q rows of this warpgroup (panel 0); K and V of stage 0.
+  const uint64_t desc_q = MakeDescK(SmemAddr(s_q) + 64 * cg * 128);
+  const uint64_t desc_k0 = MakeDescK(SmemAddr(s_k));
+  const uint64_t desc_v0 = MakeDescMN(SmemAddr(s_v), Tr::kKvPanelBytes);
+
+  // S = Q K^T of the K tile in `stage` (unscaled: the scale folds into exp2).
+  // Issued and committed as one wgmma group; the caller waits.
+  auto issue_s = [&](float (&s)[Tr::kSAcc], int stage) {
+    const uint32_t stage_off = stage * Tr::kKvBytes;
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      // k16 step ks: panel ks / 4, 32 bytes per step inside a 128-byte row.
+      const uint32_t k_off = (ks % 4) * 32;
+      Wgmma<Elem, kBlockN>::SS(s, DescAdd(desc_q, (ks / 4) * Tr::kQPanelBytes + k_off),
+                               DescAdd(desc_k0, stage_off + (ks / 4) * Tr::kKvPanelBytes + k_off),
+                               ks > 0);
+    }
+    WgmmaCommit();
+  };
+
+  // O += P V of the V tile in `stage`. V is [key][D] in smem: MN-major for
+  // this product; k16 slice kk starts 16 keys = 2048 bytes further.
+  auto issue_pv = [&](const uint32_t (&pa)[Tr::kPSlices][4], int stage) {
+    const uint32_t stage_off = stage * Tr::kKvBytes;
+#pragma unroll
+    for (int kk = 0; kk < Tr::kPSlices; ++kk) {
+      Wgmma<Elem, kHeadDim>::RS(o, pa[kk], DescAdd(desc_v0, stage_off + kk * 16 * 128), 1);
+    }
+    WgmmaCommit();
+  };
+
+  // Mask, then the online softmax in place (S becomes unnormalised P in
+  // fp32); returns in correction[] the factor the caller applies to O.
+  auto softmax = [&](float (&s)[Tr::kSAcc], int n, float (&correction)[2]) {
+    // Per-element mask only where some (row, key) pair of the warpgroup's
+    // block is hidden: the diagonal band, window edges, the ragged last block.
+    const int key0 = n * kBlockN;
+    if (key0 < full_begin || key0 + kBlockN > full_end) {
+#pragma unroll
+      for (int i = 0; i < Tr::kSAcc; ++i) {
+        const int key = key0 + (i / 4) * 8 + 2 * t4 + (i & 1);
+        const int h = (i / 2) % 2;
+        if (key < key_lo[h] || key >= key_hi[h]) s[i] = -INFINITY;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = row_max[h];
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+        mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+      }
+      mx = QuadMax(mx);
+      // A row that has seen only masked keys still has max -inf: subtract 0
+      // then, so exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN. The old
+      // max is -inf exactly when O and l are still 0, and exp2(-inf) = 0
+      // rescales them harmlessly.
+      const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+      correction[h] = FastExp2(row_max[h] * scale_log2 - max_scaled);
+      row_max[h] = mx;
+      row_sum[h] *= correction[h];
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pv = FastExp2(fmaf(s[4 * j + 2 * h + e], scale_log2, -max_scaled));
+          s[4 * j + 2 * h + e] = pv;
+          row_sum[h] += pv;
+        }
+      }
+    }
+  };
+
+  // P as the register A operand: n8 tiles 2kk and 2kk + 1 of S form k16
+  // slice kk (same fragment layout as mma.sync; see wgmma.cuh). Rounded to
+  // Elem as in FlashAttention-2.
+  auto convert_p = [&](const float (&s)[Tr::kSAcc], uint32_t (&pa)[Tr::kPSlices][4]) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::kPSlices; ++kk) {
+      pa[kk][0] = PackFloat2<Elem>(s[8 * kk + 0], s[8 * kk + 1]);
+      pa[kk][1] = PackFloat2<Elem>(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = PackFloat2<Elem>(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = PackFloat2<Elem>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+  };
+
+  // This warp no longer reads the slot (its wgmma wait has returned).
+  auto release = [&](uint64_t* bar) {
+    __syncwarp();
+    if (lane == 0) MbarArrive(bar);
+  };
+
+  auto rescale_o = [&](const float (&correction)[2]) {
+#pragma unroll
+    for (int i = 0; i < Tr::kOAcc; ++i) o[i] *= correction[(i / 2) % 2];
+  };
+
+  // Pingpong turns (kPingpong only): consumer warpgroup cg issues its wgmmas
+  // after a bar.sync on named barrier 1 + cg, then hands the turn over with a
+  // bar.arrive on the other's barrier (each completes at 256 = 128 syncing +
+  // 128 arriving threads). Both warpgroups issue the same number of groups,
+  // warpgroup 1 hands warpgroup 0 the first turn, and warpgroup 0 takes one
+  // extra turn at the end to consume warpgroup 1's last hand-over, so no
+  // barrier is left half-arrived when the block exits.
+  constexpr bool kPingpong = kSchedule == Sm90Schedule::kPingpong;
+  auto take_turn = [&] {
+    if constexpr (kPingpong) NamedBarrierSync(1 + cg, 256);
+  };
+  auto pass_turn = [&] {
+    if constexpr (kPingpong) NamedBarrierArrive(2 - cg, 256);
+  };
+
+  if (n_first < n_end) {
+    if (kPingpong && cg == 1) NamedBarrierArrive(1, 256);
+    MbarWait(q_full, 0);
+    int stage = 0;
+    uint32_t phase = 0;
+    float s[Tr::kSAcc];
+    uint32_t pa[Tr::kPSlices][4];
+    float correction[2];
+    if constexpr (kSchedule == Sm90Schedule::kSerial) {
+      // Per key block: S = Q K^T; wait; softmax; O *= c; O += P V; wait.
+      for (int n = n_end - 1; n >= n_first; --n) {
+        MbarWait(&k_full[stage], phase);
+        WgmmaFence();
+        issue_s(s, stage);
+        WgmmaFenceOperands(s);
+        WgmmaWait<0>();
+        WgmmaFenceOperands(s);
+        release(&k_empty[stage]);
+        softmax(s, n, correction);
+        convert_p(s, pa);
+        rescale_o(correction);
+        MbarWait(&v_full[stage], phase);
+        WgmmaFenceOperands(pa);
+        WgmmaFence();
+        issue_pv(pa, stage);
+        WgmmaFenceOperands(o);
+        WgmmaWait<0>();
+        WgmmaFenceOperands(o);
+        release(&v_empty[stage]);
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    } else {  // kOverlap, kPingpong
+      // Software-pipelined by one key block. Prologue: S and P of the first
+      // (last-indexed) block. Steady state, for block n with P_{n+1} in pa:
+      //   issue S_n = Q K_n^T; issue O += P_{n+1} V_{n+1}
+      //   wait S_n (PV still running) -> release K_n; softmax S_n
+      //   wait PV -> release V_{n+1}; O *= c_n; pa = P_n
+      // Epilogue: O += P V of the last block. The tensor cores run PV while
+      // the softmax runs on the CUDA cores and MUFU.
+      int n = n_end - 1;
+      MbarWait(&k_full[stage], phase);
+      take_turn();
+      WgmmaFence();
+      issue_s(s, stage);
+      pass_turn();
+      WgmmaFenceOperands(s);
+      WgmmaWait<0>();
+      WgmmaFenceOperands(s);
+      release(&k_empty[stage]);
+      softmax(s, n, correction);  // correction is 0 here and O is still 0
+      convert_p(s, pa);
+      int v_stage = stage;
+      uint32_t v_phase = phase;
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+      for (--n; n >= n_first; --n) {
+        // Both waits come before the fence: a wait loop between the fence
+        // and a wgmma makes ptxas inject another fence (C7519).
+        MbarWait(&k_full[stage], phase);
+        MbarWait(&v_full[v_stage], v_phase);
+        take_turn();
+        WgmmaFenceOperands(pa);
+        WgmmaFenceOperands(o);
+        WgmmaFence();  // orders the register writes of pa and o before the wgmmas
+        issue_s(s, stage);
+        issue_pv(pa, v_stage);
+        pass_turn();
+        WgmmaFenceOperands(s);
+        WgmmaWait<1>();  // S_n done; the PV group may still run
+        WgmmaFenceOperands(s);
+        release(&k_empty[stage]);
+        softmax(s, n, correction);
+        WgmmaFenceOperands(o);
+        WgmmaWait<0>();
+        WgmmaFenceOperands(o);
+        WgmmaFenceOperands(pa);
+        release(&v_empty[v_stage]);
+        rescale_o(correction);
+        convert_p(s, pa);
+        v_stage = stage;
+        v_phase = phase;
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      MbarWait(&v_full[v_stage], v_phase);
+      take_turn();
+      WgmmaFenceOperands(pa);
+      WgmmaFenceOperands(o);
+      WgmmaFence();
+      issue_pv(pa, v_stage);
+      pass_turn();
+      WgmmaFenceOperands(o);
+      WgmmaWait<0>();
+      WgmmaFenceOperands(o);
+      release(&v_empty[v_stage]);
+      if (kPingpong && cg == 0) NamedBarrierSync(1, 256);
+    }
+  }
+
+  // Epilogue: O / l and LSE, straight from the accumulator fragment.
+  const int64_t num_heads = p.num_heads_q;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float l = QuadSum(row_sum[h]);
+    const int t = wg_row0 + warp * 16 + g + 8 * h;
+    if (t >= row_end) continue;
+    // l == 0 exactly when the row saw no key (its max key contributes
+    // exp2(0) = 1 otherwise): output 0 and LSE -inf rather than 0 / 0.
+    const float inv_l = l > 0.f ? 1.f / l : 0.f;
+    const float lse = l > 0.f ? row_max[h] * p.softmax_scale + logf(l) : -INFINITY;
+    Elem* o_row = static_cast<Elem*>(p.o) + b * p.o_batch_stride + t * p.o_row_stride +
+                  head * p.o_head_stride;
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j) {
+      *reinterpret_cast<uint32_t*>(o_row + 8 * j + 2 * t4) =
+          PackFloat2<Elem>(o[4 * j + 2 * h] * inv_l, o[4 * j + 2 * h + 1] * inv_l);
+    }
+    if (t4 == 0) p.lse[(b * num_heads + head) * seqlen_q + t] = lse;
+  }
+}
+
+}  // namespace jax_flash2::cuda::sm90

@@ -1,0 +1,207 @@
+// Host side of the Hopper forward: what it supports, the tensor maps (encoded
+// through the driver entry point the runtime hands out, so nothing links
+// libcuda), and the launch with its runtime -> template dispatch.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "fwd_sm90.h"
+#include "fwd_sm90_kernel.cuh"
+
+namespace jax_flash2::cuda {
+namespace {
+
+using sm90::FwdSm90Args;
+using sm90::FwdSm90Tile;
+using sm90::Sm90Schedule;
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// cuTensorMapEncodeTiled's signature (cudaTypedefs.h would give the same).
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// Looked up once per process; nullptr when the driver does not have it.
+EncodeTiledFn GetEncodeTiled() {
+  static EncodeTiledFn fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    // The 12.0 ABI of the function (it has not changed since).
+    const cudaError_t err = cudaGetDriverEntryPointByVersion(
+        "cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status);
+    if (err != cudaSuccess || status != cudaDriverEntryPointSuccess) return EncodeTiledFn{nullptr};
+    return reinterpret_cast<EncodeTiledFn>(ptr);
+  }();
+  return fn;
+}
+
+// A 4-D map over one [B, rows, heads, D] tensor (element strides given),
+// boxes of 64 columns (128 bytes, the swizzle width) x box_rows rows of one
+// head, 128-byte swizzle, zero fill out of bounds. The middle dimensions go
+// in increasing stride order; *heads_inner reports the order chosen.
+cudaError_t EncodeTensorMap(CUtensorMap* map, EncodeTiledFn encode, DType dtype, const void* ptr,
+                            int64_t batch, int64_t rows, int64_t heads, int64_t head_dim,
+                            int64_t batch_stride, int64_t row_stride, int64_t head_stride,
+                            int box_rows, bool* heads_inner) {
+  *heads_inner = head_stride <= row_stride;
+  const CUtensorMapDataType type = dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                             : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  cuuint64_t dims[4], strides[3];
+  cuuint32_t box[4];
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  dims[0] = static_cast<cuuint64_t>(head_dim);
+  box[0] = 64;
+  if (*heads_inner) {
+    dims[1] = heads;
+    dims[2] = rows;
+    strides[0] = head_stride * 2;
+    strides[1] = row_stride * 2;
+    box[1] = 1;
+    box[2] = box_rows;
+  } else {
+    dims[1] = rows;
+    dims[2] = heads;
+    strides[0] = row_stride * 2;
+    strides[1] = head_stride * 2;
+    box[1] = box_rows;
+    box[2] = 1;
+  }
+  dims[3] = batch;
+  strides[2] = batch_stride * 2;
+  box[3] = 1;
+  const CUresult res = encode(map, type, 4, const_cast<void*>(ptr), dims, strides, box,
+                              elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <typename Elem, int kHeadDim, Sm90Schedule kSchedule>
+cudaError_t LaunchFwdSm90(const FwdSm90Args& args, cudaStream_t stream) {
+  constexpr FwdSm90Tile tile = sm90::FwdSm90TileFor(kHeadDim);
+  constexpr int smem_bytes = sm90::FwdSm90SmemBytes(tile);
+  const auto kernel = &sm90::FwdSm90Kernel<Elem, kHeadDim, kSchedule>;
+  // Opt in once per device (the limit is a per-device function attribute).
+  static std::atomic<uint64_t> opted_in{0};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit == 0 || !(opted_in.load(std::memory_order_acquire) & bit)) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    if (err != cudaSuccess) return err;
+    opted_in.fetch_or(bit, std::memory_order_release);
+  }
+  const dim3 grid(static_cast<unsigned>(args.num_m_blocks),
+                  static_cast<unsigned>(args.p.num_heads_q), static_cast<unsigned>(args.p.batch));
+  kernel<<<grid, sm90::kFwdSm90Threads, smem_bytes, stream>>>(args);
+  return cudaGetLastError();
+}
+
+template <typename Elem, Sm90Schedule kSchedule>
+cudaError_t LaunchForHeadDim(const FwdSm90Args& args, cudaStream_t stream) {
+  switch (args.p.head_dim) {
+    case 64: return LaunchFwdSm90<Elem, 64, kSchedule>(args, stream);
+    case 128: return LaunchFwdSm90<Elem, 128, kSchedule>(args, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename Elem>
+cudaError_t LaunchForSchedule(const FwdSm90Args& args, Sm90Schedule schedule,
+                              cudaStream_t stream) {
+  switch (schedule) {
+    case Sm90Schedule::kSerial: return LaunchForHeadDim<Elem, Sm90Schedule::kSerial>(args, stream);
+    case Sm90Schedule::kOverlap:
+      return LaunchForHeadDim<Elem, Sm90Schedule::kOverlap>(args, stream);
+    case Sm90Schedule::kPingpong:
+      return LaunchForHeadDim<Elem, Sm90Schedule::kPingpong>(args, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+bool Sm90ForwardSupports(const FlashParams& p) {
+  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return false;
+  if (sm90::FwdSm90TileFor(p.head_dim).head_dim == 0) return false;
+  // Score modifiers the kernel does not implement yet.
+  if (p.softcap != 0.f || p.alibi_slopes != nullptr || p.q_segment_ids != nullptr ||
+      p.kv_segment_ids != nullptr) {
+    return false;
+  }
+  if (p.num_heads_kv <= 0 || p.num_heads_q % p.num_heads_kv != 0 ||
+      p.group_size != p.num_heads_q / p.num_heads_kv) {
+    return false;
+  }
+  // TMA: global strides multiples of 16 bytes, base addresses 16-byte aligned.
+  const int64_t strides[] = {p.q_batch_stride, p.q_row_stride, p.q_head_stride,
+                             p.k_batch_stride, p.k_row_stride, p.k_head_stride,
+                             p.v_batch_stride, p.v_row_stride, p.v_head_stride,
+                             p.o_batch_stride, p.o_row_stride, p.o_head_stride};
+  for (int64_t s : strides) {
+    if (s % 8 != 0 || s < 0 || s >= (int64_t{1} << 39)) return false;
+  }
+  const void* ptrs[] = {p.q, p.k, p.v, p.o};
+  for (const void* ptr : ptrs) {
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
+  }
+  // Grid (m-blocks, H, B) and 32-bit row/key indices in the kernel.
+  if (p.batch > 65535 || p.num_heads_q > 65535 || p.seqlen_q >= (int64_t{1} << 31) - 256 ||
+      p.seqlen_k >= (int64_t{1} << 31) - 256) {
+    return false;
+  }
+  return true;
+}
+
+cudaError_t RunForwardSm90(const FlashParams& p, const DeviceInfo& dev, cudaStream_t stream) {
+  return sm90::RunForwardSm90Schedule(p, dev, stream, Sm90Schedule::kOverlap);
+}
+
+cudaError_t sm90::RunForwardSm90Schedule(const FlashParams& p, const DeviceInfo& dev,
+                                         cudaStream_t stream, Sm90Schedule schedule) {
+  if (!Sm90ForwardSupports(p) || dev.cc_major != 9) return cudaErrorInvalidValue;
+  const FwdSm90Tile tile = sm90::FwdSm90TileFor(p.head_dim);
+  if (static_cast<size_t>(sm90::FwdSm90SmemBytes(tile)) > dev.max_smem_per_block_optin) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.batch * p.seqlen_q * p.num_heads_q == 0) return cudaSuccess;  // nothing to write
+  const EncodeTiledFn encode = GetEncodeTiled();
+  if (encode == nullptr) return cudaErrorNotSupported;
+
+  FwdSm90Args args;
+  args.p = p;
+  args.num_m_blocks = static_cast<int>(CeilDiv(p.seqlen_q, tile.block_m));
+  cudaError_t err = EncodeTensorMap(&args.tma_q, encode, p.dtype, p.q, p.batch, p.seqlen_q,
+                                    p.num_heads_q, p.head_dim, p.q_batch_stride,
+                                    p.q_row_stride, p.q_head_stride, tile.block_m,
+                                    &args.q_heads_inner);
+  // S == 0: every row sees no key; the kernel loads nothing (not even Q) and
+  // writes O = 0, LSE = -inf. A map cannot have a zero extent, so the K/V maps
+  // stay zeroed (unused) then.
+  const int64_t kv_rows = p.seqlen_k;
+  if (err == cudaSuccess && kv_rows > 0) {
+    err = EncodeTensorMap(&args.tma_k, encode, p.dtype, p.k, p.batch, kv_rows, p.num_heads_kv,
+                          p.head_dim, p.k_batch_stride, p.k_row_stride, p.k_head_stride,
+                          tile.block_n, &args.k_heads_inner);
+  }
+  if (err == cudaSuccess && kv_rows > 0) {
+    err = EncodeTensorMap(&args.tma_v, encode, p.dtype, p.v, p.batch, kv_rows, p.num_heads_kv,
+                          p.head_dim, p.v_batch_stride, p.v_row_stride, p.v_head_stride,
+                          tile.block_n, &args.v_heads_inner);
+  }
+  if (err != cudaSuccess) return err;
+  switch (p.dtype) {
+    case DType::kFloat16: return LaunchForSchedule<__half>(args, schedule, stream);
+    case DType::kBFloat16: return LaunchForSchedule<__nv_bfloat16>(args, schedule, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace jax_flash2::cuda

@@ -1,0 +1,206 @@
+// Thin wrappers over the sm90 instructions the Hopper forward is made of:
+// mbarriers (transaction-counted barriers in shared memory), TMA bulk tensor
+// copies (cp.async.bulk.tensor) that complete on an mbarrier, wgmma shared
+// memory descriptors, the wgmma fence/commit/wait protocol, and setmaxnreg.
+// The wgmma instructions themselves are in wgmma.cuh.
+//
+// Everything here is sm_90a-only; build with
+// -gencode=arch=compute_90a,code=sm_90a.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (the type only; no driver library is linked)
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace jax_flash2::cuda::sm90 {
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// ---------------------------------------------------------------------------
+// mbarrier. A phase completes when `count` arrivals have happened and the
+// transaction count (bytes announced by expect_tx, decremented by the TMA
+// engine as bytes land) is back at zero. Waiters name the phase by parity.
+
+__device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(count)
+               : "memory");
+}
+
+// Makes the mbarrier initialisations visible to the other threads and to the
+// async proxy (the TMA unit) before anyone arrives on or copies into them;
+// follow with a block-wide barrier.
+__device__ __forceinline__ void FenceBarrierInit() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// One arrival that also announces `bytes` more bytes the phase must receive.
+__device__ __forceinline__ void MbarArriveExpectTx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(SmemAddr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void MbarArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(SmemAddr(bar)) : "memory");
+}
+
+// Blocks until the phase with the given parity has completed. A freshly
+// initialised barrier is in phase 0, so waiting for parity 1 returns at once
+// (the "previous" phase counts as complete): producers start their
+// empty-slot waits at parity 1 for that reason.
+__device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
+  const uint32_t addr = SmemAddr(bar);
+  uint32_t done = 0;
+  do {
+    // try_wait may itself suspend the thread for a while before returning
+    // false, so this loop does not spin hot.
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// ---------------------------------------------------------------------------
+// TMA. The tensor map lives in the kernel's parameter space (a
+// __grid_constant__ argument), so its generic address is valid for the
+// copy engine. Coordinates are in elements, innermost first; boxes that
+// reach past the tensor's extent are zero-filled and still count their full
+// size toward the mbarrier's transaction bytes.
+
+__device__ __forceinline__ void PrefetchTensorMap(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+__device__ __forceinline__ void TmaLoad4d(void* smem_dst, const CUtensorMap* map, uint64_t* bar,
+                                          int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(SmemAddr(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(SmemAddr(bar)), "r"(c0), "r"(c1), "r"(c2),
+      "r"(c3)
+      : "memory");
+}
+
+// ---------------------------------------------------------------------------
+// wgmma protocol. Per warpgroup: WgmmaFence before the first wgmma of a batch
+// (orders earlier register writes of the accumulators / A fragments against
+// the async unit), the wgmmas, WgmmaCommit to close the batch into a group,
+// WgmmaWait<N> until at most N groups are pending. Accumulators must not be
+// touched between the issue and the wait.
+
+__device__ __forceinline__ void WgmmaFence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void WgmmaCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+template <int kPending>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+// A compiler-only fence: pins the registers in place across the asynchronous
+// window (the compiler must assume they are read and written here), so no
+// copy or reuse of an accumulator is scheduled between issue and wait.
+template <int N>
+__device__ __forceinline__ void WgmmaFenceOperands(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+template <int N>
+__device__ __forceinline__ void WgmmaFenceOperands(uint32_t (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Shared-memory matrix descriptors for wgmma, 128-byte swizzle only: every
+// operand tile is written by TMA with CU_TENSOR_MAP_SWIZZLE_128B, i.e. rows of
+// 128 bytes (64 two-byte elements) in which the 16-byte chunk index is XORed
+// with (row % 8); 8 such rows (1024 bytes, 1024-byte aligned) form one
+// swizzle atom. Bit fields (PTX ISA, "matrix descriptor"):
+//   [0, 14)  start address >> 4       [16, 30) leading byte offset >> 4
+//   [32, 46) stride byte offset >> 4  [49, 52) base offset (0: atoms aligned)
+//   [62, 64) swizzle: 1 = 128B
+//
+// K-major (Q as A and K as B of S = Q K^T; rows = M or N, 64-element rows of
+// the reduction dim): the 8-row groups are 1024 bytes apart (stride byte
+// offset); the k16 slice of one wgmma stays inside a 128-byte row, so the
+// leading byte offset is unused (set to 1, as is customary). Stepping k by 16
+// elements adds 32 bytes to the start address; the hardware applies the
+// swizzle to the full address, which is why the atoms must be 1024-aligned.
+//
+// MN-major (V as B of O = P V; rows = keys (the reduction dim), 64 elements
+// of D per 128-byte row): a k16 slice is two 8-key groups 1024 bytes apart
+// (stride byte offset); the N extent past 64 columns continues in the next
+// 64-column panel, `panel_bytes` further (leading byte offset). Stepping k by
+// 16 keys adds 16 * 128 = 2048 bytes to the start address.
+
+constexpr uint64_t kSwizzle128B = 1;
+
+__device__ __forceinline__ uint64_t MakeDescK(uint32_t smem_addr) {
+  uint64_t desc = 0;
+  desc |= static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4);
+  desc |= static_cast<uint64_t>(1) << 16;
+  desc |= static_cast<uint64_t>(1024 >> 4) << 32;
+  desc |= kSwizzle128B << 62;
+  return desc;
+}
+
+__device__ __forceinline__ uint64_t MakeDescMN(uint32_t smem_addr, uint32_t panel_bytes) {
+  uint64_t desc = 0;
+  desc |= static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4);
+  desc |= static_cast<uint64_t>((panel_bytes & 0x3FFFF) >> 4) << 16;
+  desc |= static_cast<uint64_t>(1024 >> 4) << 32;
+  desc |= kSwizzle128B << 62;
+  return desc;
+}
+
+// Adds a byte offset to a descriptor's start address (bits [0, 14) in 16-byte
+// units). Offsets used here keep the address inside the 18-bit shared window,
+// so there is no carry into bit 14.
+__device__ __forceinline__ uint64_t DescAdd(uint64_t desc, uint32_t bytes) {
+  return desc + (bytes >> 4);
+}
+
+// ---------------------------------------------------------------------------
+// Register reallocation between warpgroups (needs a register cap at kernel
+// entry: __launch_bounds__(threads, 1)). Executed by all threads of a
+// warpgroup; counts are multiples of 8 in [24, 256].
+
+template <int kRegs>
+__device__ __forceinline__ void SetMaxNRegDec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+template <int kRegs>
+__device__ __forceinline__ void SetMaxNRegInc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// Named barriers over a subset of warps (id 0 is __syncthreads'): Sync
+// waits until `threads` threads have arrived (its own warp included); Arrive
+// counts its warp in without waiting.
+__device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+}  // namespace jax_flash2::cuda::sm90

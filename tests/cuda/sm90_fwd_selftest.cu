@@ -1,0 +1,612 @@
+// Standalone check of the Hopper forward (RunForwardSm90) against a float64
+// CPU oracle, with the tolerance set by a plain same-dtype attention's error
+// (the oracle and criterion of fwd_selftest.cu, copied here so that file
+// stays untouched), then timings beside the sm80 RunForward. Every case runs
+// each selected consumer schedule (Sm90Schedule: serial, overlap, pingpong)
+// on the same inputs: if only overlap/pingpong fail, the bug is in their
+// pipelining; if serial fails too, in what they share (TMA, descriptors,
+// fragments, masking).
+//
+//   sm90_fwd_selftest               all cases + timings
+//   sm90_fwd_selftest --small       small cases only, no timings (memcheck)
+//   sm90_fwd_selftest --tiny        a few small cases (racecheck)
+//   sm90_fwd_selftest --probe       exits 0 at once: checks that a carried binary loads
+//   sm90_fwd_selftest --filter STR  only the cases whose name contains STR (+ timings
+//                                   unless --no-time)
+//   sm90_fwd_selftest --no-time     skip timings
+//   sm90_fwd_selftest --time-only   timings only
+//   sm90_fwd_selftest --schedules serial,overlap,pingpong
+//                                   the sm90 schedules to check and time (default all)
+//
+// Outputs are poisoned with NaN before each run, so an element the kernel
+// fails to write shows up as a NaN. Each launch is watched: a kernel still
+// running after kHangSeconds (an mbarrier wait that never completes, the
+// likeliest first-run failure of a TMA/mbarrier pipeline) is reported as HANG
+// with the case name and the process exits, instead of stalling the device
+// call. A failing case prints its worst elements (b, t, h, d, got, want) so a
+// layout or descriptor error shows its pattern (which rows/columns are off).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "src/cuda/flash_cuda.h"
+#include "src/cuda/sm90/fwd_sm90.h"
+#include "src/flash_mask.h"
+#include "src/flash_params.h"
+
+using namespace jax_flash2;
+
+#define CHECK_CUDA(x)                                                                   \
+  do {                                                                                  \
+    cudaError_t err_ = (x);                                                             \
+    if (err_ != cudaSuccess) {                                                          \
+      std::printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(err_), __FILE__,   \
+                  __LINE__, #x);                                                        \
+      std::exit(1);                                                                     \
+    }                                                                                   \
+  } while (0)
+
+namespace {
+
+constexpr double kHangSeconds = 20.0;
+
+float RoundTo(DType dt, float x) {
+  if (dt == DType::kFloat16) return __half2float(__float2half_rn(x));
+  return __bfloat162float(__float2bfloat16_rn(x));
+}
+
+uint16_t ToBits(DType dt, float x) {
+  uint16_t bits;
+  if (dt == DType::kFloat16) {
+    __half h = __float2half_rn(x);
+    std::memcpy(&bits, &h, 2);
+  } else {
+    __nv_bfloat16 h = __float2bfloat16_rn(x);
+    std::memcpy(&bits, &h, 2);
+  }
+  return bits;
+}
+
+float FromBits(DType dt, uint16_t bits) {
+  if (dt == DType::kFloat16) {
+    __half h;
+    std::memcpy(&h, &bits, 2);
+    return __half2float(h);
+  }
+  __nv_bfloat16 h;
+  std::memcpy(&h, &bits, 2);
+  return __bfloat162float(h);
+}
+
+struct Case {
+  std::string name;
+  DType dtype;
+  int64_t B, T, S, H, K, D;
+  int64_t wl, wr;     // window; causal = (-1, 0)
+  bool bhtd = false;  // [B, H, T, D] layout through strides
+};
+
+template <typename F>
+void ParallelFor(int64_t n, F f) {
+  const int workers = std::max(1u, std::thread::hardware_concurrency());
+  std::atomic<int64_t> next{0};
+  std::vector<std::thread> pool;
+  for (int w = 0; w < workers; ++w) {
+    pool.emplace_back([&] {
+      for (int64_t i = next++; i < n; i = next++) f(i);
+    });
+  }
+  for (auto& t : pool) t.join();
+}
+
+int64_t Off(int64_t bs, int64_t rs, int64_t hs, int64_t b, int64_t t, int64_t h, int64_t d) {
+  return b * bs + t * rs + h * hs + d;
+}
+
+FlashParams MakeParams(const Case& c) {
+  FlashParams p;
+  p.dtype = c.dtype;
+  p.batch = c.B;
+  p.seqlen_q = c.T;
+  p.seqlen_k = c.S;
+  p.num_heads_q = c.H;
+  p.num_heads_kv = c.K;
+  p.head_dim = c.D;
+  p.group_size = c.H / c.K;
+  SetDenseStrides(p);
+  if (c.bhtd) {
+    p.q_row_stride = c.D;
+    p.q_head_stride = c.T * c.D;
+    p.q_batch_stride = c.H * c.T * c.D;
+    p.o_row_stride = p.q_row_stride;
+    p.o_head_stride = p.q_head_stride;
+    p.o_batch_stride = p.q_batch_stride;
+    p.k_row_stride = c.D;
+    p.k_head_stride = c.S * c.D;
+    p.k_batch_stride = c.K * c.S * c.D;
+    p.v_row_stride = p.k_row_stride;
+    p.v_head_stride = p.k_head_stride;
+    p.v_batch_stride = p.k_batch_stride;
+  }
+  p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+  p.softmax_scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  p.window_left = c.wl;
+  p.window_right = c.wr;
+  return p;
+}
+
+// Waits for the stream's work, polling, so that a hung kernel is reported
+// instead of blocking forever.
+cudaError_t SyncWithWatchdog(const std::string& what) {
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    const cudaError_t err = cudaStreamQuery(0);
+    if (err != cudaErrorNotReady) return err;
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (s > kHangSeconds) {
+      std::printf("HANG %s: kernel still running after %.0f s (mbarrier wait never completed?)\n",
+                  what.c_str(), s);
+      std::fflush(stdout);
+      std::_Exit(2);  // the context cannot be recovered; don't run destructors
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+struct Worst {
+  double err = -1;
+  int64_t b = 0, t = 0, h = 0, d = 0;
+  float got = 0;
+  double want = 0;
+};
+
+using cuda::sm90::Sm90Schedule;
+
+const char* ScheduleName(Sm90Schedule s) {
+  switch (s) {
+    case Sm90Schedule::kSerial: return "serial";
+    case Sm90Schedule::kOverlap: return "overlap";
+    case Sm90Schedule::kPingpong: return "pingpong";
+  }
+  return "?";
+}
+
+// The schedules to check (--schedules); all three by default.
+std::vector<Sm90Schedule> g_schedules = {Sm90Schedule::kSerial, Sm90Schedule::kOverlap,
+                                         Sm90Schedule::kPingpong};
+
+// Runs every schedule on one set of inputs, checks each against the float64
+// oracle; one PASS/FAIL line per schedule. Returns the number of failures.
+int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
+  const FlashParams p0 = MakeParams(c);
+  if (!cuda::Sm90ForwardSupports(p0)) {
+    std::printf("FAIL %-44s Sm90ForwardSupports is false\n", c.name.c_str());
+    return 1;
+  }
+  const int64_t nq = c.B * c.T * c.H * c.D, nk = c.B * c.S * c.K * c.D;
+  const int64_t nlse = c.B * c.H * c.T;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<uint16_t> hq(nq), hk(nk), hv(nk);
+  std::vector<float> fq(nq), fk(nk), fv(nk);
+  for (int64_t i = 0; i < nq; ++i) { hq[i] = ToBits(c.dtype, normal(rng)); fq[i] = FromBits(c.dtype, hq[i]); }
+  for (int64_t i = 0; i < nk; ++i) { hk[i] = ToBits(c.dtype, normal(rng)); fk[i] = FromBits(c.dtype, hk[i]); }
+  for (int64_t i = 0; i < nk; ++i) { hv[i] = ToBits(c.dtype, normal(rng)); fv[i] = FromBits(c.dtype, hv[i]); }
+
+  void *dq, *dk, *dv, *d_o;
+  float* dlse;
+  CHECK_CUDA(cudaMalloc(&dq, nq * 2));
+  CHECK_CUDA(cudaMalloc(&dk, nk * 2));
+  CHECK_CUDA(cudaMalloc(&dv, nk * 2));
+  CHECK_CUDA(cudaMalloc(&d_o, nq * 2));
+  CHECK_CUDA(cudaMalloc(&dlse, nlse * sizeof(float)));
+  CHECK_CUDA(cudaMemcpy(dq, hq.data(), nq * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dk, hk.data(), nk * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dv, hv.data(), nk * 2, cudaMemcpyHostToDevice));
+  FlashParams p = p0;
+  p.q = dq;
+  p.k = dk;
+  p.v = dv;
+  p.o = d_o;
+  p.lse = dlse;
+
+  const int kNumSchedules = static_cast<int>(g_schedules.size());
+  std::vector<std::vector<uint16_t>> ho(kNumSchedules);
+  std::vector<std::vector<float>> hlse(kNumSchedules);
+  std::vector<bool> launched(kNumSchedules, false);
+  for (int si = 0; si < kNumSchedules; ++si) {
+    const std::string what = c.name + " [" + ScheduleName(g_schedules[si]) + "]";
+    // Poison: 0xFFFF is NaN in fp16 and bf16, 0xFFFFFFFF in fp32.
+    CHECK_CUDA(cudaMemset(d_o, 0xFF, nq * 2));
+    CHECK_CUDA(cudaMemset(dlse, 0xFF, nlse * sizeof(float)));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    cudaError_t err = cuda::sm90::RunForwardSm90Schedule(p, dev, 0, g_schedules[si]);
+    if (err == cudaSuccess) err = SyncWithWatchdog(what);
+    if (err != cudaSuccess) {
+      std::printf("FAIL %-44s RunForwardSm90: %s\n", what.c_str(), cudaGetErrorString(err));
+      if (err != cudaErrorInvalidValue && err != cudaErrorNotSupported) {
+        std::printf("(sticky device error: stopping)\n");
+        std::fflush(stdout);
+        std::_Exit(1);
+      }
+      continue;
+    }
+    launched[si] = true;
+    ho[si].resize(nq);
+    hlse[si].resize(nlse);
+    CHECK_CUDA(cudaMemcpy(ho[si].data(), d_o, nq * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(hlse[si].data(), dlse, nlse * sizeof(float), cudaMemcpyDeviceToHost));
+  }
+  CHECK_CUDA(cudaFree(dq));
+  CHECK_CUDA(cudaFree(dk));
+  CHECK_CUDA(cudaFree(dv));
+  CHECK_CUDA(cudaFree(d_o));
+  CHECK_CUDA(cudaFree(dlse));
+
+  // Oracle (float64) and naive same-dtype attention (S and P rounded to the
+  // dtype, fp32 accumulation, as a framework's plain attention computes it).
+  const WindowMask mask = MakeWindowMask(p);
+  const double scale = p.softmax_scale;
+  std::vector<double> ref_o(c.B * c.H * c.T * c.D), ref_lse(nlse);  // [B, H, T, (D)]
+  std::vector<double> err_naive(c.B * c.H, 0.0);
+  ParallelFor(c.B * c.H, [&](int64_t bh) {
+    const int64_t b = bh / c.H, h = bh % c.H, kh = h / (c.H / c.K);
+    std::vector<double> s(c.S), o(c.D);
+    std::vector<float> sf(c.S), of(c.D);
+    for (int64_t t = 0; t < c.T; ++t) {
+      const float* qr = &fq[Off(p.q_batch_stride, p.q_row_stride, p.q_head_stride, b, t, h, 0)];
+      double mx = -INFINITY;
+      float mxf = -INFINITY;
+      for (int64_t j = 0; j < c.S; ++j) {
+        if (!mask.Allowed(t, j)) { s[j] = -INFINITY; sf[j] = -INFINITY; continue; }
+        const float* kr = &fk[Off(p.k_batch_stride, p.k_row_stride, p.k_head_stride, b, j, kh, 0)];
+        double acc = 0;
+        float accf = 0;
+        for (int64_t d = 0; d < c.D; ++d) { acc += double(qr[d]) * kr[d]; accf += qr[d] * kr[d]; }
+        s[j] = acc * scale;
+        sf[j] = RoundTo(c.dtype, accf * p.softmax_scale);
+        mx = std::max(mx, s[j]);
+        mxf = std::max(mxf, sf[j]);
+      }
+      double l = 0;
+      float lf = 0;
+      std::fill(o.begin(), o.end(), 0.0);
+      std::fill(of.begin(), of.end(), 0.f);
+      if (mx != -INFINITY) {
+        for (int64_t j = 0; j < c.S; ++j) {
+          if (s[j] == -INFINITY) continue;
+          s[j] = std::exp(s[j] - mx);
+          l += s[j];
+          sf[j] = std::exp(sf[j] - mxf);
+          lf += sf[j];
+        }
+        for (int64_t j = 0; j < c.S; ++j) {
+          if (sf[j] == -INFINITY) continue;
+          const float* vr = &fv[Off(p.v_batch_stride, p.v_row_stride, p.v_head_stride, b, j, kh, 0)];
+          const double w = s[j] / l;
+          const float wf = RoundTo(c.dtype, sf[j] / lf);
+          for (int64_t d = 0; d < c.D; ++d) { o[d] += w * vr[d]; of[d] += wf * vr[d]; }
+        }
+      }
+      ref_lse[bh * c.T + t] = mx == -INFINITY ? -INFINITY : mx + std::log(l);
+      for (int64_t d = 0; d < c.D; ++d) {
+        ref_o[(bh * c.T + t) * c.D + d] = o[d];
+        err_naive[bh] = std::max(err_naive[bh], std::abs(RoundTo(c.dtype, of[d]) - o[d]));
+      }
+    }
+  });
+  const double en = *std::max_element(err_naive.begin(), err_naive.end());
+  // FlashAttention's criterion: no worse than twice the plain same-dtype
+  // attention's max error (plus a hair for cases where that error is ~0).
+  const double tol = 2 * en + 1e-5;
+
+  int failures = 0;
+  for (int si = 0; si < kNumSchedules; ++si) {
+    if (!launched[si]) {
+      ++failures;
+      continue;
+    }
+    double ek = 0, el = 0;
+    int64_t nbad = 0, first_bad = -1;  // first NaN/-inf mismatch, as a [B, H, T, D+1] index
+    Worst worst;
+    for (int64_t bh = 0; bh < c.B * c.H; ++bh) {
+      const int64_t b = bh / c.H, h = bh % c.H;
+      for (int64_t t = 0; t < c.T; ++t) {
+        const int64_t ob = Off(p.o_batch_stride, p.o_row_stride, p.o_head_stride, b, t, h, 0);
+        for (int64_t d = 0; d < c.D; ++d) {
+          const float got = FromBits(c.dtype, ho[si][ob + d]);
+          const double want = ref_o[(bh * c.T + t) * c.D + d];
+          if (std::isnan(got)) {
+            if (nbad++ == 0) first_bad = (bh * c.T + t) * (c.D + 1) + d;
+            continue;
+          }
+          const double e = std::abs(got - want);
+          if (e > worst.err) worst = Worst{e, b, t, h, d, got, want};
+          ek = std::max(ek, e);
+        }
+        const float lse_got = hlse[si][(b * c.H + h) * c.T + t];
+        const double lse_ref = ref_lse[bh * c.T + t];
+        bool lse_bad = false;
+        if (std::isnan(lse_got)) {
+          lse_bad = true;
+        } else if (lse_ref == -INFINITY || lse_got == -INFINITY) {
+          lse_bad = lse_ref != lse_got;
+        } else {
+          el = std::max(el, std::abs(lse_got - lse_ref) / std::max(1.0, std::abs(lse_ref)));
+        }
+        if (lse_bad && nbad++ == 0) first_bad = (bh * c.T + t) * (c.D + 1) + c.D;
+      }
+    }
+    const bool ok = nbad == 0 && ek <= tol && el <= 1e-4;
+    const std::string what = c.name + " [" + ScheduleName(g_schedules[si]) + "]";
+    std::printf("%s %-54s O err %.3e (naive %.3e)  LSE rel err %.2e  nan/-inf mismatches %lld\n",
+                ok ? "PASS" : "FAIL", what.c_str(), ek, en, el, static_cast<long long>(nbad));
+    if (!ok) {
+      // Where it goes wrong, so a layout or descriptor error shows its
+      // pattern: the worst element, the first NaN or -inf mismatch (d = D
+      // means the LSE), and how many rows / columns exceed the tolerance.
+      std::printf("     worst: b %lld t %lld h %lld d %lld  got %.6f want %.6f\n",
+                  static_cast<long long>(worst.b), static_cast<long long>(worst.t),
+                  static_cast<long long>(worst.h), static_cast<long long>(worst.d), worst.got,
+                  worst.want);
+      if (first_bad >= 0) {
+        const int64_t d = first_bad % (c.D + 1), bht = first_bad / (c.D + 1);
+        std::printf("     first nan/-inf mismatch: b %lld h %lld t %lld d %lld\n",
+                    static_cast<long long>(bht / c.T / c.H),
+                    static_cast<long long>(bht / c.T % c.H), static_cast<long long>(bht % c.T),
+                    static_cast<long long>(d));
+      }
+      std::vector<int64_t> bad_cols(c.D, 0), bad_rows_mod64(64, 0);
+      for (int64_t bh = 0; bh < c.B * c.H; ++bh) {
+        const int64_t b = bh / c.H, h = bh % c.H;
+        for (int64_t t = 0; t < c.T; ++t) {
+          const int64_t ob = Off(p.o_batch_stride, p.o_row_stride, p.o_head_stride, b, t, h, 0);
+          for (int64_t d = 0; d < c.D; ++d) {
+            const float got = FromBits(c.dtype, ho[si][ob + d]);
+            if (!(std::abs(got - ref_o[(bh * c.T + t) * c.D + d]) <= tol)) {
+              ++bad_cols[d];
+              ++bad_rows_mod64[t % 64];
+            }
+          }
+        }
+      }
+      std::printf("     bad elements by column d:");
+      for (int64_t d = 0; d < c.D; ++d) std::printf(" %lld", static_cast<long long>(bad_cols[d]));
+      std::printf("\n     bad elements by row t %% 64:");
+      for (int r = 0; r < 64; ++r) std::printf(" %lld", static_cast<long long>(bad_rows_mod64[r]));
+      std::printf("\n");
+    }
+    failures += !ok;
+  }
+  return failures;
+}
+
+__global__ void FillRandom(uint16_t* x, int64_t n, uint32_t seed, bool bf16) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 16;
+    h *= 0x7feb352du;
+    h ^= h >> 15;
+    const float u = (h & 0xFFFFFF) / float(1 << 24) * 2.f - 1.f;  // [-1, 1)
+    if (bf16) {
+      __nv_bfloat16 v = __float2bfloat16_rn(u);
+      x[i] = *reinterpret_cast<uint16_t*>(&v);
+    } else {
+      __half v = __float2half_rn(u);
+      x[i] = *reinterpret_cast<uint16_t*>(&v);
+    }
+  }
+}
+
+// Times the sm80 forward and each sm90 schedule on the same inputs (median
+// of `reps`, L2 cold only in the sense that the working set exceeds it) and
+// prints one line per implementation as soon as it is measured, so a hang in
+// a later schedule still leaves the earlier numbers in the log.
+void TimeCase(const Case& c, const cuda::DeviceInfo& dev, int reps) {
+  FlashParams p = MakeParams(c);
+  const int64_t nq = c.B * c.T * c.H * c.D, nk = c.B * c.S * c.K * c.D;
+  void *q, *k, *v, *o, *scratch = nullptr;
+  float* lse;
+  CHECK_CUDA(cudaMalloc(&q, nq * 2));
+  CHECK_CUDA(cudaMalloc(&k, nk * 2));
+  CHECK_CUDA(cudaMalloc(&v, nk * 2));
+  CHECK_CUDA(cudaMalloc(&o, nq * 2));
+  CHECK_CUDA(cudaMalloc(&lse, c.B * c.H * c.T * 4));
+  const bool bf16 = c.dtype == DType::kBFloat16;
+  FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(q), nq, 1, bf16);
+  FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(k), nk, 2, bf16);
+  FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(v), nk, 3, bf16);
+  CHECK_CUDA(cudaGetLastError());
+  p.q = q; p.k = k; p.v = v; p.o = o; p.lse = lse;
+  const size_t scratch_bytes = cuda::ForwardScratchBytes(p, dev);
+  if (scratch_bytes) CHECK_CUDA(cudaMalloc(&scratch, scratch_bytes));
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  double flops = 4.0 * c.B * c.T * c.S * c.H * c.D;
+  if (c.wr == 0) flops /= 2;
+  auto time = [&](const char* impl, auto run) {
+    const std::string what = c.name + " [" + impl + "]";
+    for (int i = 0; i < 3; ++i) CHECK_CUDA(run());
+    CHECK_CUDA(SyncWithWatchdog(what + " (warm-up)"));
+    std::vector<float> ms(reps);
+    for (int r = 0; r < reps; ++r) {
+      CHECK_CUDA(cudaEventRecord(e0));
+      CHECK_CUDA(run());
+      CHECK_CUDA(cudaEventRecord(e1));
+      CHECK_CUDA(SyncWithWatchdog(what));
+      CHECK_CUDA(cudaEventElapsedTime(&ms[r], e0, e1));
+    }
+    std::sort(ms.begin(), ms.end());
+    const double med = ms[reps / 2];
+    std::printf("TIME %-36s %-13s %8.3f ms  %6.1f TFLOP/s\n", c.name.c_str(), impl, med,
+                flops / med / 1e9);
+    std::fflush(stdout);
+  };
+  time("sm80", [&] { return cuda::RunForward(p, scratch, dev, 0); });
+  for (Sm90Schedule sch : g_schedules) {
+    const std::string impl = std::string("sm90 ") + ScheduleName(sch);
+    time(impl.c_str(), [&] { return cuda::sm90::RunForwardSm90Schedule(p, dev, 0, sch); });
+  }
+  CHECK_CUDA(cudaEventDestroy(e0));
+  CHECK_CUDA(cudaEventDestroy(e1));
+  for (void* ptr : {q, k, v, o, static_cast<void*>(lse)}) CHECK_CUDA(cudaFree(ptr));
+  if (scratch) CHECK_CUDA(cudaFree(scratch));
+}
+
+std::string Name(const char* fmt, long long a, long long b, long long c, const char* d) {
+  char buf[128];
+  std::snprintf(buf, sizeof(buf), fmt, a, b, c, d);
+  return buf;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string mode, filter;
+  bool no_time = false, time_only = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--filter" && i + 1 < argc) {
+      filter = argv[++i];
+    } else if (a == "--schedules" && i + 1 < argc) {
+      const std::string list = std::string(",") + argv[++i] + ",";
+      g_schedules.clear();
+      for (Sm90Schedule sch :
+           {Sm90Schedule::kSerial, Sm90Schedule::kOverlap, Sm90Schedule::kPingpong}) {
+        if (list.find(std::string(",") + ScheduleName(sch) + ",") != std::string::npos) {
+          g_schedules.push_back(sch);
+        }
+      }
+      if (g_schedules.empty()) {
+        std::printf("--schedules: expected a comma-separated subset of serial,overlap,pingpong\n");
+        return 2;
+      }
+    } else if (a == "--no-time") {
+      no_time = true;
+    } else if (a == "--time-only") {
+      time_only = true;
+    } else {
+      mode = a;
+    }
+  }
+  if (mode == "--probe") return 0;
+  const bool tiny = mode == "--tiny";
+  const bool small = tiny || mode == "--small";
+  cuda::DeviceInfo dev;
+  CHECK_CUDA(cuda::GetCurrentDeviceInfo(&dev));
+  std::printf("device %d: %d SMs, cc %d.%d, smem opt-in %zu\n", dev.device, dev.sm_count,
+              dev.cc_major, dev.cc_minor, dev.max_smem_per_block_optin);
+  if (dev.cc_major != 9) {
+    std::printf("FAILED: the sm90 forward needs a cc 9.x device\n");
+    return 1;
+  }
+
+  int failures = 0;
+  {  // What the sm90 path declines (host only): the dispatcher falls back then.
+    Case c{"", DType::kFloat32, 1, 1, 1, 1, 1, 64, -1, -1};
+    const bool f32 = !cuda::Sm90ForwardSupports(MakeParams(c));
+    c.dtype = DType::kBFloat16;
+    c.D = 96;
+    const bool d96 = !cuda::Sm90ForwardSupports(MakeParams(c));
+    c.D = 128;
+    FlashParams p = MakeParams(c);
+    p.softcap = 30.f;
+    const bool softcap = !cuda::Sm90ForwardSupports(p);
+    p.softcap = 0.f;
+    const bool d128 = cuda::Sm90ForwardSupports(p);
+    const bool ok = f32 && d96 && softcap && d128;
+    std::printf("%s supports: float32, D=96, softcap declined; bf16 D=128 accepted\n",
+                ok ? "PASS" : "FAIL");
+    failures += !ok;
+  }
+
+  const DType bf = DType::kBFloat16, fp = DType::kFloat16;
+  std::vector<Case> cases;
+  // Smoke test first: one full tile, no mask. If this hangs or fails, the
+  // pipeline itself is broken (barriers, descriptors), not the masking.
+  cases.push_back({"smoke T128 S128 D128 bf16", bf, 1, 128, 128, 1, 1, 128, -1, -1});
+  cases.push_back({"smoke T128 S128 D64 bf16", bf, 1, 128, 128, 1, 1, 64, -1, -1});
+  // The matrix: D x dtype x (T, S) x {full, causal}.
+  const int64_t ts[][2] = {{1, 1},     {17, 17},  {128, 128}, {1000, 1000},
+                           {17, 1000}, {1000, 17}, {128, 4096}, {1, 4096}};
+  for (int64_t d : {64, 128}) {
+    for (DType dt : {bf, fp}) {
+      for (const auto& x : ts) {
+        for (bool causal : {false, true}) {
+          const std::string name =
+              Name("T%lld S%lld D%lld %s", x[0], x[1], d, dt == bf ? "bf16" : "fp16") +
+              (causal ? " causal" : "");
+          cases.push_back({name, dt, 1, x[0], x[1], 2, 2, d, -1, causal ? 0 : -1});
+        }
+      }
+    }
+  }
+  const std::vector<Case> special = {
+      {"T1000 S1000 D128 causal GQA4 bf16 B2", bf, 2, 1000, 1000, 8, 2, 128, -1, 0},
+      {"T17 S4096 D64 GQA4 fp16", fp, 1, 17, 4096, 8, 2, 64, -1, -1},
+      {"T1000 S1000 D128 window(64,16) bf16", bf, 1, 1000, 1000, 2, 2, 128, 64, 16},
+      {"T4096 S4096 D64 window(100,0) bf16", bf, 1, 4096, 4096, 1, 1, 64, 100, 0},
+      {"T300 S1000 D64 window(0,0) fp16 (diag only)", fp, 1, 300, 1000, 2, 2, 64, 0, 0},
+      {"T1000 S1000 D128 causal bf16 bhtd", bf, 1, 1000, 1000, 2, 2, 128, -1, 0, true},
+      {"T257 S300 D64 fp16 bhtd GQA4 B3", fp, 3, 257, 300, 4, 1, 64, -1, -1, true},
+      {"T4096 S4096 D128 causal bf16", bf, 1, 4096, 4096, 2, 2, 128, -1, 0},
+      {"T4096 S128 D128 causal fp16 (empty rows)", fp, 1, 4096, 128, 2, 2, 128, -1, 0},
+      {"T1000 S4096 D64 fp16 B2", fp, 2, 1000, 4096, 2, 2, 64, -1, -1},
+  };
+  cases.insert(cases.end(), special.begin(), special.end());
+  if (tiny) {
+    cases = {
+        {"tiny T128 S128 D128 bf16", bf, 1, 128, 128, 1, 1, 128, -1, -1},
+        {"tiny T17 S300 D64 causal fp16", fp, 1, 17, 300, 2, 2, 64, -1, 0},
+        {"tiny T200 S100 D128 causal GQA2 bf16 (empty rows)", bf, 1, 200, 100, 2, 1, 128, -1, 0},
+        {"tiny T130 S500 D64 window(64,16) bf16 bhtd", bf, 1, 130, 500, 2, 2, 64, 64, 16, true},
+    };
+  } else if (small) {
+    std::vector<Case> keep;
+    for (const Case& c : cases) {
+      if (c.B * c.H * c.T * c.S <= int64_t{2} * 1000 * 1000) keep.push_back(c);
+    }
+    cases = keep;
+  }
+  uint64_t seed = 1234;
+  int ran = 0;
+  for (const Case& c : cases) {
+    ++seed;
+    if (time_only) break;
+    if (!filter.empty() && c.name.find(filter) == std::string::npos) continue;
+    std::fflush(stdout);
+    failures += RunCase(c, dev, seed);
+    ++ran;
+  }
+  std::printf("%d case(s) run\n", ran);
+
+  if (!small && !no_time) {
+    const std::vector<Case> timed = {
+        {"B4 T=S=4096 H16 D128 bf16", bf, 4, 4096, 4096, 16, 16, 128, -1, -1},
+        {"B4 T=S=4096 H16 D128 bf16 causal", bf, 4, 4096, 4096, 16, 16, 128, -1, 0},
+        {"B1 T=S=16384 H16 D128 bf16", bf, 1, 16384, 16384, 16, 16, 128, -1, -1},
+        {"B1 T=S=16384 H16 D128 bf16 causal", bf, 1, 16384, 16384, 16, 16, 128, -1, 0},
+        {"B4 T=S=4096 H16 D64 bf16", bf, 4, 4096, 4096, 16, 16, 64, -1, -1},
+        {"B1 T=S=16384 H32 D64 bf16 causal", bf, 1, 16384, 16384, 32, 32, 64, -1, 0},
+    };
+    for (const Case& c : timed) TimeCase(c, dev, 20);
+  }
+  std::printf("%s: %d failure(s)\n", failures ? "FAILED" : "ALL PASSED", failures);
+  return failures ? 1 : 0;
+}
