@@ -20,6 +20,8 @@ def _attributes(config) -> dict:
       window_left=np.int64(config.window_left),
       window_right=np.int64(config.window_right),
       softcap=np.float32(config.softcap),
+      has_alibi=np.bool_(config.has_alibi),
+      has_segment_ids=np.bool_(config.has_segment_ids),
   )
 
 
@@ -53,11 +55,13 @@ def _cuda_rule(target: str, backward: bool):
           "jax_flash2: the CUDA kernels take float16 or bfloat16 (they accumulate in "
           "float32); cast q, k, v or pass implementation='reference'"
       )
-    if config.softcap > 0:
-      raise NotImplementedError(
-          "jax_flash2: softcap is not implemented by the CUDA kernels yet; pass "
-          "implementation='reference' or run on CPU"
-      )
+    for name, used in (("softcap", config.softcap > 0), ("alibi_slopes", config.has_alibi),
+                       ("segment_ids", config.has_segment_ids)):
+      if used:
+        raise NotImplementedError(
+            f"jax_flash2: {name} is not in the CUDA kernels yet; use "
+            "implementation='reference' or CPU"
+        )
     batch, seqlen_q, heads_q, head_dim = ctx.avals_in[0].shape
     seqlen_k, heads_kv = ctx.avals_in[1].shape[1:3]
     sm_count = _sm_count()

@@ -1,9 +1,14 @@
 """The attention primitives: abstract evaluation and batching.
 
-flash_fwd_p: (q, k, v) -> (out, lse)
-flash_bwd_p: (q, k, v, out, lse, d_out, d_lse) -> (dq, dk, dv)
-Both carry `config` (an AttentionConfig) as their only parameter. vmap folds
-every mapped axis into the batch axis B: one kernel launch, no loop.
+flash_fwd_p: (q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids) -> (out, lse)
+flash_bwd_p: (q, k, v, out, lse, d_out, d_lse, alibi_slopes, q_segment_ids,
+              kv_segment_ids) -> (dq, dk, dv)
+Both carry `config` (an AttentionConfig) as their only parameter. The slopes
+[B, H] float32 and segment ids [B, T], [B, S] int32 are always operands (zeros
+when the config leaves them off), so every operand leads with B. vmap folds
+every mapped axis into the batch axis B: one kernel launch, no loop; an
+unbatched operand (say slopes shared by the vmapped examples) is broadcast
+along the mapped axis first, so per-B slopes and ids stay lined up with q.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ def _define(name: str, abstract_eval, batch_rule) -> Primitive:
   return prim
 
 
-def _fwd_abstract_eval(q, k, v, *, config):
-  del k, v, config
+def _fwd_abstract_eval(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, *, config):
+  del k, v, alibi_slopes, q_segment_ids, kv_segment_ids, config
   batch, seqlen_q, num_heads, _ = q.shape
   return (
       jax.core.ShapedArray(q.shape, q.dtype),
@@ -37,8 +42,9 @@ def _fwd_abstract_eval(q, k, v, *, config):
   )
 
 
-def _bwd_abstract_eval(q, k, v, out, lse, d_out, d_lse, *, config):
-  del out, lse, d_out, d_lse, config
+def _bwd_abstract_eval(q, k, v, out, lse, d_out, d_lse, alibi_slopes, q_segment_ids,
+                       kv_segment_ids, *, config):
+  del out, lse, d_out, d_lse, alibi_slopes, q_segment_ids, kv_segment_ids, config
   return (
       jax.core.ShapedArray(q.shape, q.dtype),
       jax.core.ShapedArray(k.shape, k.dtype),

@@ -1,8 +1,10 @@
-"""The custom_vjp: residuals are q, k, v, out and lse only (nothing T x S).
+"""The custom_vjp: residuals are q, k, v, out and lse only (nothing T x S),
+plus the small non-differentiated operands (ALiBi slopes, segment ids).
 
 The backward recomputes P from the LSE, as FlashAttention-2 does. The LSE output
 is differentiable too: its cotangent enters the backward's preprocess as
-D = rowsum(dO * O) - dLSE.
+D = rowsum(dO * O) - dLSE. The ALiBi slopes and segment ids get no cotangent
+(None: zero): the slopes are treated as constants, the ids are integers.
 """
 
 from __future__ import annotations
@@ -14,21 +16,28 @@ import jax
 from jax_flash2 import _sharding
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def attention(q, k, v, config):
-  """(out [B, T, H, D], lse [B, H, T] float32) for the kernels of the platform."""
-  return _sharding.forward(q, k, v, config)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def attention(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, config):
+  """(out [B, T, H, D], lse [B, H, T] float32) for the kernels of the platform.
+
+  alibi_slopes [B, H] float32, q_segment_ids [B, T] and kv_segment_ids [B, S]
+  int32 are always passed (api.extra_operands); config says which are used.
+  """
+  return _sharding.forward(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, config)
 
 
-def _attention_fwd(q, k, v, config):
-  out, lse = _sharding.forward(q, k, v, config)
-  return (out, lse), (q, k, v, out, lse)
+def _attention_fwd(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, config):
+  extras = (alibi_slopes, q_segment_ids, kv_segment_ids)
+  out, lse = _sharding.forward(q, k, v, *extras, config)
+  return (out, lse), (q, k, v, out, lse, extras)
 
 
 def _attention_bwd(config, residuals, cotangents):
-  q, k, v, out, lse = residuals
+  q, k, v, out, lse, extras = residuals
   d_out, d_lse = cotangents
-  return _sharding.backward(q, k, v, out, lse, d_out.astype(out.dtype), d_lse, config)
+  dq, dk, dv = _sharding.backward(q, k, v, out, lse, d_out.astype(out.dtype), d_lse, *extras,
+                                  config)
+  return dq, dk, dv, None, None, None
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)

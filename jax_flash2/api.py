@@ -30,12 +30,17 @@ class AttentionConfig:
   The window is relative to the bottom-right-aligned diagonal: query i sees key j
   iff i + S - T - window_left <= j <= i + S - T + window_right (-1 = unbounded).
   causal is folded in as window_right = 0.
+
+  has_alibi / has_segment_ids say whether the alibi_slopes and segment-id
+  operands (always passed, see `extra_operands`) take part in the call.
   """
 
   softmax_scale: float
   window_left: int = -1
   window_right: int = -1
   softcap: float = 0.0
+  has_alibi: bool = False
+  has_segment_ids: bool = False
   implementation: str = "kernel"
 
 
@@ -119,10 +124,64 @@ def _check_softcap(softcap) -> float:
   return value
 
 
+def _check_alibi_slopes(alibi_slopes, batch: int, num_heads: int) -> None:
+  if alibi_slopes is None:
+    return
+  if not hasattr(alibi_slopes, "shape") or not hasattr(alibi_slopes, "dtype"):
+    raise TypeError("flash_attention: alibi_slopes must be an array (float32 [H] or [B, H]) or "
+                    f"None; got {type(alibi_slopes).__name__}")
+  if alibi_slopes.dtype != jnp.float32:
+    raise TypeError(f"flash_attention: alibi_slopes.dtype must be float32; got {alibi_slopes.dtype}")
+  if tuple(alibi_slopes.shape) not in ((num_heads,), (batch, num_heads)):
+    raise _shape_error("alibi_slopes.shape", tuple(alibi_slopes.shape),
+                       f"must be [H] = ({num_heads},) or [B, H] = ({batch}, {num_heads})")
+
+
+def _check_segment_ids(segment_ids, batch: int, seqlen_q: int, seqlen_k: int) -> None:
+  if segment_ids is None:
+    return
+  if not isinstance(segment_ids, (tuple, list)) or len(segment_ids) != 2:
+    raise ValueError("flash_attention: segment_ids must be a pair (q_segment_ids, kv_segment_ids) "
+                     f"of int32 [B, T] and [B, S] arrays, or None; got {type(segment_ids).__name__}")
+  for name, ids, length, letter in (("q_segment_ids", segment_ids[0], seqlen_q, "T"),
+                                    ("kv_segment_ids", segment_ids[1], seqlen_k, "S")):
+    if not hasattr(ids, "shape") or not hasattr(ids, "dtype"):
+      raise TypeError(f"flash_attention: segment_ids {name} must be an integer array; "
+                      f"got {type(ids).__name__}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise TypeError(f"flash_attention: segment_ids {name}.dtype must be an integer type "
+                      f"(int32); got {ids.dtype}")
+    if tuple(ids.shape) != (batch, length):
+      raise _shape_error(f"segment_ids {name}.shape", tuple(ids.shape),
+                         f"must be [B, {letter}] = ({batch}, {length})")
+
+
+def extra_operands(q, k, alibi_slopes=None, segment_ids=None):
+  """The array operands beside q, k, v, always present so that the primitives
+  have one signature: (slopes [B, H] float32, q_ids [B, T] int32, kv_ids
+  [B, S] int32). Absent options become zeros that the kernels never read
+  (the config's has_alibi / has_segment_ids are False)."""
+  batch, seqlen_q, num_heads = q.shape[:3]
+  seqlen_k = k.shape[1]
+  if alibi_slopes is None:
+    slopes = jnp.zeros((batch, num_heads), jnp.float32)
+  else:
+    slopes = jnp.broadcast_to(jnp.asarray(alibi_slopes, jnp.float32), (batch, num_heads))
+  if segment_ids is None:
+    q_ids = jnp.zeros((batch, seqlen_q), jnp.int32)
+    kv_ids = jnp.zeros((batch, seqlen_k), jnp.int32)
+  else:
+    q_ids, kv_ids = (jnp.asarray(x).astype(jnp.int32) for x in segment_ids)
+  return slopes, q_ids, kv_ids
+
+
 def make_config(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                softcap=0.0, implementation=None, dtypes=SUPPORTED_DTYPES) -> AttentionConfig:
+                softcap=0.0, alibi_slopes=None, segment_ids=None, implementation=None,
+                dtypes=SUPPORTED_DTYPES) -> AttentionConfig:
   """Checks the arguments of flash_attention and returns its static config."""
   _check_arrays(q, k, v, dtypes)
+  _check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2])
+  _check_segment_ids(segment_ids, q.shape[0], q.shape[1], k.shape[1])
   if not isinstance(causal, (bool, np.bool_)):
     raise TypeError(f"flash_attention: causal must be a bool; got {causal!r}")
   if implementation is None:
@@ -137,13 +196,16 @@ def make_config(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -
       window_left=left,
       window_right=right,
       softcap=_check_softcap(softcap),
+      has_alibi=alibi_slopes is not None,
+      has_segment_ids=segment_ids is not None,
       implementation=implementation,
   )
 
 
 def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                     return_lse: bool = False, window_size: tuple[int, int] = (-1, -1),
-                    softcap: float = 0.0, implementation: str | None = None):
+                    softcap: float = 0.0, alibi_slopes=None, segment_ids=None,
+                    implementation: str | None = None):
   """FlashAttention-2: softmax(q k^T * scale [masked]) v without the T x S matrix.
 
   Args:
@@ -160,6 +222,23 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
       -1 = unbounded. Combined with causal, right is at most 0.
     softcap: if > 0, scaled scores s become softcap * tanh(s / softcap)
       (Gemma-2); 0 = off. CPU kernels and reference (CUDA: not yet).
+    alibi_slopes: None, or float32 [H] or [B, H]: adds
+      -slope[b, h] * |i + S - T - j| to the score of query i and key j, after
+      the softmax scale and after softcap (FlashAttention-2's order: its
+      kernels cap first, then add the bias in final score units). The bias
+      enters the LSE too. FlashAttention-2's causal kernels add slope * j
+      instead, which gives the same output but an LSE shifted by
+      slope * (i + S - T) per row; here the LSE always includes the distance
+      form. The slopes are treated as constants: their cotangent is zero.
+      CPU kernels and reference (CUDA: not yet).
+    segment_ids: None, or a pair (q_segment_ids [B, T], kv_segment_ids
+      [B, S]) of integer arrays: packed sequences (other integer dtypes
+      are cast to int32, so ids must fit in int32). Query i sees key j
+      only if their ids are equal, in addition to causal and window_size
+      (which stay positional: with packed self-attention, T == S, causal is
+      causal within each segment). A query with no same-id key returns 0 and
+      LSE -inf. K/V blocks with no same-id pair are skipped. Padding can be
+      given its own id. CPU kernels and reference (CUDA: not yet).
     implementation: None or "kernel" (the compiled kernels of the platform),
       or "reference" (plain JAX, materializes the T x S scores).
 
@@ -168,11 +247,13 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     [B, H, T] float32. Both are differentiable in q, k, v.
   """
   config = make_config(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                       window_size=window_size, softcap=softcap, implementation=implementation)
+                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                       segment_ids=segment_ids, implementation=implementation)
+  extras = extra_operands(q, k, alibi_slopes, segment_ids)
   if config.implementation == "reference":
-    out, lse = reference.forward_from_config(q, k, v, config)
+    out, lse = reference.forward_from_config(q, k, v, *extras, config)
   else:
-    out, lse = _vjp.attention(q, k, v, config)
+    out, lse = _vjp.attention(q, k, v, *extras, config)
   return (out, lse) if return_lse else out
 
 

@@ -6,9 +6,13 @@ keep stable, so exporting a function that uses flash_attention needs
     jax.export.export(jax.jit(f), disabled_checks=jax_flash2.export.disabled_checks())
 
 The exported artifact names the FFI targets jax_flash2_attention_fwd / _bwd
-with their operands and attributes (softmax_scale, window_left, window_right):
-the process that deserializes and runs it must `import jax_flash2` (which
-registers the targets) from a version with the same FFI signature. Gradients
+with their operands (q, k, v, [the backward's out, lse, d_out, d_lse,]
+alibi_slopes [B, H], q_segment_ids [B, T], kv_segment_ids [B, S]) and
+attributes (softmax_scale, window_left, window_right, softcap, has_alibi,
+has_segment_ids; on CUDA also sm_count): the process that deserializes and
+runs it must `import jax_flash2` (which registers the targets) from a version
+with the same FFI signature. Artifacts exported before the ALiBi and
+segment-id operands were added do not load into this version. Gradients
 (`serialize(vjp_order=1)`), symbolic batch sizes and several platforms
 (`platforms=("cpu", "cuda")`, with a CUDA build) export as usual.
 

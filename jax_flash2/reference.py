@@ -23,8 +23,19 @@ def visible(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int):
   return ok
 
 
-def forward_from_config(q, k, v, config):
-  """(out [B, T, H, D], lse [B, H, T]) for an api.AttentionConfig."""
+def alibi_bias(slopes, seqlen_q: int, seqlen_k: int):
+  """[B, H, T, S]: -slope * |i + S - T - j| for slopes [B, H]."""
+  i = jnp.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)
+  j = jnp.arange(seqlen_k)[None, :]
+  return -slopes[:, :, None, None] * jnp.abs(i - j).astype(slopes.dtype)
+
+
+def forward_from_config(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, config):
+  """(out [B, T, H, D], lse [B, H, T]) for an api.AttentionConfig.
+
+  alibi_slopes [B, H] and the segment ids [B, T], [B, S] are read only when
+  config.has_alibi / config.has_segment_ids say so (api.extra_operands).
+  """
   compute = jnp.promote_types(q.dtype, jnp.float32)
   batch, seqlen_q, num_heads, head_dim = q.shape
   seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
@@ -36,7 +47,18 @@ def forward_from_config(q, k, v, config):
                       precision=jax.lax.Precision.HIGHEST) * config.softmax_scale
   if config.softcap > 0:
     scores = config.softcap * jnp.tanh(scores / config.softcap)
+  if config.has_alibi:
+    # After the cap, as FlashAttention-2 does (flash_fwd_kernel.h calls
+    # apply_softcap, then mask.apply_mask, which adds slope / scale_softmax with
+    # scale_softmax = softcap, i.e. the slope in final score units). The slopes
+    # are constants: the kernels give them no gradient, so neither does this.
+    slopes = jax.lax.stop_gradient(alibi_slopes).astype(compute)
+    bias = alibi_bias(slopes, seqlen_q, seqlen_k)  # [B, H, T, S]
+    scores = scores + bias.reshape(batch, num_kv_heads, group, seqlen_q, seqlen_k)
   mask = visible(seqlen_q, seqlen_k, config.window_left, config.window_right)
+  if config.has_segment_ids:
+    same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]  # [B, T, S]
+    mask = mask & same[:, None, None]
   scores = jnp.where(mask, scores, -jnp.inf)
   row_max = jnp.max(scores, axis=-1, keepdims=True)
   # Rows that see no key: keep them finite (exp(-inf) = 0) and report LSE -inf.
@@ -53,14 +75,17 @@ def forward_from_config(q, k, v, config):
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
               return_lse: bool = False, window_size: tuple[int, int] = (-1, -1),
-              softcap: float = 0.0, implementation: str | None = None):
+              softcap: float = 0.0, alibi_slopes=None, segment_ids=None,
+              implementation: str | None = None):
   """Same arguments and results as jax_flash2.flash_attention (see there); also
   takes float64 inputs (with x64 enabled), which makes it the tests' oracle."""
   from jax_flash2 import api  # the argument checks live in the API layer
 
   config = api.make_config(q, k, v, causal=causal, softmax_scale=softmax_scale,
                            window_size=window_size, softcap=softcap,
+                           alibi_slopes=alibi_slopes, segment_ids=segment_ids,
                            implementation=implementation,
                            dtypes=api.SUPPORTED_DTYPES + (jnp.float64,))
-  out, lse = forward_from_config(q, k, v, config)
+  extras = api.extra_operands(q, k, alibi_slopes, segment_ids)
+  out, lse = forward_from_config(q, k, v, *extras, config)
   return (out, lse) if return_lse else out

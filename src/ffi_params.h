@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <tuple>
 
 #include "flash_params.h"
 #include "xla/ffi/api/ffi.h"
@@ -87,6 +88,41 @@ inline ffi::Error ParamsFromInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer
   p->q = q.untyped_data();
   p->k = k.untyped_data();
   p->v = v.untyped_data();
+  return ffi::Error::Success();
+}
+
+// The ALiBi slopes [B, H] float32 and segment ids [B, T], [B, S] int32 are
+// always operands; the attributes say whether the call uses them, and only
+// then do their pointers go into p (the kernels test for null).
+inline ffi::Error SetOptionalInputs(const ffi::AnyBuffer& alibi_slopes,
+                                    const ffi::AnyBuffer& q_segment_ids,
+                                    const ffi::AnyBuffer& kv_segment_ids, bool has_alibi,
+                                    bool has_segment_ids, FlashParams* p) {
+  const auto sd = alibi_slopes.dimensions();
+  if (alibi_slopes.element_type() != ffi::DataType::F32 || sd.size() != 2 || sd[0] != p->batch ||
+      sd[1] != p->num_heads_q) {
+    return ffi::Error::InvalidArgument("jax_flash2: alibi_slopes must be float32 [B, H] = [" +
+                                       std::to_string(p->batch) + ", " +
+                                       std::to_string(p->num_heads_q) + "]; got " +
+                                       ShapeString(alibi_slopes));
+  }
+  for (const auto& [ids, length, name] :
+       {std::tuple{&q_segment_ids, p->seqlen_q, "q_segment_ids [B, T]"},
+        std::tuple{&kv_segment_ids, p->seqlen_k, "kv_segment_ids [B, S]"}}) {
+    const auto d = ids->dimensions();
+    if (ids->element_type() != ffi::DataType::S32 || d.size() != 2 || d[0] != p->batch ||
+        d[1] != length) {
+      return ffi::Error::InvalidArgument(std::string("jax_flash2: ") + name +
+                                         " must be int32 of batch " + std::to_string(p->batch) +
+                                         " and length " + std::to_string(length) + "; got " +
+                                         ShapeString(*ids));
+    }
+  }
+  p->alibi_slopes = has_alibi ? static_cast<const float*>(alibi_slopes.untyped_data()) : nullptr;
+  p->q_segment_ids =
+      has_segment_ids ? static_cast<const int32_t*>(q_segment_ids.untyped_data()) : nullptr;
+  p->kv_segment_ids =
+      has_segment_ids ? static_cast<const int32_t*>(kv_segment_ids.untyped_data()) : nullptr;
   return ffi::Error::Success();
 }
 

@@ -77,4 +77,49 @@ JF2_HD WindowMask MakeWindowMask(const FlashParams& p) {
   return WindowMask{p.seqlen_k - p.seqlen_q, p.window_left, p.window_right, p.seqlen_k};
 }
 
+// ALiBi distance |i + S - T - j|: the bias is -slope times this.
+JF2_HD float AlibiDistance(int64_t i, int64_t j, int64_t offset) {
+  const int64_t d = i + offset - j;
+  return static_cast<float>(d < 0 ? -d : d);
+}
+
+// Packed sequences: query i sees key j only if their segment ids are equal.
+// ids == nullptr means no segments (every pair allowed).
+struct SegmentMask {
+  const int32_t* q_ids;   // this batch entry's [T], or null
+  const int32_t* kv_ids;  // this batch entry's [S], or null
+
+  JF2_HD bool Active() const { return q_ids != nullptr; }
+  JF2_HD bool Allowed(int64_t i, int64_t j) const { return q_ids[i] == kv_ids[j]; }
+
+  // [*lo, *hi] of ids[begin, end) (end > begin).
+  JF2_HD static void IdRange(const int32_t* ids, int64_t begin, int64_t end, int32_t* lo,
+                             int32_t* hi) {
+    int32_t a = ids[begin], b = ids[begin];
+    for (int64_t x = begin + 1; x < end; ++x) {
+      a = ids[x] < a ? ids[x] : a;
+      b = ids[x] > b ? ids[x] : b;
+    }
+    *lo = a;
+    *hi = b;
+  }
+
+  // False only when no (query, key) pair of the block can have equal ids: the
+  // block is skipped. Disjoint id ranges are a sufficient test, exact for
+  // packed (sorted) ids; otherwise the per-element mask does the rest.
+  JF2_HD bool BlockMayMatch(int64_t m_begin, int64_t m_end, int64_t n_begin, int64_t n_end) const {
+    if (!Active()) return true;
+    int32_t q_lo, q_hi, k_lo, k_hi;
+    IdRange(q_ids, m_begin, m_end, &q_lo, &q_hi);
+    IdRange(kv_ids, n_begin, n_end, &k_lo, &k_hi);
+    return q_lo <= k_hi && k_lo <= q_hi;
+  }
+};
+
+// The segment mask of batch entry b (inactive when p has no segment ids).
+JF2_HD SegmentMask MakeSegmentMask(const FlashParams& p, int64_t b) {
+  if (p.q_segment_ids == nullptr) return SegmentMask{nullptr, nullptr};
+  return SegmentMask{p.q_segment_ids + b * p.seqlen_q, p.kv_segment_ids + b * p.seqlen_k};
+}
+
 }  // namespace jax_flash2

@@ -56,6 +56,17 @@ struct FlashParams {
   // Gemma-2 style score capping: S = softcap * tanh(S / softcap) after the
   // softmax scale; 0 = off.
   float softcap = 0.0f;
+
+  // ALiBi: [B, H] float32, or null when off. The score of query i and key j
+  // gets -slope * |i + S - T - j|, after the scale and after softcap (as in
+  // FlashAttention-2), in natural-log units.
+  const float* alibi_slopes = nullptr;
+
+  // Packed sequences: [B, T] and [B, S] int32, both null when off. Query i
+  // sees key j only if q_segment_ids[b, i] == kv_segment_ids[b, j] (and the
+  // window allows it).
+  const int32_t* q_segment_ids = nullptr;
+  const int32_t* kv_segment_ids = nullptr;
 };
 
 // Fills the dense [B, T, H, D] strides of every tensor from the sizes.

@@ -124,6 +124,68 @@ def mqa_batch_and_heads():
 
 
 @check
+def segments_and_alibi_batch_and_heads():
+  # Segment ids [B, T], [B, S] split along batch, [B, H] slopes along batch and
+  # heads, next to q, k, v split along batch and heads: still no collective.
+  q, k, v = qkv(4)
+  ids = jax.random.randint(jax.random.key(2), (B, T + S), 0, 3)
+  q_ids, kv_ids = jnp.sort(ids[:, :T], axis=1), jnp.sort(ids[:, T:], axis=1)
+  slopes = jax.random.uniform(jax.random.key(3), (B, H), minval=0.05, maxval=0.5)
+
+  def packed_loss(q, k, v, slopes, q_ids, kv_ids):
+    out = jax_flash2.flash_attention(q, k, v, causal=True, alibi_slopes=slopes,
+                                     segment_ids=(q_ids, kv_ids))
+    return jnp.sum(jnp.sin(out))
+
+  fn = jax.value_and_grad(packed_loss, argnums=(0, 1, 2))
+  spec = P("data", None, "model", None)
+  args = (q, k, v, slopes, q_ids, kv_ids)
+  specs = (spec, spec, spec, P("data", "model"), P("data"), P("data"))
+  grads, hlo = sharded_run(fn, args, specs)
+  assert_close(grads, fn(*args), dict(atol=1e-4, rtol=1e-5))
+  assert not collectives(hlo), collectives(hlo)
+  shapes = kernel_operand_shapes(hlo)
+  assert {shape for shape, _ in shapes} == {f"{B // 2},{T},{H // 4},{D}"}, shapes
+  # Shared [H] slopes (replicated) are split along heads locally.
+  shared = lambda q, k, v, q_ids, kv_ids: packed_loss(q, k, v, slopes[0], q_ids, kv_ids)  # noqa: E731
+  fn = jax.value_and_grad(shared, argnums=(0, 1, 2))
+  grads, hlo = sharded_run(fn, (q, k, v, q_ids, kv_ids), (spec, spec, spec, P("data"), P("data")))
+  assert_close(grads, fn(q, k, v, q_ids, kv_ids), dict(atol=1e-4, rtol=1e-5))
+  assert not collectives(hlo), collectives(hlo)
+  return f"per-device kernel shapes {shapes}"
+
+
+@check
+def shard_map_with_segments():
+  # Per device: H/4 heads and the matching quarter of the [H] slopes, which
+  # vary over "model" only while q varies over both axes (flash_attention makes
+  # them vary alike).
+  m = mesh()
+  q, k, v = qkv(4)
+  q_ids = jnp.broadcast_to(jnp.arange(T) // 10, (B, T)).astype(jnp.int32)
+  kv_ids = jnp.broadcast_to(jnp.arange(S) // 15, (B, S)).astype(jnp.int32)
+  slopes = jnp.linspace(0.1, 0.8, H, dtype=jnp.float32)
+
+  def packed_loss(q, k, v, slopes, q_ids, kv_ids):
+    out = jax_flash2.flash_attention(q, k, v, causal=True, alibi_slopes=slopes,
+                                     segment_ids=(q_ids, kv_ids))
+    return jnp.sum(jnp.sin(out))
+
+  fn = jax.value_and_grad(packed_loss, argnums=(0, 1, 2))
+  spec = P("data", None, "model", None)
+
+  @jax.jit
+  @jax.shard_map(mesh=m, in_specs=(spec,) * 3 + (P("model"), P("data"), P("data")),
+                 out_specs=(P(), (spec,) * 3))
+  def per_device(q, k, v, slopes, q_ids, kv_ids):
+    value, grads = fn(q, k, v, slopes, q_ids, kv_ids)
+    return jax.lax.psum(value, ("data", "model")), grads
+
+  args = (q, k, v, slopes, q_ids, kv_ids)
+  assert_close(per_device(*args), fn(*args), dict(atol=1e-4, rtol=1e-5))
+
+
+@check
 def gqa_heads_not_divisible_are_gathered():
   # K = 2 cannot be split 4 ways with whole groups: heads are gathered.
   q, k, v = qkv(2)

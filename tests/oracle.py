@@ -26,8 +26,16 @@ def _window(seqlen_q, seqlen_k, causal, window_size):
   return np.asarray(reference.visible(seqlen_q, seqlen_k, left, right))
 
 
+def _alibi(slopes, batch, num_heads, seqlen_q, seqlen_k):
+  """[B, H, T, S] float64: -slope * |i + S - T - j|, for slopes [H] or [B, H]."""
+  slopes = np.broadcast_to(np.asarray(slopes, np.float64), (batch, num_heads))
+  i = np.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)
+  j = np.arange(seqlen_k)[None, :]
+  return -slopes[:, :, None, None] * np.abs(i - j)
+
+
 def oracle(q, k, v, d_out, d_lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-           softcap=0.0):
+           softcap=0.0, alibi_slopes=None, segment_ids=None):
   """out, lse and (dq, dk, dv) of loss = <out, d_out> + <lse, d_lse>, in float64 numpy.
 
   Written directly from the definition (softmax of the masked, scaled scores and
@@ -42,12 +50,17 @@ def oracle(q, k, v, d_out, d_lse, *, causal=False, softmax_scale=None, window_si
   kh = np.repeat(k.transpose(0, 2, 1, 3), group, axis=1)         # [B, H, S, D]
   vh = np.repeat(v.transpose(0, 2, 1, 3), group, axis=1)
   mask = _window(seqlen_q, seqlen_k, causal, window_size)
+  if segment_ids is not None:
+    q_ids, kv_ids = (np.asarray(x) for x in segment_ids)
+    mask = mask & (q_ids[:, None, :, None] == kv_ids[:, None, None, :])  # [B, 1, T, S]
   scores = scale * (qh @ kh.transpose(0, 1, 3, 2))
   slope = 1.0
   if softcap:
     capped = np.tanh(scores / softcap)
     slope = 1.0 - capped**2  # d(softcap * tanh(s / softcap)) / ds
     scores = softcap * capped
+  if alibi_slopes is not None:  # after the cap; a constant, so no effect on ds
+    scores = scores + _alibi(alibi_slopes, batch, num_heads, seqlen_q, seqlen_k)
   scores = np.where(mask, scores, -np.inf)
   row_max = scores.max(-1, keepdims=True)
   row_max = np.where(np.isfinite(row_max), row_max, 0.0)
@@ -74,7 +87,7 @@ def oracle(q, k, v, d_out, d_lse, *, causal=False, softmax_scale=None, window_si
 
 @functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "window_size", "softcap"))
 def naive_same_dtype(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                     softcap=0.0):
+                     softcap=0.0, alibi_slopes=None, segment_ids=None):
   """(out, lse) computed entirely in the inputs' dtype, as a plain implementation would."""
   dtype = q.dtype
   batch, seqlen_q, num_heads, head_dim = q.shape
@@ -89,7 +102,14 @@ def naive_same_dtype(q, k, v, *, causal=False, softmax_scale=None, window_size=(
   scores = jnp.einsum("bthd,bshd->bhts", q, kr, preferred_element_type=dtype) * jnp.asarray(scale, dtype)
   if softcap:
     scores = jnp.asarray(softcap, dtype) * jnp.tanh(scores / jnp.asarray(softcap, dtype))
+  if alibi_slopes is not None:
+    # The bias computed in float32 and rounded once, as a plain implementation
+    # adding a precomputed bias would.
+    slopes = jnp.broadcast_to(alibi_slopes, (batch, num_heads)).astype(jnp.float32)
+    scores = scores + reference.alibi_bias(slopes, seqlen_q, seqlen_k).astype(dtype)
   mask = reference.visible(seqlen_q, seqlen_k, left, right)
+  if segment_ids is not None:
+    mask = mask & (segment_ids[0][:, None, :, None] == segment_ids[1][:, None, None, :])
   scores = jnp.where(mask, scores, jnp.asarray(-jnp.inf, dtype))
   lse = jax.nn.logsumexp(scores, axis=-1)
   probs = jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0)[..., None])

@@ -9,6 +9,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_flash2
+from jax_flash2 import _ext
 from conftest import attention_fn, random_inputs, supports
 
 # float32 where the backend serves it (CPU), else bfloat16.
@@ -58,6 +59,59 @@ def test_vmap_with_unbatched_kv_and_in_axes(backend, rng):
     want = f(q * scale, k, v)[0]
     np.testing.assert_allclose(np.asarray(out[i], np.float32), np.asarray(want, np.float32),
                                atol=_tol(dtype))
+
+
+@pytest.mark.parametrize("slopes_shape", ["h", "bh"])
+def test_vmap_and_grad_with_alibi_and_segments(backend, rng, slopes_shape):
+  """vmap over [2, B, ...] with segment ids batched and slopes either shared
+  ([H], unbatched) or per example ([2, B, H]): equal to one call on the folded
+  batch, forward and gradients (slopes present, grads in q, k, v only)."""
+  dtype = _dtype(backend)
+  n, b, t, s, h = 2, 2, 37, 45, 4
+  q, k, v = (x.reshape((n, b) + x.shape[1:]) for x in
+             random_inputs(rng, n * b, t, s, h, 2, 16, dtype))
+  q_ids = jnp.asarray(np.sort(rng.integers(0, 3, (n, b, t)), axis=-1), jnp.int32)
+  kv_ids = jnp.asarray(np.sort(rng.integers(0, 3, (n, b, s)), axis=-1), jnp.int32)
+  shape = (h,) if slopes_shape == "h" else (n, b, h)
+  slopes = jnp.asarray(rng.uniform(0.05, 0.5, shape), jnp.float32)
+
+  def loss(q, k, v, slopes, q_ids, kv_ids):
+    out, lse = attention_fn(backend)(q, k, v, causal=True, return_lse=True,
+                                     alibi_slopes=slopes, segment_ids=(q_ids, kv_ids))
+    return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
+
+  value_and_grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
+  in_axes = (0, 0, 0, None if slopes_shape == "h" else 0, 0, 0)
+  values, grads = jax.jit(jax.vmap(value_and_grad, in_axes=in_axes))(q, k, v, slopes, q_ids,
+                                                                     kv_ids)
+  flat = lambda x: x.reshape((n * b,) + x.shape[2:])  # noqa: E731
+  flat_slopes = slopes if slopes_shape == "h" else flat(slopes)
+  want_value, want_grads = value_and_grad(flat(q), flat(k), flat(v), flat_slopes, flat(q_ids),
+                                          flat(kv_ids))
+  np.testing.assert_allclose(float(values.sum()), float(want_value), rtol=_tol(dtype))
+  for g, w in zip(grads, want_grads):
+    np.testing.assert_allclose(np.asarray(flat(g), np.float32), np.asarray(w, np.float32),
+                               atol=5 * _tol(dtype), rtol=_tol(dtype))
+
+
+def test_alibi_slopes_get_zero_gradient(backend, rng):
+  """The slopes are constants: zero cotangent, on every backend alike."""
+  q, k, v = random_inputs(rng, 1, 9, 9, 2, 1, 8, _dtype(backend))
+  slopes = jnp.asarray([0.1, 0.2], jnp.float32)
+  loss = lambda s: jnp.sum(attention_fn(backend)(q, k, v, alibi_slopes=s).astype(jnp.float32))
+  assert np.all(np.asarray(jax.grad(loss)(slopes)) == 0)
+
+
+@pytest.mark.skipif(_ext.cuda_ext is None, reason="needs the CUDA extension to lower for CUDA")
+@pytest.mark.parametrize("option", ["alibi_slopes", "segment_ids", "softcap"])
+def test_cuda_lowering_refuses_cpu_only_options(option):
+  q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
+  kwargs = {"alibi_slopes": {"alibi_slopes": jnp.ones((2,), jnp.float32)},
+            "segment_ids": {"segment_ids": (jnp.zeros((1, 8), jnp.int32),) * 2},
+            "softcap": {"softcap": 1.0}}[option]
+  f = jax.jit(lambda q, k, v: jax_flash2.flash_attention(q, k, v, **kwargs))
+  with pytest.raises(NotImplementedError, match=f"{option} is not in the CUDA kernels yet"):
+    f.trace(q, q, q).lower(lowering_platforms=("cuda",))
 
 
 def test_vmap_of_grad(backend, rng):
@@ -164,6 +218,22 @@ def _arrays(q=(1, 8, 2, 16), k=(1, 8, 2, 16), v=None, dtype=jnp.float32):
     (_arrays(), {"implementation": "triton"}, ValueError, "implementation must be one of"),
     (_arrays(), {"softcap": -1.0}, ValueError, "softcap must be finite and >= 0"),
     (_arrays(), {"softcap": float("inf")}, ValueError, "softcap must be finite"),
+    (_arrays(), {"alibi_slopes": jnp.ones((3,), jnp.float32)}, ValueError,
+     r"alibi_slopes.shape must be \[H\] = \(2,\) or \[B, H\] = \(1, 2\); got \(3,\)"),
+    (_arrays(), {"alibi_slopes": jnp.ones((2, 2), jnp.float32)}, ValueError, "alibi_slopes.shape"),
+    (_arrays(), {"alibi_slopes": jnp.ones((2,), jnp.float16)}, TypeError,
+     "alibi_slopes.dtype must be float32; got float16"),
+    (_arrays(), {"alibi_slopes": [0.1, 0.2]}, TypeError, "alibi_slopes must be an array"),
+    (_arrays(), {"segment_ids": jnp.zeros((1, 8), jnp.int32)}, ValueError,
+     "segment_ids must be a pair"),
+    (_arrays(), {"segment_ids": (jnp.zeros((1, 7), jnp.int32), jnp.zeros((1, 8), jnp.int32))},
+     ValueError, r"q_segment_ids.shape must be \[B, T\] = \(1, 8\); got \(1, 7\)"),
+    (_arrays(k=(1, 5, 2, 16)), {"segment_ids": (jnp.zeros((1, 8), jnp.int32),) * 2},
+     ValueError, r"kv_segment_ids.shape must be \[B, S\] = \(1, 5\)"),
+    (_arrays(), {"segment_ids": (jnp.zeros((1, 8), jnp.float32), jnp.zeros((1, 8), jnp.int32))},
+     TypeError, "q_segment_ids.dtype must be an integer type"),
+    (_arrays(), {"segment_ids": (jnp.zeros((1, 8), jnp.int32), jnp.zeros((1, 8), bool))},
+     TypeError, "kv_segment_ids.dtype must be an integer type"),
 ])
 def test_bad_arguments(arrays, kwargs, error, match):
   with pytest.raises(error, match=match):

@@ -156,6 +156,10 @@ void ForwardBlock(const FlashParams& p, float* ws, int64_t b, int64_t h, int64_t
   const int64_t m_rows = RoundUp(rows, kRows);
   const int64_t kv_head = h / p.group_size;
   const WindowMask mask = MakeWindowMask(p);
+  const SegmentMask segments = MakeSegmentMask(p, b);
+  // ALiBi slope in log2 units, the units S is kept in here (0 when off).
+  const bool has_alibi = p.alibi_slopes != nullptr;
+  const float alibi_log2 = has_alibi ? p.alibi_slopes[b * p.num_heads_q + h] * kLog2e : 0.0f;
 
   float* q = ws;                   // [kBlockM, dp], pre-scaled by scale * log2(e)
   float* o = q + kBlockM * dp;     // [kBlockM, dp], unscaled until the end
@@ -179,6 +183,8 @@ void ForwardBlock(const FlashParams& p, float* ws, int64_t b, int64_t h, int64_t
   mask.KeyRange(m0, m0 + rows, &n_begin, &n_end);
   for (int64_t n0 = n_begin / kBlockN * kBlockN; n0 < n_end; n0 += kBlockN) {
     const int64_t keys = std::min(kBlockN, p.seqlen_k - n0);
+    // No query of this block shares a segment with a key of it: P = 0, skip.
+    if (!segments.BlockMayMatch(m0, m0 + rows, n0, n0 + keys)) continue;
     const int64_t k_offset = b * p.k_batch_stride + n0 * p.k_row_stride + kv_head * p.k_head_stride;
     const int64_t v_offset = b * p.v_batch_stride + n0 * p.v_row_stride + kv_head * p.v_head_stride;
     LoadTileTransposed(p.k, p.dtype, k_offset, p.k_row_stride, keys, d, dp, row_buffer, kt);
@@ -188,10 +194,19 @@ void ForwardBlock(const FlashParams& p, float* ws, int64_t b, int64_t h, int64_t
     std::fill(s, s + kBlockM * kBlockN, 0.0f);
     Gemm(s, kBlockN, q, dp, 1, kt, kBlockN, m_rows, kBlockN, dp);
     if (capped) ApplySoftcap(s, rows, p.softcap, kLog2e, nullptr);
-    if (!mask.BlockFullyVisible(m0, m0 + rows, n0, n0 + kBlockN)) {
+    // S -= slope * |i + S - T - j| (log2 units), after the cap as in FlashAttention-2.
+    if (has_alibi) {
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < kBlockN; ++j)
-          if (!mask.Allowed(m0 + r, n0 + j)) s[r * kBlockN + j] = kNegInf;
+          s[r * kBlockN + j] -= alibi_log2 * AlibiDistance(m0 + r, n0 + j, mask.offset);
+    }
+    if (segments.Active() || !mask.BlockFullyVisible(m0, m0 + rows, n0, n0 + kBlockN)) {
+      // mask.Allowed first: it rejects the keys past S before the ids are read.
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < kBlockN; ++j)
+          if (!mask.Allowed(m0 + r, n0 + j) ||
+              (segments.Active() && !segments.Allowed(m0 + r, n0 + j)))
+            s[r * kBlockN + j] = kNegInf;
     }
 
     // Online softmax: rescale the running O and sum by 2^(m_old - m_new).
@@ -245,9 +260,11 @@ void BackwardBlocks(const FlashParams& p, float* ws, const float* dvec, float* d
   const int64_t d = p.head_dim;
   const int64_t dp = PaddedHeadDim(d);
   const WindowMask mask = MakeWindowMask(p);
+  const SegmentMask segments = MakeSegmentMask(p, b);
   const bool capped = p.softcap > 0.0f;
   // P = exp2(S' * multiplier - LSE * log2 e), S' the (capped) scaled scores.
   const float exp_multiplier = capped ? kLog2e : p.softmax_scale_log2;
+  const bool has_alibi = p.alibi_slopes != nullptr;
 
   float* kmat = ws;                  // [kBlockN, dp]
   float* kt = kmat + kBlockN * dp;   // [dp, kBlockN]
@@ -279,8 +296,14 @@ void BackwardBlocks(const FlashParams& p, float* ws, const float* dvec, float* d
     int64_t q_begin, q_end;
     mask.QueryRange(n0, n0 + keys, p.seqlen_q, &q_begin, &q_end);
     for (int64_t h = kv_head * p.group_size; h < (kv_head + 1) * p.group_size; ++h) {
+      // ALiBi slope in the units of S' before the multiplier: the bias is
+      // slope * distance in natural units, and S' * multiplier is in log2 units.
+      const float alibi_pre =
+          has_alibi ? p.alibi_slopes[b * p.num_heads_q + h] * kLog2e / exp_multiplier : 0.0f;
       for (int64_t m0 = q_begin / kBlockM * kBlockM; m0 < q_end; m0 += kBlockM) {
         const int64_t rows = std::min(kBlockM, p.seqlen_q - m0);
+        // No shared segment between these queries and keys: P = 0, nothing to add.
+        if (!segments.BlockMayMatch(m0, m0 + rows, n0, n0 + keys)) continue;
         const int64_t m_rows = RoundUp(rows, kRows);
         const int64_t q_offset = b * p.q_batch_stride + m0 * p.q_row_stride + h * p.q_head_stride;
         const int64_t o_offset = b * p.o_batch_stride + m0 * p.o_row_stride + h * p.o_head_stride;
@@ -299,7 +322,8 @@ void BackwardBlocks(const FlashParams& p, float* ws, const float* dvec, float* d
           for (int64_t i = 0; i < rows * kBlockN; ++i) pm[i] *= p.softmax_scale;
           ApplySoftcap(pm, rows, p.softcap, 1.0f, slope);
         }
-        const bool fully_visible = mask.BlockFullyVisible(m0, m0 + rows, n0, n0 + kBlockN);
+        const bool fully_visible =
+            !segments.Active() && mask.BlockFullyVisible(m0, m0 + rows, n0, n0 + kBlockN);
         for (int64_t r = 0; r < kBlockM; ++r) {
           float* p_row = pm + r * kBlockN;
           // A row that saw no key has LSE = -inf and P = 0 (not exp(+inf)).
@@ -307,9 +331,16 @@ void BackwardBlocks(const FlashParams& p, float* ws, const float* dvec, float* d
             std::fill(p_row, p_row + kBlockN, 0.0f);
             continue;
           }
-          if (!fully_visible) {
+          if (has_alibi) {  // the forward's bias, after the cap
             for (int64_t j = 0; j < kBlockN; ++j)
-              if (!mask.Allowed(m0 + r, n0 + j)) p_row[j] = kNegInf;
+              p_row[j] -= alibi_pre * AlibiDistance(m0 + r, n0 + j, mask.offset);
+          }
+          if (!fully_visible) {
+            // mask.Allowed first: it rejects the keys past S before the ids are read.
+            for (int64_t j = 0; j < kBlockN; ++j)
+              if (!mask.Allowed(m0 + r, n0 + j) ||
+                  (segments.Active() && !segments.Allowed(m0 + r, n0 + j)))
+                p_row[j] = kNegInf;
           }
           for (int64_t j = 0; j < kBlockN; j += kLanes)
             Store(p_row + j, Exp2(Load(p_row + j) * exp_multiplier - lse2[r]));

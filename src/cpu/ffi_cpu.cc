@@ -16,11 +16,17 @@ SharedLoopRunner MakeRunner(ffi::ThreadPool& pool) {
 }
 
 ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                       float softmax_scale, int64_t window_left, int64_t window_right,
-                       float softcap) {
+                       ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer q_segment_ids,
+                       ffi::AnyBuffer kv_segment_ids, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::AnyBuffer> lse, float softmax_scale, int64_t window_left,
+                       int64_t window_right, float softcap, bool has_alibi, bool has_segment_ids) {
   FlashParams p;
   if (ffi::Error err = ParamsFromInputs(q, k, v, softmax_scale, window_left, window_right, softcap, &p);
+      err.failure()) {
+    return err;
+  }
+  if (ffi::Error err = SetOptionalInputs(alibi_slopes, q_segment_ids, kv_segment_ids, has_alibi,
+                                         has_segment_ids, &p);
       err.failure()) {
     return err;
   }
@@ -35,12 +41,19 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
 
 ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer d_out,
-                        ffi::AnyBuffer d_lse, ffi::Result<ffi::AnyBuffer> dq,
-                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                        float softmax_scale, int64_t window_left, int64_t window_right,
-                       float softcap) {
+                        ffi::AnyBuffer d_lse, ffi::AnyBuffer alibi_slopes,
+                        ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
+                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                        ffi::Result<ffi::AnyBuffer> dv, float softmax_scale, int64_t window_left,
+                        int64_t window_right, float softcap, bool has_alibi,
+                        bool has_segment_ids) {
   FlashParams p;
   if (ffi::Error err = ParamsFromInputs(q, k, v, softmax_scale, window_left, window_right, softcap, &p);
+      err.failure()) {
+    return err;
+  }
+  if (ffi::Error err = SetOptionalInputs(alibi_slopes, q_segment_ids, kv_segment_ids, has_alibi,
+                                         has_segment_ids, &p);
       err.failure()) {
     return err;
   }
@@ -74,12 +87,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()  // q: [B, T, H, D]
         .Arg<ffi::AnyBuffer>()  // k: [B, S, K, D]
         .Arg<ffi::AnyBuffer>()  // v: [B, S, K, D]
+        .Arg<ffi::AnyBuffer>()  // alibi_slopes: [B, H] float32, read if has_alibi
+        .Arg<ffi::AnyBuffer>()  // q_segment_ids: [B, T] int32, read if has_segment_ids
+        .Arg<ffi::AnyBuffer>()  // kv_segment_ids: [B, S] int32, read if has_segment_ids
         .Ret<ffi::AnyBuffer>()  // out: [B, T, H, D]
         .Ret<ffi::AnyBuffer>()  // lse: [B, H, T] float32
         .Attr<float>("softmax_scale")
         .Attr<int64_t>("window_left")    // -1: unbounded
         .Attr<int64_t>("window_right")  // -1: unbounded; 0: causal
-        .Attr<float>("softcap"));       // 0: off
+        .Attr<float>("softcap")         // 0: off
+        .Attr<bool>("has_alibi")        // false: alibi_slopes is ignored
+        .Attr<bool>("has_segment_ids"));  // false: the segment ids are ignored
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFlash2CpuBackward, BackwardImpl,
@@ -92,12 +110,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()  // lse: [B, H, T] float32, the forward's LSE
         .Arg<ffi::AnyBuffer>()  // d_out: [B, T, H, D]
         .Arg<ffi::AnyBuffer>()  // d_lse: [B, H, T] float32
+        .Arg<ffi::AnyBuffer>()  // alibi_slopes: [B, H] float32, read if has_alibi
+        .Arg<ffi::AnyBuffer>()  // q_segment_ids: [B, T] int32, read if has_segment_ids
+        .Arg<ffi::AnyBuffer>()  // kv_segment_ids: [B, S] int32, read if has_segment_ids
         .Ret<ffi::AnyBuffer>()  // dq: [B, T, H, D]
         .Ret<ffi::AnyBuffer>()  // dk: [B, S, K, D], summed over each head group
         .Ret<ffi::AnyBuffer>()  // dv: [B, S, K, D], summed over each head group
         .Attr<float>("softmax_scale")
         .Attr<int64_t>("window_left")
         .Attr<int64_t>("window_right")
-        .Attr<float>("softcap"));
+        .Attr<float>("softcap")
+        .Attr<bool>("has_alibi")
+        .Attr<bool>("has_segment_ids"));
 
 }  // namespace jax_flash2::cpu

@@ -1,7 +1,8 @@
 // Python module _cpu_ext: the CPU FFI handlers as capsules for
-// jax.ffi.register_ffi_target, plus the host heuristics for tests.
+// jax.ffi.register_ffi_target, plus the host heuristics for unit tests.
 #include <nanobind/nanobind.h>
 
+#include "../heuristics.h"
 #include "ffi_cpu.h"
 #include "flash_cpu.h"
 
@@ -24,4 +25,7 @@ NB_MODULE(_cpu_ext, m) {
   });
   m.def("isa", [] { return jax_flash2::cpu::SelectedIsa(); },
         "Instruction set the CPU kernels were selected for on this machine.");
+  m.def("choose_num_splits", &jax_flash2::ChooseNumSplits, nb::arg("batch_heads_mblocks"),
+        nb::arg("num_n_blocks"), nb::arg("block_slots"), nb::arg("max_splits"),
+        "The CUDA forward's split-KV count (src/heuristics.h), for unit tests.");
 }

@@ -28,8 +28,17 @@ ffi::Error Prepare(const FlashParams& p, ffi::AnyBuffer& workspace, int64_t plan
   if (std::string why = Unsupported(p, *dev); !why.empty()) {
     return ffi::Error::InvalidArgument("jax_flash2: " + why);
   }
+  // Options the CUDA kernels do not implement yet: refuse rather than ignore.
   if (p.softcap != 0.0f) {
     return ffi::Error::InvalidArgument("jax_flash2: softcap is not implemented by the CUDA kernels");
+  }
+  if (p.alibi_slopes != nullptr) {
+    return ffi::Error::InvalidArgument(
+        "jax_flash2: alibi_slopes is not implemented by the CUDA kernels");
+  }
+  if (p.q_segment_ids != nullptr) {
+    return ffi::Error::InvalidArgument(
+        "jax_flash2: segment_ids is not implemented by the CUDA kernels");
   }
   if (plan_sm_count > 0) dev->sm_count = static_cast<int>(plan_sm_count);
   const size_t bytes = bytes_for(p, *dev);
@@ -42,12 +51,18 @@ ffi::Error Prepare(const FlashParams& p, ffi::AnyBuffer& workspace, int64_t plan
 }
 
 ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
-                       ffi::Result<ffi::AnyBuffer> workspace, float softmax_scale,
-                       int64_t window_left, int64_t window_right, float softcap,
-                       int64_t sm_count) {
+                       ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer q_segment_ids,
+                       ffi::AnyBuffer kv_segment_ids, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> workspace,
+                       float softmax_scale, int64_t window_left, int64_t window_right,
+                       float softcap, bool has_alibi, bool has_segment_ids, int64_t sm_count) {
   FlashParams p;
   if (ffi::Error err = ParamsFromInputs(q, k, v, softmax_scale, window_left, window_right, softcap, &p);
+      err.failure()) {
+    return err;
+  }
+  if (ffi::Error err = SetOptionalInputs(alibi_slopes, q_segment_ids, kv_segment_ids, has_alibi,
+                                         has_segment_ids, &p);
       err.failure()) {
     return err;
   }
@@ -68,13 +83,19 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
 
 ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer d_out,
-                        ffi::AnyBuffer d_lse, ffi::Result<ffi::AnyBuffer> dq,
-                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                        ffi::Result<ffi::AnyBuffer> workspace, float softmax_scale,
-                        int64_t window_left, int64_t window_right, float softcap,
-                       int64_t sm_count) {
+                        ffi::AnyBuffer d_lse, ffi::AnyBuffer alibi_slopes,
+                        ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
+                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                        ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> workspace,
+                        float softmax_scale, int64_t window_left, int64_t window_right,
+                        float softcap, bool has_alibi, bool has_segment_ids, int64_t sm_count) {
   FlashParams p;
   if (ffi::Error err = ParamsFromInputs(q, k, v, softmax_scale, window_left, window_right, softcap, &p);
+      err.failure()) {
+    return err;
+  }
+  if (ffi::Error err = SetOptionalInputs(alibi_slopes, q_segment_ids, kv_segment_ids, has_alibi,
+                                         has_segment_ids, &p);
       err.failure()) {
     return err;
   }
@@ -112,6 +133,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()  // q: [B, T, H, D]
         .Arg<ffi::AnyBuffer>()  // k: [B, S, K, D]
         .Arg<ffi::AnyBuffer>()  // v: [B, S, K, D]
+        .Arg<ffi::AnyBuffer>()  // alibi_slopes: [B, H] float32; must be unused (has_alibi false)
+        .Arg<ffi::AnyBuffer>()  // q_segment_ids: [B, T] int32; must be unused
+        .Arg<ffi::AnyBuffer>()  // kv_segment_ids: [B, S] int32; must be unused
         .Ret<ffi::AnyBuffer>()  // out: [B, T, H, D]
         .Ret<ffi::AnyBuffer>()  // lse: [B, H, T] float32
         .Ret<ffi::AnyBuffer>()  // workspace: uint8, split-KV partial O and LSE
@@ -119,6 +143,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("window_left")   // -1: unbounded
         .Attr<int64_t>("window_right")  // -1: unbounded; 0: causal
         .Attr<float>("softcap")         // 0: off; not in the CUDA kernels yet
+        .Attr<bool>("has_alibi")        // must be false: not in the CUDA kernels yet
+        .Attr<bool>("has_segment_ids")  // must be false: not in the CUDA kernels yet
         .Attr<int64_t>("sm_count"));    // multiprocessors the workspace was sized for
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -132,6 +158,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()  // lse: [B, H, T] float32, the forward's LSE
         .Arg<ffi::AnyBuffer>()  // d_out: [B, T, H, D]
         .Arg<ffi::AnyBuffer>()  // d_lse: [B, H, T] float32
+        .Arg<ffi::AnyBuffer>()  // alibi_slopes: [B, H] float32; must be unused
+        .Arg<ffi::AnyBuffer>()  // q_segment_ids: [B, T] int32; must be unused
+        .Arg<ffi::AnyBuffer>()  // kv_segment_ids: [B, S] int32; must be unused
         .Ret<ffi::AnyBuffer>()  // dq: [B, T, H, D]
         .Ret<ffi::AnyBuffer>()  // dk: [B, S, K, D], summed over each head group
         .Ret<ffi::AnyBuffer>()  // dv: [B, S, K, D], summed over each head group
@@ -140,6 +169,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("window_left")
         .Attr<int64_t>("window_right")
         .Attr<float>("softcap")
+        .Attr<bool>("has_alibi")
+        .Attr<bool>("has_segment_ids")
         .Attr<int64_t>("sm_count"));
 
 }  // namespace jax_flash2::cuda
