@@ -152,4 +152,65 @@ inline ffi::Error CheckLseShape(const ffi::AnyBuffer& lse, const FlashParams& p,
   return ffi::Error::Success();
 }
 
+#define JF2_RETURN_IF_ERROR(expr)          \
+  if (ffi::Error err = (expr); err.failure()) { \
+    return err;                              \
+  }
+
+// The attributes every call carries (see the handler bindings).
+struct CallAttrs {
+  float softmax_scale;
+  int64_t window_left;
+  int64_t window_right;
+  float softcap;
+  bool has_alibi;
+  bool has_segment_ids;
+};
+
+// The optional per-call arrays; their shapes are checked even when unused.
+struct OptionalInputs {
+  ffi::AnyBuffer alibi_slopes;    // [B, H] float32
+  ffi::AnyBuffer q_segment_ids;   // [B, T] int32
+  ffi::AnyBuffer kv_segment_ids;  // [B, S] int32
+};
+
+// FlashParams of a forward call: inputs q, k, v (+ optional), outputs out, lse.
+inline ffi::Error ForwardParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                const ffi::AnyBuffer& v, const OptionalInputs& optional,
+                                const ffi::AnyBuffer& out, const ffi::AnyBuffer& lse,
+                                const CallAttrs& attrs, FlashParams* p) {
+  JF2_RETURN_IF_ERROR(ParamsFromInputs(q, k, v, attrs.softmax_scale, attrs.window_left,
+                                       attrs.window_right, attrs.softcap, p));
+  JF2_RETURN_IF_ERROR(SetOptionalInputs(optional.alibi_slopes, optional.q_segment_ids,
+                                        optional.kv_segment_ids, attrs.has_alibi,
+                                        attrs.has_segment_ids, p));
+  JF2_RETURN_IF_ERROR(CheckSameShape(out, q, "out"));
+  JF2_RETURN_IF_ERROR(CheckLseShape(lse, *p, "lse"));
+  p->o = out.untyped_data();
+  p->lse = static_cast<float*>(lse.untyped_data());
+  return ffi::Error::Success();
+}
+
+// FlashParams of a backward call: the forward's inputs and results, the output
+// cotangents d_out and d_lse, and the gradients dq, dk, dv to write.
+inline ffi::Error BackwardParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                 const ffi::AnyBuffer& v, const ffi::AnyBuffer& out,
+                                 const ffi::AnyBuffer& lse, const ffi::AnyBuffer& d_out,
+                                 const ffi::AnyBuffer& d_lse, const OptionalInputs& optional,
+                                 const ffi::AnyBuffer& dq, const ffi::AnyBuffer& dk,
+                                 const ffi::AnyBuffer& dv, const CallAttrs& attrs, FlashParams* p) {
+  JF2_RETURN_IF_ERROR(ForwardParams(q, k, v, optional, out, lse, attrs, p));
+  JF2_RETURN_IF_ERROR(CheckSameShape(d_out, q, "d_out"));
+  JF2_RETURN_IF_ERROR(CheckLseShape(d_lse, *p, "d_lse"));
+  JF2_RETURN_IF_ERROR(CheckSameShape(dq, q, "dq"));
+  JF2_RETURN_IF_ERROR(CheckSameShape(dk, k, "dk"));
+  JF2_RETURN_IF_ERROR(CheckSameShape(dv, v, "dv"));
+  p->d_o = d_out.untyped_data();
+  p->d_lse = static_cast<const float*>(d_lse.untyped_data());
+  p->dq = dq.untyped_data();
+  p->dk = dk.untyped_data();
+  p->dv = dv.untyped_data();
+  return ffi::Error::Success();
+}
+
 }  // namespace jax_flash2

@@ -57,19 +57,9 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                        float softmax_scale, int64_t window_left, int64_t window_right,
                        float softcap, bool has_alibi, bool has_segment_ids, int64_t sm_count) {
   FlashParams p;
-  if (ffi::Error err = ParamsFromInputs(q, k, v, softmax_scale, window_left, window_right, softcap, &p);
-      err.failure()) {
-    return err;
-  }
-  if (ffi::Error err = SetOptionalInputs(alibi_slopes, q_segment_ids, kv_segment_ids, has_alibi,
-                                         has_segment_ids, &p);
-      err.failure()) {
-    return err;
-  }
-  if (ffi::Error err = CheckSameShape(*out, q, "out"); err.failure()) return err;
-  if (ffi::Error err = CheckLseShape(*lse, p, "lse"); err.failure()) return err;
-  p.o = out->untyped_data();
-  p.lse = static_cast<float*>(lse->untyped_data());
+  JF2_RETURN_IF_ERROR(ForwardParams(
+      q, k, v, {alibi_slopes, q_segment_ids, kv_segment_ids}, *out, *lse,
+      {softmax_scale, window_left, window_right, softcap, has_alibi, has_segment_ids}, &p));
   DeviceInfo dev;
   if (ffi::Error err = Prepare(p, *workspace, sm_count, &ForwardScratchBytes, &dev);
       err.failure()) {
@@ -90,29 +80,9 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         float softmax_scale, int64_t window_left, int64_t window_right,
                         float softcap, bool has_alibi, bool has_segment_ids, int64_t sm_count) {
   FlashParams p;
-  if (ffi::Error err = ParamsFromInputs(q, k, v, softmax_scale, window_left, window_right, softcap, &p);
-      err.failure()) {
-    return err;
-  }
-  if (ffi::Error err = SetOptionalInputs(alibi_slopes, q_segment_ids, kv_segment_ids, has_alibi,
-                                         has_segment_ids, &p);
-      err.failure()) {
-    return err;
-  }
-  if (ffi::Error err = CheckSameShape(out, q, "out"); err.failure()) return err;
-  if (ffi::Error err = CheckSameShape(d_out, q, "d_out"); err.failure()) return err;
-  if (ffi::Error err = CheckLseShape(lse, p, "lse"); err.failure()) return err;
-  if (ffi::Error err = CheckLseShape(d_lse, p, "d_lse"); err.failure()) return err;
-  if (ffi::Error err = CheckSameShape(*dq, q, "dq"); err.failure()) return err;
-  if (ffi::Error err = CheckSameShape(*dk, k, "dk"); err.failure()) return err;
-  if (ffi::Error err = CheckSameShape(*dv, v, "dv"); err.failure()) return err;
-  p.o = out.untyped_data();
-  p.lse = static_cast<float*>(lse.untyped_data());
-  p.d_o = d_out.untyped_data();
-  p.d_lse = static_cast<const float*>(d_lse.untyped_data());
-  p.dq = dq->untyped_data();
-  p.dk = dk->untyped_data();
-  p.dv = dv->untyped_data();
+  JF2_RETURN_IF_ERROR(BackwardParams(
+      q, k, v, out, lse, d_out, d_lse, {alibi_slopes, q_segment_ids, kv_segment_ids}, *dq, *dk,
+      *dv, {softmax_scale, window_left, window_right, softcap, has_alibi, has_segment_ids}, &p));
   DeviceInfo dev;
   if (ffi::Error err = Prepare(p, *workspace, sm_count, &BackwardScratchBytes, &dev);
       err.failure()) {
