@@ -1,8 +1,11 @@
 """jax_flash2: FlashAttention-2 for JAX (CUDA and CPU kernels as XLA FFI calls)."""
 
 from jax_flash2 import export, reference
-from jax_flash2.api import AttentionConfig, flash_attention, kernel_info
+from jax_flash2.api import AttentionConfig, flash_attention, flash_attention_varlen, kernel_info
 
 __version__ = "0.1.0"
 
-__all__ = ["AttentionConfig", "export", "flash_attention", "kernel_info", "reference"]
+__all__ = [
+    "AttentionConfig", "export", "flash_attention", "flash_attention_varlen", "kernel_info",
+    "reference",
+]

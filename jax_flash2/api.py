@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash2 import _ext, _vjp, reference
+from jax_flash2 import _ext, _varlen, _vjp, reference
 
 SUPPORTED_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 MAX_HEAD_DIM = 256
@@ -255,6 +255,56 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
   else:
     out, lse = _vjp.attention(q, k, v, *extras, config)
   return (out, lse) if return_lse else out
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                           max_seqlen_k: int, *, causal: bool = False,
+                           softmax_scale: float | None = None, return_lse: bool = False,
+                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           implementation: str | None = None):
+  """Packed variable-length sequences, FlashAttention's varlen convention.
+
+  Args:
+    q: [total_q, H, D]; k, v: [total_k, K, D]: the tokens of n sequences,
+      one after the other.
+    cu_seqlens_q, cu_seqlens_k: integer [n + 1], cumulative lengths starting
+      at 0 and ending at total_q / total_k; sequence b is
+      q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] against
+      k, v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]. Checked when known at trace
+      time (concrete arrays); traced values are trusted.
+    max_seqlen_q, max_seqlen_k: static ints, at least every sequence's length.
+    causal, window_size: per sequence, aligned bottom-right within each
+      sequence (query i of a sequence with T_b queries and S_b keys sees keys
+      j <= i + S_b - T_b), as FlashAttention-2's varlen.
+    Other arguments: as flash_attention.
+
+  Returns:
+    out [total_q, H, D]; with return_lse, (out, lse [H, total_q]).
+
+  Built on segment ids over a padded [n, max_seqlen] batch (see _varlen.py),
+  so it runs where segment ids do (CPU kernels, reference).
+  """
+  for name, x, expected in (("q", q, "[total_q, H, D]"), ("k", k, "[total_k, K, D]"),
+                            ("v", v, "[total_k, K, D]")):
+    if not hasattr(x, "ndim") or x.ndim != 3:
+      raise _shape_error(f"{name}.shape", getattr(x, "shape", type(x).__name__),
+                         f"must be rank 3 {expected}")
+  for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"flash_attention_varlen: {name} must be a static int >= 1; got {value!r}")
+  _varlen.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+  _varlen.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+  if cu_seqlens_q.shape != cu_seqlens_k.shape:
+    raise _shape_error("cu_seqlens_q and cu_seqlens_k shapes",
+                       (cu_seqlens_q.shape, cu_seqlens_k.shape), "must be equal [n + 1]")
+
+  def attention(q, k, v, **kwargs):
+    return flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                           window_size=window_size, softcap=softcap,
+                           implementation=implementation, **kwargs)
+
+  return _varlen.varlen_attention(attention, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                  int(max_seqlen_q), int(max_seqlen_k), return_lse)
 
 
 def kernel_info() -> dict[str, str | None]:
