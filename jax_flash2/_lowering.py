@@ -56,7 +56,9 @@ def _cuda_rule(target: str, backward: bool):
           "float32); cast q, k, v or pass implementation='reference'"
       )
     for name, used in (("softcap", config.softcap > 0), ("alibi_slopes", config.has_alibi),
-                       ("segment_ids", config.has_segment_ids)):
+                       ("segment_ids", config.has_segment_ids),
+                       # dQ is summed with fp32 atomics: order varies run to run.
+                       ("deterministic", config.deterministic and backward)):
       if used:
         raise NotImplementedError(
             f"jax_flash2: {name} is not in the CUDA kernels yet; use "

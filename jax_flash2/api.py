@@ -41,6 +41,7 @@ class AttentionConfig:
   softcap: float = 0.0
   has_alibi: bool = False
   has_segment_ids: bool = False
+  deterministic: bool = False
   implementation: str = "kernel"
 
 
@@ -176,14 +177,16 @@ def extra_operands(q, k, alibi_slopes=None, segment_ids=None):
 
 
 def make_config(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                softcap=0.0, alibi_slopes=None, segment_ids=None, implementation=None,
-                dtypes=SUPPORTED_DTYPES) -> AttentionConfig:
+                softcap=0.0, alibi_slopes=None, segment_ids=None, deterministic=False,
+                implementation=None, dtypes=SUPPORTED_DTYPES) -> AttentionConfig:
   """Checks the arguments of flash_attention and returns its static config."""
   _check_arrays(q, k, v, dtypes)
   _check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2])
   _check_segment_ids(segment_ids, q.shape[0], q.shape[1], k.shape[1])
   if not isinstance(causal, (bool, np.bool_)):
     raise TypeError(f"flash_attention: causal must be a bool; got {causal!r}")
+  if not isinstance(deterministic, (bool, np.bool_)):
+    raise TypeError(f"flash_attention: deterministic must be a bool; got {deterministic!r}")
   if implementation is None:
     implementation = "kernel"
   if implementation not in IMPLEMENTATIONS:
@@ -198,6 +201,7 @@ def make_config(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -
       softcap=_check_softcap(softcap),
       has_alibi=alibi_slopes is not None,
       has_segment_ids=segment_ids is not None,
+      deterministic=bool(deterministic),
       implementation=implementation,
   )
 
@@ -205,6 +209,7 @@ def make_config(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -
 def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                     return_lse: bool = False, window_size: tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, alibi_slopes=None, segment_ids=None,
+                    deterministic: bool = False,
                     implementation: str | None = None):
   """FlashAttention-2: softmax(q k^T * scale [masked]) v without the T x S matrix.
 
@@ -239,6 +244,10 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
       causal within each segment). A query with no same-id key returns 0 and
       LSE -inf. K/V blocks with no same-id pair are skipped. Padding can be
       given its own id. CPU kernels and reference (CUDA: not yet).
+    deterministic: a backward with a fixed summation order, bit-identical run
+      to run. The CPU kernels always are (dQ partials are summed in a fixed
+      order), so this costs nothing there; the CUDA backward accumulates dQ
+      with atomics and raises NotImplementedError for it (not yet).
     implementation: None or "kernel" (the compiled kernels of the platform),
       or "reference" (plain JAX, materializes the T x S scores).
 
@@ -248,7 +257,8 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
   """
   config = make_config(q, k, v, causal=causal, softmax_scale=softmax_scale,
                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                       segment_ids=segment_ids, implementation=implementation)
+                       segment_ids=segment_ids, deterministic=deterministic,
+                       implementation=implementation)
   extras = extra_operands(q, k, alibi_slopes, segment_ids)
   if config.implementation == "reference":
     out, lse = reference.forward_from_config(q, k, v, *extras, config)
@@ -261,7 +271,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                            max_seqlen_k: int, *, causal: bool = False,
                            softmax_scale: float | None = None, return_lse: bool = False,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                           implementation: str | None = None):
+                           deterministic: bool = False, implementation: str | None = None):
   """Packed variable-length sequences, FlashAttention's varlen convention.
 
   Args:
@@ -301,7 +311,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
   def attention(q, k, v, **kwargs):
     return flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                            window_size=window_size, softcap=softcap,
-                           implementation=implementation, **kwargs)
+                           deterministic=deterministic, implementation=implementation, **kwargs)
 
   return _varlen.varlen_attention(attention, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                   int(max_seqlen_q), int(max_seqlen_k), return_lse)

@@ -213,6 +213,7 @@ def _arrays(q=(1, 8, 2, 16), k=(1, 8, 2, 16), v=None, dtype=jnp.float32):
     (_arrays(), {"softmax_scale": float("inf")}, ValueError, "softmax_scale"),
     (_arrays(), {"softmax_scale": "big"}, TypeError, "softmax_scale must be a number"),
     (_arrays(), {"causal": "yes"}, TypeError, "causal must be a bool"),
+    (_arrays(), {"deterministic": 1}, TypeError, "deterministic must be a bool"),
     (_arrays(), {"window_size": (-2, 0)}, ValueError, "window_size left"),
     (_arrays(), {"window_size": 3}, ValueError, "window_size must be a pair"),
     (_arrays(), {"implementation": "triton"}, ValueError, "implementation must be one of"),
@@ -244,3 +245,30 @@ def test_traced_softmax_scale_is_rejected():
   q, k, v = _arrays()
   with pytest.raises(TypeError, match="static Python number"):
     jax.jit(lambda q, k, v, s: jax_flash2.flash_attention(q, k, v, softmax_scale=s))(q, k, v, 0.5)
+
+
+def test_deterministic_backward_is_bit_identical(rng):
+  """Three runs of the CPU backward on many workers' worth of tasks give the
+  same bits (dQ partials are summed in a fixed order)."""
+  q, k, v = random_inputs(rng, 1, 300, 700, 4, 1, 32, jnp.float32)
+  loss = jax.jit(jax.grad(
+      lambda q, k, v: jnp.sum(jnp.sin(jax_flash2.flash_attention(q, k, v, causal=True,
+                                                                 deterministic=True))),
+      argnums=(0, 1, 2)))
+  runs = [jax.device_get(loss(q, k, v)) for _ in range(3)]
+  if jax.default_backend() != "cpu":
+    pytest.skip("the CUDA backward is not deterministic yet")
+  for other in runs[1:]:
+    for a, b in zip(runs[0], other):
+      assert np.array_equal(a, b)
+
+
+@pytest.mark.skipif(_ext.cuda_ext is None, reason="needs the CUDA extension to lower for CUDA")
+def test_cuda_lowering_refuses_deterministic_backward():
+  q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
+  fwd = jax.jit(lambda q: jax_flash2.flash_attention(q, q, q, deterministic=True))
+  fwd.trace(q).lower(lowering_platforms=("cuda",))  # the forward is deterministic
+  grad = jax.jit(jax.grad(lambda q: jnp.sum(
+      jax_flash2.flash_attention(q, q, q, deterministic=True).astype(jnp.float32))))
+  with pytest.raises(NotImplementedError, match="deterministic is not in the CUDA kernels yet"):
+    grad.trace(q).lower(lowering_platforms=("cuda",))
