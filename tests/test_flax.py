@@ -19,6 +19,7 @@ flax = pytest.importorskip("flax")
 import flax.linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import jax_flash2  # noqa: E402
 import jax_flash2.flax as jf  # noqa: E402
 import jax_flash2.flax.linen as jfl  # noqa: E402
 
@@ -313,3 +314,20 @@ def test_import_jax_flash2_does_not_import_flax(tmp_path):
   code = "import sys, jax_flash2; assert 'flax' not in sys.modules, 'flax imported'"
   # cwd outside the source tree: `python -c` puts the cwd first on sys.path.
   subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
+
+
+def test_nnx_and_linen_window_and_softcap():
+  """The local-window and softcap options reach the kernel: both modules equal
+  their own projections fed to the reference with the same options."""
+  x = jax.random.normal(jax.random.key(3), (2, 24, 32), jnp.float32)
+  opts = dict(causal=True, window_size=(5, -1), softcap=2.0)
+  layer = jf.MultiHeadAttention(4, 32, num_kv_heads=2, rngs=nnx.Rngs(0), **opts)
+  q, k, v = layer.query(x), layer.key(x), layer.value(x)
+  want = layer.out(jax_flash2.reference.attention(q, k, v, **opts))
+  np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(want), atol=2e-5)
+
+  module = jfl.MultiHeadAttention(num_heads=4, num_kv_heads=2, **opts)
+  params = module.init(jax.random.key(1), x)
+  plain = jfl.MultiHeadAttention(num_heads=4, num_kv_heads=2, causal=True)
+  assert not np.allclose(np.asarray(module.apply(params, x)), np.asarray(plain.apply(params, x)),
+                         atol=1e-3)

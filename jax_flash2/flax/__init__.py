@@ -45,6 +45,8 @@ class MultiHeadAttention(nnx.Module):
       (default in_features).
     causal: mask key j > query i (bottom-right aligned when S != T).
     softmax_scale: logit scale (default 1 / sqrt(D)).
+    window_size: (left, right) local attention, as in flash_attention.
+    softcap: Gemma-2 score capping, as in flash_attention (0 = off).
     dtype: computation dtype (default: inferred from inputs and params).
     param_dtype: parameter dtype.
     kernel_init, bias_init, use_bias: as in flax.nnx.LinearGeneral.
@@ -62,6 +64,8 @@ class MultiHeadAttention(nnx.Module):
       in_kv_features: int | None = None,
       causal: bool = False,
       softmax_scale: float | None = None,
+      window_size: tuple[int, int] = (-1, -1),
+      softcap: float = 0.0,
       dtype=None,
       param_dtype=jnp.float32,
       kernel_init=nnx.initializers.lecun_normal(),
@@ -79,6 +83,8 @@ class MultiHeadAttention(nnx.Module):
     self.head_dim = qkv_features // num_heads
     self.causal = causal
     self.softmax_scale = softmax_scale
+    self.window_size = tuple(window_size)
+    self.softcap = softcap
     self.dtype = dtype
 
     def linear(in_features, out_features, **kw):
@@ -100,7 +106,8 @@ class MultiHeadAttention(nnx.Module):
     inputs_kv = inputs_q if inputs_kv is None else inputs_kv
     x = attend(
         self.query(inputs_q), self.key(inputs_kv), self.value(inputs_kv),
-        causal=self.causal, softmax_scale=self.softmax_scale)
+        causal=self.causal, softmax_scale=self.softmax_scale, window_size=self.window_size,
+        softcap=self.softcap)
     return self.out(x)
 
 

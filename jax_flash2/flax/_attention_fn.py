@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from jax_flash2 import api
 
 
-def attend(query, key, value, *, causal: bool, softmax_scale=None, dtype=None):
+def attend(query, key, value, *, causal: bool, softmax_scale=None, dtype=None,
+           window_size=(-1, -1), softcap: float = 0.0):
   """flash_attention on Flax's layout: query [..., T, H, D], key, value [..., S, K, D].
 
   dtype, when given, is the computation dtype (as in Flax); otherwise the three
@@ -31,7 +32,8 @@ def attend(query, key, value, *, causal: bool, softmax_scale=None, dtype=None):
     return x.reshape((math.prod(batch),) + x.shape[-3:])
 
   out = api.flash_attention(
-      merged(query), merged(key), merged(value), causal=causal, softmax_scale=softmax_scale)
+      merged(query), merged(key), merged(value), causal=causal, softmax_scale=softmax_scale,
+      window_size=window_size, softcap=softcap)
   return out.reshape(batch + out.shape[1:])
 
 

@@ -28,6 +28,8 @@ class MultiHeadAttention(nn.Module):
   out_features: int | None = None
   causal: bool = False
   softmax_scale: float | None = None
+  window_size: tuple[int, int] = (-1, -1)
+  softcap: float = 0.0
   dtype: Any = None
   param_dtype: Any = jnp.float32
   kernel_init: Callable = nn.initializers.lecun_normal()
@@ -55,5 +57,6 @@ class MultiHeadAttention(nn.Module):
         dense((self.num_heads, head_dim), "query")(inputs_q),
         dense((num_kv_heads, head_dim), "key")(inputs_kv),
         dense((num_kv_heads, head_dim), "value")(inputs_kv),
-        causal=self.causal, softmax_scale=self.softmax_scale)
+        causal=self.causal, softmax_scale=self.softmax_scale, window_size=self.window_size,
+        softcap=self.softcap)
     return dense(out_features, "out", axis=(-2, -1))(x)
