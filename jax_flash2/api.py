@@ -81,15 +81,20 @@ def _check_arrays(q, k, v, dtypes) -> None:
     raise _shape_error("head_dim D", head_dim, f"must be a multiple of 8 in [8, {MAX_HEAD_DIM}]")
 
 
+def _static_number(name: str, value) -> float:
+  """A static Python number as float: traced values cannot become FFI attributes."""
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(f"flash_attention: {name} must be a static Python number, not a traced value")
+  try:
+    return float(value)
+  except (TypeError, ValueError):
+    raise TypeError(f"flash_attention: {name} must be a number; got {value!r}") from None
+
+
 def _check_scale(softmax_scale, head_dim: int) -> float:
   if softmax_scale is None:
     return 1.0 / math.sqrt(head_dim)
-  if isinstance(softmax_scale, jax.core.Tracer):
-    raise TypeError("flash_attention: softmax_scale must be a static Python number, not a traced value")
-  try:
-    scale = float(softmax_scale)
-  except (TypeError, ValueError):
-    raise TypeError(f"flash_attention: softmax_scale must be a number; got {softmax_scale!r}") from None
+  scale = _static_number("softmax_scale", softmax_scale)
   if not math.isfinite(scale) or scale <= 0:
     raise ValueError(f"flash_attention: softmax_scale must be finite and > 0; got {softmax_scale!r}")
   return scale
@@ -114,12 +119,7 @@ def _check_window(window_size, causal: bool) -> tuple[int, int]:
 
 
 def _check_softcap(softcap) -> float:
-  if isinstance(softcap, jax.core.Tracer):
-    raise TypeError("flash_attention: softcap must be a static Python number, not a traced value")
-  try:
-    value = float(softcap)
-  except (TypeError, ValueError):
-    raise TypeError(f"flash_attention: softcap must be a number; got {softcap!r}") from None
+  value = _static_number("softcap", softcap)
   if not math.isfinite(value) or value < 0:
     raise ValueError(f"flash_attention: softcap must be finite and >= 0 (0 = off); got {softcap!r}")
   return value

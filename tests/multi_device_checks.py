@@ -123,6 +123,13 @@ def mqa_batch_and_heads():
   return batch_and_head_sharded(1, P("data", None, None, None))
 
 
+def packed_loss(q, k, v, slopes, q_ids, kv_ids):
+  """Causal attention with ALiBi slopes and segment ids, reduced to a scalar."""
+  out = jax_flash2.flash_attention(q, k, v, causal=True, alibi_slopes=slopes,
+                                   segment_ids=(q_ids, kv_ids))
+  return jnp.sum(jnp.sin(out))
+
+
 @check
 def segments_and_alibi_batch_and_heads():
   # Segment ids [B, T], [B, S] split along batch, [B, H] slopes along batch and
@@ -131,11 +138,6 @@ def segments_and_alibi_batch_and_heads():
   ids = jax.random.randint(jax.random.key(2), (B, T + S), 0, 3)
   q_ids, kv_ids = jnp.sort(ids[:, :T], axis=1), jnp.sort(ids[:, T:], axis=1)
   slopes = jax.random.uniform(jax.random.key(3), (B, H), minval=0.05, maxval=0.5)
-
-  def packed_loss(q, k, v, slopes, q_ids, kv_ids):
-    out = jax_flash2.flash_attention(q, k, v, causal=True, alibi_slopes=slopes,
-                                     segment_ids=(q_ids, kv_ids))
-    return jnp.sum(jnp.sin(out))
 
   fn = jax.value_and_grad(packed_loss, argnums=(0, 1, 2))
   spec = P("data", None, "model", None)
@@ -165,11 +167,6 @@ def shard_map_with_segments():
   q_ids = jnp.broadcast_to(jnp.arange(T) // 10, (B, T)).astype(jnp.int32)
   kv_ids = jnp.broadcast_to(jnp.arange(S) // 15, (B, S)).astype(jnp.int32)
   slopes = jnp.linspace(0.1, 0.8, H, dtype=jnp.float32)
-
-  def packed_loss(q, k, v, slopes, q_ids, kv_ids):
-    out = jax_flash2.flash_attention(q, k, v, causal=True, alibi_slopes=slopes,
-                                     segment_ids=(q_ids, kv_ids))
-    return jnp.sum(jnp.sin(out))
 
   fn = jax.value_and_grad(packed_loss, argnums=(0, 1, 2))
   spec = P("data", None, "model", None)

@@ -272,3 +272,9 @@ def test_cuda_lowering_refuses_deterministic_backward():
       jax_flash2.flash_attention(q, q, q, deterministic=True).astype(jnp.float32))))
   with pytest.raises(NotImplementedError, match="deterministic is not in the CUDA kernels yet"):
     grad.trace(q).lower(lowering_platforms=("cuda",))
+
+
+def test_traced_softcap_is_rejected():
+  q, k, v = _arrays()
+  with pytest.raises(TypeError, match="softcap must be a static Python number"):
+    jax.jit(lambda q, k, v, c: jax_flash2.flash_attention(q, k, v, softcap=c))(q, k, v, 1.0)

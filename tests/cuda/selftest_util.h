@@ -14,6 +14,9 @@
 #include <thread>
 #include <vector>
 
+#include <cmath>
+
+#include "src/flash_mask.h"
 #include "src/flash_params.h"
 
 // A self-test stops at the first failed CUDA call: its output is the report.
@@ -75,6 +78,67 @@ void ParallelFor(int64_t n, F f) {
 // Element offset of (b, t, h, d) under batch, row and head strides.
 inline int64_t Off(int64_t bs, int64_t rs, int64_t hs, int64_t b, int64_t t, int64_t h, int64_t d) {
   return b * bs + t * rs + h * hs + d;
+}
+
+
+// Query row (b, t, h) of attention under p, twice: in float64 (the oracle, into
+// row.o, returning the LSE; -inf when no key is visible) and as a plain
+// same-dtype attention computes it (S and P rounded to the dtype, fp32 sums,
+// into row.of). q, k, v are the inputs as floats, laid out by p's strides.
+struct ReferenceRowScratch {
+  std::vector<double> s, o;
+  std::vector<float> sf, of;
+};
+
+inline double ReferenceRow(const FlashParams& p, DType dtype, const float* fq, const float* fk,
+                           const float* fv, int64_t b, int64_t t, int64_t h,
+                           ReferenceRowScratch& row) {
+  const WindowMask mask = MakeWindowMask(p);
+  const double scale = p.softmax_scale;
+  const int64_t kh = h / p.group_size;
+  row.s.resize(p.seqlen_k);
+  row.sf.resize(p.seqlen_k);
+  row.o.resize(p.head_dim);
+  row.of.resize(p.head_dim);
+  std::vector<double>& s = row.s;
+  std::vector<double>& o = row.o;
+  std::vector<float>& sf = row.sf;
+  std::vector<float>& of = row.of;
+  const float* qr = &fq[Off(p.q_batch_stride, p.q_row_stride, p.q_head_stride, b, t, h, 0)];
+  double mx = -INFINITY;
+  float mxf = -INFINITY;
+  for (int64_t j = 0; j < p.seqlen_k; ++j) {
+    if (!mask.Allowed(t, j)) { s[j] = -INFINITY; sf[j] = -INFINITY; continue; }
+    const float* kr = &fk[Off(p.k_batch_stride, p.k_row_stride, p.k_head_stride, b, j, kh, 0)];
+    double acc = 0;
+    float accf = 0;
+    for (int64_t d = 0; d < p.head_dim; ++d) { acc += double(qr[d]) * kr[d]; accf += qr[d] * kr[d]; }
+    s[j] = acc * scale;
+    sf[j] = RoundTo(dtype, accf * p.softmax_scale);
+    mx = std::max(mx, s[j]);
+    mxf = std::max(mxf, sf[j]);
+  }
+  double l = 0;
+  float lf = 0;
+  std::fill(o.begin(), o.end(), 0.0);
+  std::fill(of.begin(), of.end(), 0.f);
+  if (mx != -INFINITY) {
+    for (int64_t j = 0; j < p.seqlen_k; ++j) {
+      if (s[j] == -INFINITY) continue;
+      s[j] = std::exp(s[j] - mx);
+      l += s[j];
+      sf[j] = std::exp(sf[j] - mxf);
+      lf += sf[j];
+    }
+    for (int64_t j = 0; j < p.seqlen_k; ++j) {
+      if (sf[j] == -INFINITY) continue;
+      const float* vr = &fv[Off(p.v_batch_stride, p.v_row_stride, p.v_head_stride, b, j, kh, 0)];
+      const double w = s[j] / l;
+      const float wf = RoundTo(dtype, sf[j] / lf);
+      for (int64_t d = 0; d < p.head_dim; ++d) { o[d] += w * vr[d]; of[d] += wf * vr[d]; }
+    }
+  }
+  return mx == -INFINITY ? -INFINITY : mx + std::log(l);
 }
 
 }  // namespace jax_flash2::selftest

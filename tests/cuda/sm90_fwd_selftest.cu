@@ -210,50 +210,16 @@ int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
 
   // Oracle (float64) and naive same-dtype attention (S and P rounded to the
   // dtype, fp32 accumulation, as a framework's plain attention computes it).
-  const WindowMask mask = MakeWindowMask(p);
-  const double scale = p.softmax_scale;
   std::vector<double> ref_o(c.B * c.H * c.T * c.D), ref_lse(nlse);  // [B, H, T, (D)]
   std::vector<double> err_naive(c.B * c.H, 0.0);
   ParallelFor(c.B * c.H, [&](int64_t bh) {
-    const int64_t b = bh / c.H, h = bh % c.H, kh = h / (c.H / c.K);
-    std::vector<double> s(c.S), o(c.D);
-    std::vector<float> sf(c.S), of(c.D);
+    const int64_t b = bh / c.H, h = bh % c.H;
+    ReferenceRowScratch row;
     for (int64_t t = 0; t < c.T; ++t) {
-      const float* qr = &fq[Off(p.q_batch_stride, p.q_row_stride, p.q_head_stride, b, t, h, 0)];
-      double mx = -INFINITY;
-      float mxf = -INFINITY;
-      for (int64_t j = 0; j < c.S; ++j) {
-        if (!mask.Allowed(t, j)) { s[j] = -INFINITY; sf[j] = -INFINITY; continue; }
-        const float* kr = &fk[Off(p.k_batch_stride, p.k_row_stride, p.k_head_stride, b, j, kh, 0)];
-        double acc = 0;
-        float accf = 0;
-        for (int64_t d = 0; d < c.D; ++d) { acc += double(qr[d]) * kr[d]; accf += qr[d] * kr[d]; }
-        s[j] = acc * scale;
-        sf[j] = RoundTo(c.dtype, accf * p.softmax_scale);
-        mx = std::max(mx, s[j]);
-        mxf = std::max(mxf, sf[j]);
-      }
-      double l = 0;
-      float lf = 0;
-      std::fill(o.begin(), o.end(), 0.0);
-      std::fill(of.begin(), of.end(), 0.f);
-      if (mx != -INFINITY) {
-        for (int64_t j = 0; j < c.S; ++j) {
-          if (s[j] == -INFINITY) continue;
-          s[j] = std::exp(s[j] - mx);
-          l += s[j];
-          sf[j] = std::exp(sf[j] - mxf);
-          lf += sf[j];
-        }
-        for (int64_t j = 0; j < c.S; ++j) {
-          if (sf[j] == -INFINITY) continue;
-          const float* vr = &fv[Off(p.v_batch_stride, p.v_row_stride, p.v_head_stride, b, j, kh, 0)];
-          const double w = s[j] / l;
-          const float wf = RoundTo(c.dtype, sf[j] / lf);
-          for (int64_t d = 0; d < c.D; ++d) { o[d] += w * vr[d]; of[d] += wf * vr[d]; }
-        }
-      }
-      ref_lse[bh * c.T + t] = mx == -INFINITY ? -INFINITY : mx + std::log(l);
+      const double row_lse = ReferenceRow(p, c.dtype, fq.data(), fk.data(), fv.data(), b, t, h, row);
+      const std::vector<double>& o = row.o;
+      const std::vector<float>& of = row.of;
+      ref_lse[bh * c.T + t] = row_lse;
       for (int64_t d = 0; d < c.D; ++d) {
         ref_o[(bh * c.T + t) * c.D + d] = o[d];
         err_naive[bh] = std::max(err_naive[bh], std::abs(RoundTo(c.dtype, of[d]) - o[d]));
