@@ -317,9 +317,17 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                                   int(max_seqlen_q), int(max_seqlen_k), return_lse)
 
 
+def _cuda_kernel_info() -> str | None:
+  if _ext.cuda_ext is None:
+    return None
+  if _ext.cuda_ext.has_sm90():
+    return "cuda-flash2-sm80 (forward on cc 9.0: sm90a wgmma/TMA kernel)"
+  return "cuda-flash2-sm80"
+
+
 def kernel_info() -> dict[str, str | None]:
   """Which compiled kernels serve each platform in this installation."""
   return {
       "cpu": f"cpu-flash2 ({_ext.cpu_ext.isa()})",
-      "cuda": "cuda-flash2-sm80" if _ext.cuda_ext is not None else None,
+      "cuda": _cuda_kernel_info(),
   }
