@@ -104,14 +104,20 @@ def test_alibi_slopes_get_zero_gradient(backend, rng):
 
 @pytest.mark.skipif(_ext.cuda_ext is None, reason="needs the CUDA extension to lower for CUDA")
 @pytest.mark.parametrize("option", ["alibi_slopes", "segment_ids", "softcap"])
-def test_cuda_lowering_refuses_cpu_only_options(option):
+def test_cuda_lowering_passes_score_options(option):
+  """The CUDA kernels serve softcap, ALiBi and segment ids: forward and
+  backward lower for CUDA with the option's attribute on."""
   q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
-  kwargs = {"alibi_slopes": {"alibi_slopes": jnp.ones((2,), jnp.float32)},
-            "segment_ids": {"segment_ids": (jnp.zeros((1, 8), jnp.int32),) * 2},
-            "softcap": {"softcap": 1.0}}[option]
-  f = jax.jit(lambda q, k, v: jax_flash2.flash_attention(q, k, v, **kwargs))
-  with pytest.raises(NotImplementedError, match=f"{option} is not in the CUDA kernels yet"):
-    f.trace(q, q, q).lower(lowering_platforms=("cuda",))
+  kwargs, attribute = {
+      "alibi_slopes": ({"alibi_slopes": jnp.ones((2,), jnp.float32)}, "has_alibi = true"),
+      "segment_ids": ({"segment_ids": (jnp.zeros((1, 8), jnp.int32),) * 2},
+                      "has_segment_ids = true"),
+      "softcap": ({"softcap": 1.0}, "softcap = 1.0"),
+  }[option]
+  grad = jax.jit(jax.grad(lambda q: jnp.sum(
+      jax_flash2.flash_attention(q, q, q, **kwargs).astype(jnp.float32))))
+  ir = grad.trace(q).lower(lowering_platforms=("cuda",)).as_text()
+  assert ir.count(attribute) == 2  # the forward and the backward call
 
 
 def test_vmap_of_grad(backend, rng):

@@ -57,7 +57,7 @@ struct BwdScratchPtrs {
   float* dq_acc;
   int64_t t_pad;
   int dq_splits;             // dQ slices (BwdDqSplits); 1 unless deterministic
-  int64_t dq_slice_stride;   // elements from one CTA column's slice to the next; 0 if 1 slice
+  int64_t dq_slice_stride;   // elements between slices (B * T * H * D); 0 unless deterministic
 };
 
 // a.lo * b.lo + a.hi * b.hi in fp32, a and b each two packed Elems.
