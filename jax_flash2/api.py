@@ -226,7 +226,7 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
       diagonal: query i sees keys i + S - T - left <= j <= i + S - T + right;
       -1 = unbounded. Combined with causal, right is at most 0.
     softcap: if > 0, scaled scores s become softcap * tanh(s / softcap)
-      (Gemma-2); 0 = off. CPU kernels and reference (CUDA: not yet).
+      (Gemma-2); 0 = off.
     alibi_slopes: None, or float32 [H] or [B, H]: adds
       -slope[b, h] * |i + S - T - j| to the score of query i and key j, after
       the softmax scale and after softcap (FlashAttention-2's order: its
@@ -235,7 +235,6 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
       instead, which gives the same output but an LSE shifted by
       slope * (i + S - T) per row; here the LSE always includes the distance
       form. The slopes are treated as constants: their cotangent is zero.
-      CPU kernels and reference (CUDA: not yet).
     segment_ids: None, or a pair (q_segment_ids [B, T], kv_segment_ids
       [B, S]) of integer arrays: packed sequences (other integer dtypes
       are cast to int32, so ids must fit in int32). Query i sees key j
@@ -243,11 +242,13 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
       (which stay positional: with packed self-attention, T == S, causal is
       causal within each segment). A query with no same-id key returns 0 and
       LSE -inf. K/V blocks with no same-id pair are skipped. Padding can be
-      given its own id. CPU kernels and reference (CUDA: not yet).
+      given its own id.
     deterministic: a backward with a fixed summation order, bit-identical run
       to run. The CPU kernels always are (dQ partials are summed in a fixed
-      order), so this costs nothing there; the CUDA backward accumulates dQ
-      with atomics and raises NotImplementedError for it (not yet).
+      order), so this costs nothing there. The CUDA backward then sums dQ in
+      per-CTA slices added in a fixed order instead of with free-running
+      atomics: more workspace (up to 1 GiB) and a grid of about one CTA per
+      multiprocessor.
     implementation: None or "kernel" (the compiled kernels of the platform),
       or "reference" (plain JAX, materializes the T x S scores).
 

@@ -67,6 +67,10 @@ struct FlashParams {
   // window allows it).
   const int32_t* q_segment_ids = nullptr;
   const int32_t* kv_segment_ids = nullptr;
+
+  // Backward only: dQ must be bit-identical run to run. The CPU backward
+  // always is; the CUDA one then sums dQ in a fixed order (bwd_launch.cu).
+  bool deterministic = false;
 };
 
 // Fills the dense [B, T, H, D] strides of every tensor from the sizes.
