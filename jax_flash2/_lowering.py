@@ -22,6 +22,7 @@ def _attributes(config) -> dict:
       softcap=np.float32(config.softcap),
       has_alibi=np.bool_(config.has_alibi),
       has_segment_ids=np.bool_(config.has_segment_ids),
+      dropout_rate=np.float32(config.dropout_rate),
   )
 
 
@@ -57,6 +58,7 @@ def _cuda_rule(target: str, backward: bool):
       )
     for name, used in (("softcap", config.softcap > 0), ("alibi_slopes", config.has_alibi),
                        ("segment_ids", config.has_segment_ids),
+                       ("dropout_rate > 0", config.dropout_rate > 0),
                        # dQ is summed with fp32 atomics: order varies run to run.
                        ("deterministic", config.deterministic and backward)):
       if used:
