@@ -29,24 +29,42 @@ struct Philox4 {
   uint32_t x[4];
 };
 
-// The four 32-bit words of Philox4x32-10 for counter (c0, c1, c2, c3), key (k0, k1).
-JF2_DROPOUT_HD Philox4 Philox4x32(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
-                                  uint32_t k1) {
+// The 64-bit product a * b as its high and low 32-bit words.
+struct MulHiLo32 {
+  JF2_DROPOUT_HD void operator()(uint32_t a, uint32_t b, uint32_t* hi, uint32_t* lo) const {
+    const uint64_t product = static_cast<uint64_t>(a) * b;
+    *hi = static_cast<uint32_t>(product >> 32);
+    *lo = static_cast<uint32_t>(product);
+  }
+};
+
+// The 10 rounds of Philox4x32 on counter c with key (k0, k1), in place. Word is
+// uint32_t, or a vector of them (the CPU kernels run one lane per counter with
+// GCC vector types and their own mul_hi_lo); the key is shared by all lanes.
+template <typename Word, typename MulHiLo>
+JF2_DROPOUT_HD void PhiloxRounds(Word* c, uint32_t k0, uint32_t k1, MulHiLo mul_hi_lo) {
   constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
   constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
   for (int round = 0; round < 10; ++round) {
-    const uint64_t p0 = static_cast<uint64_t>(kMul0) * c0;
-    const uint64_t p1 = static_cast<uint64_t>(kMul1) * c2;
-    const uint32_t hi0 = static_cast<uint32_t>(p0 >> 32), lo0 = static_cast<uint32_t>(p0);
-    const uint32_t hi1 = static_cast<uint32_t>(p1 >> 32), lo1 = static_cast<uint32_t>(p1);
-    c0 = hi1 ^ c1 ^ k0;
-    c1 = lo1;
-    c2 = hi0 ^ c3 ^ k1;
-    c3 = lo0;
+    Word hi0, lo0, hi1, lo1;
+    mul_hi_lo(c[0], kMul0, &hi0, &lo0);
+    mul_hi_lo(c[2], kMul1, &hi1, &lo1);
+    const Word c1 = c[1], c3 = c[3];
+    c[0] = hi1 ^ c1 ^ k0;
+    c[1] = lo1;
+    c[2] = hi0 ^ c3 ^ k1;
+    c[3] = lo0;
     k0 += kWeyl0;  // the key schedule: a Weyl sequence per word
     k1 += kWeyl1;
   }
-  return Philox4{{c0, c1, c2, c3}};
+}
+
+// The four 32-bit words of Philox4x32-10 for counter (c0, c1, c2, c3), key (k0, k1).
+JF2_DROPOUT_HD Philox4 Philox4x32(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
+                                  uint32_t k1) {
+  Philox4 r{{c0, c1, c2, c3}};
+  PhiloxRounds(r.x, k0, k1, MulHiLo32{});
+  return r;
 }
 
 // floor(rate * 2^32) for rate in [0, 1) (a float32 times 2^32 is exact in double).

@@ -114,15 +114,33 @@ void Gemm(float* c, int64_t ldc, const float* a, int64_t a_row, int64_t a_k, con
 
 inline int64_t RoundUp(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
-// Zeroes the dropped entries of query row i of a [.., kBlockN] tile whose
-// first column is key n0 (a multiple of 4 as kBlockN is, so each Philox call
-// covers 4 keys of the tile).
-static_assert(kBlockN % 4 == 0, "a Philox call covers 4 keys");
-void ApplyDropout(float* row, const DropoutMask& dropout, int64_t i, int64_t n0) {
-  for (int64_t j = 0; j < kBlockN; j += 4) {
-    const unsigned keep = dropout.Keep4(i, (n0 + j) >> 2);
+typedef uint32_t UVec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint64_t U64Vec __attribute__((vector_size(kLanes * sizeof(uint64_t))));
+
+// Philox's 32 x 32 -> 64-bit products, one per lane.
+struct MulHiLoVec {
+  void operator()(UVec a, uint32_t b, UVec* hi, UVec* lo) const {
+    const U64Vec product = __builtin_convertvector(a, U64Vec) * static_cast<uint64_t>(b);
+    *hi = __builtin_convertvector(product >> 32, UVec);
+    *lo = __builtin_convertvector(product, UVec);
+  }
+};
+
+// Philox words of keys n0 .. n0 + kBlockN - 1 of query row i (words[j]: key
+// n0 + j; kept iff >= the threshold), flash_dropout.h's mask with one Philox
+// counter per vector lane. n0 is a multiple of kBlockN, so of 4: the tile
+// covers whole Philox calls. The callers then select without branches.
+static_assert(kBlockN % (4 * kLanes) == 0, "whole vectors of Philox counters");
+void DropoutWords(const DropoutMask& dropout, int64_t i, int64_t n0, uint32_t* words) {
+  for (int64_t g0 = 0; g0 < kBlockN / 4; g0 += kLanes) {
+    UVec c[4];
+    for (int l = 0; l < kLanes; ++l) c[0][l] = static_cast<uint32_t>((n0 >> 2) + g0 + l);
+    c[1] = UVec{} + static_cast<uint32_t>(i);
+    c[2] = UVec{};
+    c[3] = UVec{};
+    PhiloxRounds(c, dropout.seed_lo, dropout.seed_hi, MulHiLoVec{});
     for (int t = 0; t < 4; ++t)
-      if (!((keep >> t) & 1u)) row[j + t] = 0.0f;
+      for (int l = 0; l < kLanes; ++l) words[4 * (g0 + l) + t] = c[t][l];
   }
 }
 
@@ -251,7 +269,12 @@ void ForwardBlock(const FlashParams& p, float* ws, int64_t b, int64_t h, int64_t
         float* o_row = o + r * dp;
         for (int64_t c = 0; c < dp; ++c) o_row[c] *= alpha;
       }
-      if (has_dropout) ApplyDropout(s_row, dropout, m0 + r, n0);
+      if (has_dropout) {  // P <- Z o P
+        uint32_t words[kBlockN];
+        DropoutWords(dropout, m0 + r, n0, words);
+        for (int64_t j = 0; j < kBlockN; ++j)
+          s_row[j] = words[j] >= dropout.threshold ? s_row[j] : 0.0f;
+      }
     }
     // O += (Z o P) V, Z the keep mask (all ones without dropout)
     Gemm(o, dp, s, kBlockN, 1, v, dp, m_rows, dp, keys);
@@ -376,14 +399,12 @@ void BackwardBlocks(const FlashParams& p, float* ws, const float* dvec, float* d
           if (has_dropout) {
             // dS = P (Z o dP' / (1 - rate) - D); P becomes Z o P for dV, whose
             // 1 / (1 - rate) is applied once at the end.
-            for (int64_t j = 0; j < kBlockN; j += 4) {
-              const unsigned keep = dropout.Keep4(m0 + r, (n0 + j) >> 2);
-              for (int t = 0; t < 4; ++t) {
-                const bool kept = (keep >> t) & 1u;
-                ds_row[j + t] =
-                    p_row[j + t] * ((kept ? ds_row[j + t] * p.dropout_scale : 0.0f) - row_d[r]);
-                if (!kept) p_row[j + t] = 0.0f;
-              }
+            uint32_t words[kBlockN];
+            DropoutWords(dropout, m0 + r, n0, words);
+            for (int64_t j = 0; j < kBlockN; ++j) {
+              const bool kept = words[j] >= dropout.threshold;
+              ds_row[j] = p_row[j] * ((kept ? ds_row[j] * p.dropout_scale : 0.0f) - row_d[r]);
+              p_row[j] = kept ? p_row[j] : 0.0f;
             }
           } else {
             // dS = P (dP - D)
