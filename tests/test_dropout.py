@@ -15,6 +15,7 @@ from conftest import ON_GPU, attention_fn, random_inputs, supports
 from jax_flash2 import api, reference
 from oracle import assert_close_to_oracle, naive_same_dtype, oracle
 
+# The CUDA lowering's refusal is tested in test_transforms.py.
 pytestmark = pytest.mark.skipif(ON_GPU, reason="dropout is not in the CUDA kernels yet")
 
 

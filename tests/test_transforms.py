@@ -103,12 +103,13 @@ def test_alibi_slopes_get_zero_gradient(backend, rng):
 
 
 @pytest.mark.skipif(_ext.cuda_ext is None, reason="needs the CUDA extension to lower for CUDA")
-@pytest.mark.parametrize("option", ["alibi_slopes", "segment_ids", "softcap"])
+@pytest.mark.parametrize("option", ["alibi_slopes", "segment_ids", "softcap", "dropout_rate > 0"])
 def test_cuda_lowering_refuses_cpu_only_options(option):
   q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
   kwargs = {"alibi_slopes": {"alibi_slopes": jnp.ones((2,), jnp.float32)},
             "segment_ids": {"segment_ids": (jnp.zeros((1, 8), jnp.int32),) * 2},
-            "softcap": {"softcap": 1.0}}[option]
+            "softcap": {"softcap": 1.0},
+            "dropout_rate > 0": {"dropout_rate": 0.1, "dropout_rng": jax.random.key(0)}}[option]
   f = jax.jit(lambda q, k, v: jax_flash2.flash_attention(q, k, v, **kwargs))
   with pytest.raises(NotImplementedError, match=f"{option} is not in the CUDA kernels yet"):
     f.trace(q, q, q).lower(lowering_platforms=("cuda",))
