@@ -85,8 +85,6 @@ struct DropoutMask {
     return (r.x[0] >= threshold ? 1u : 0u) | (r.x[1] >= threshold ? 2u : 0u) |
            (r.x[2] >= threshold ? 4u : 0u) | (r.x[3] >= threshold ? 8u : 0u);
   }
-
-  JF2_DROPOUT_HD bool Keep(int64_t i, int64_t j) const { return (Keep4(i, j >> 2) >> (j & 3)) & 1u; }
 };
 
 // The mask of (b, h); only meaningful when p.dropout_seeds is set.

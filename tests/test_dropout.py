@@ -12,7 +12,7 @@ import pytest
 
 import jax_flash2
 from conftest import ON_GPU, attention_fn, random_inputs, supports
-from jax_flash2 import api, reference
+from jax_flash2 import _ext, api, reference
 from oracle import assert_close_to_oracle, naive_same_dtype, oracle
 
 # The CUDA lowering's refusal is tested in test_transforms.py.
@@ -307,3 +307,19 @@ def test_errors():
     jax_flash2.flash_attention(q, q, q, dropout_rate=0.1, dropout_rng=3)
   with pytest.raises(ValueError, match=r"dropout_rate must be in \[0, 1\)"):
     reference.attention(q, q, q, dropout_rate=1.0, dropout_rng=key)
+
+
+def test_scalar_mask_function_matches_the_reference():
+  """The scalar Philox and DropoutMask::Keep4 of src/flash_dropout.h (what the
+  CUDA kernels will call; the CPU kernels run a vectorized copy of the rounds)
+  against the known answers and the reference mask."""
+  philox = _ext.cpu_ext.philox4x32
+  assert philox(0, 0, 0, 0, 0, 0) == (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)
+  assert philox(0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344, 0xA4093822, 0x299F31D0) == (
+      0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)
+  seeds = np.asarray([[[0x12345678, 0x9ABCDEF0]]], np.uint32)
+  for rate in (0.1, 0.75):
+    mask = np.asarray(reference.dropout_keep(jnp.asarray(seeds), 37, 64, rate))[0, 0]
+    got = np.array([[(_ext.cpu_ext.dropout_keep4(0x12345678, 0x9ABCDEF0, rate, i, j // 4)
+                      >> (j % 4)) & 1 for j in range(64)] for i in range(37)], bool)
+    np.testing.assert_array_equal(got, mask)
