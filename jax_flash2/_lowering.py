@@ -22,6 +22,7 @@ def _attributes(config) -> dict:
       softcap=np.float32(config.softcap),
       has_alibi=np.bool_(config.has_alibi),
       has_segment_ids=np.bool_(config.has_segment_ids),
+      dropout_rate=np.float32(config.dropout_rate),
   )
 
 
@@ -54,6 +55,11 @@ def _cuda_rule(target: str, backward: bool):
       raise NotImplementedError(
           "jax_flash2: the CUDA kernels take float16 or bfloat16 (they accumulate in "
           "float32); cast q, k, v or pass implementation='reference'"
+      )
+    if config.dropout_rate > 0:
+      raise NotImplementedError(
+          "jax_flash2: dropout_rate > 0 is not in the CUDA kernels yet; use "
+          "implementation='reference' or CPU"
       )
     # Only the backward's dQ sum has an order to fix (the forward has no atomics).
     deterministic = bool(config.deterministic and backward)

@@ -158,6 +158,27 @@ def segments_and_alibi_batch_and_heads():
 
 
 @check
+def dropout_batch_and_heads():
+  # The [B, H, 2] dropout seeds are drawn from one replicated key and split
+  # with q along batch and heads: the same masks as on one device.
+  q, k, v = qkv(4)
+  key = jax.random.key(3)
+  spec = P("data", None, "model", None)
+
+  def dropout_loss(q, k, v):
+    out = jax_flash2.flash_attention(q, k, v, causal=True, dropout_rate=0.3, dropout_rng=key)
+    return jnp.sum(jnp.sin(out))
+
+  fn = jax.value_and_grad(dropout_loss, argnums=(0, 1, 2))
+  grads, hlo = sharded_run(fn, (q, k, v), (spec, spec, spec))
+  assert_close(grads, fn(q, k, v), dict(atol=1e-4, rtol=1e-5))
+  assert not collectives(hlo), collectives(hlo)
+  shapes = kernel_operand_shapes(hlo)
+  assert {shape for shape, _ in shapes} == {f"{B // 2},{T},{H // 4},{D}"}, shapes
+  return f"per-device kernel shapes {shapes}"
+
+
+@check
 def shard_map_with_segments():
   # Per device: H/4 heads and the matching quarter of the [H] slopes, which
   # vary over "model" only while q varies over both axes (flash_attention makes

@@ -290,8 +290,9 @@ def test_drop_in_errors():
     jf.dot_product_attention(x, x, x, bias=jnp.zeros((2, HEADS, 16, 16)))
   with pytest.raises(ValueError, match="mask is not supported.*is_causal=True"):
     jf.dot_product_attention(x, x, x, mask=jnp.ones((2, HEADS, 16, 16), bool))
-  with pytest.raises(ValueError, match="dropout_rate=0.1"):
-    jf.dot_product_attention(x, x, x, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+  with pytest.raises(ValueError, match="dropout_rate=0.1 with deterministic=False needs "
+                     "dropout_rng"):
+    jf.dot_product_attention(x, x, x, dropout_rate=0.1)
   close(jf.dot_product_attention(x, x, x, dropout_rate=0.1, deterministic=True),
         jax.nn.dot_product_attention(x, x, x))
 
@@ -304,8 +305,6 @@ def test_drop_in_errors():
   layer = nnx.MultiHeadAttention(
       HEADS, FEATURES, attention_fn=jf.dot_product_attention, dropout_rate=0.1,
       decode=False, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="dropout_rate"):
-    layer(y, deterministic=False, rngs=nnx.Rngs(dropout=1))
   with pytest.raises(ValueError, match="sow_weights"):
     layer(y, deterministic=True, sow_weights=True)
 
@@ -331,3 +330,63 @@ def test_nnx_and_linen_window_and_softcap():
   plain = jfl.MultiHeadAttention(num_heads=4, num_kv_heads=2, causal=True)
   assert not np.allclose(np.asarray(module.apply(params, x)), np.asarray(plain.apply(params, x)),
                          atol=1e-3)
+
+
+def test_drop_in_dropout():
+  """Active dropout runs in the kernels with Flax's dropout rng: the drop-in
+  equals flash_attention with that key, and the layers drop weights."""
+  x = inputs((2, 3, 16, HEADS, 8))  # two batch axes, merged into B
+  key = jax.random.key(4)
+  got = jf.dot_product_attention(x, x, x, dropout_rate=0.3, dropout_rng=key)
+  merged = x.reshape((6, 16, HEADS, 8))
+  want = jax_flash2.flash_attention(merged, merged, merged, dropout_rate=0.3, dropout_rng=key)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want).reshape(x.shape))
+  plain = jf.dot_product_attention(x, x, x, dropout_rate=0.3, deterministic=True)
+  assert not np.allclose(np.asarray(got), np.asarray(plain), atol=1e-3)
+
+  y = inputs((2, 16, FEATURES))
+  layer = nnx.MultiHeadAttention(
+      HEADS, FEATURES, attention_fn=jf.dot_product_attention, dropout_rate=0.3,
+      decode=False, rngs=nnx.Rngs(0))
+  dropped = layer(y, deterministic=False, rngs=nnx.Rngs(dropout=1))
+  again = layer(y, deterministic=False, rngs=nnx.Rngs(dropout=1))
+  np.testing.assert_array_equal(np.asarray(dropped), np.asarray(again))
+  assert not np.allclose(np.asarray(dropped), np.asarray(layer(y, deterministic=True)), atol=1e-3)
+
+  linen = nn.MultiHeadDotProductAttention(HEADS, attention_fn=jf.dot_product_attention,
+                                          dropout_rate=0.3, deterministic=False)
+  params = linen.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, y)
+  grads = jax.grad(lambda p: jnp.sum(linen.apply(p, y, rngs={"dropout": key}) ** 2))(params)
+  assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))
+
+
+def test_modules_dropout():
+  """dropout_rate on the flash modules: the nnx module equals its own
+  projections fed to the reference with the key of its dropout stream; both
+  modules drop only when not deterministic and repeat with the same rng."""
+  x = jax.random.normal(jax.random.key(3), (2, 24, 32), jnp.float32)
+  layer = jf.MultiHeadAttention(4, 32, num_kv_heads=2, causal=True, dropout_rate=0.3,
+                                rngs=nnx.Rngs(0))
+  got = layer(x, deterministic=False, rngs=nnx.Rngs(dropout=5))
+  q, k, v = layer.query(x), layer.key(x), layer.value(x)
+  want = layer.out(jax_flash2.reference.attention(
+      q, k, v, causal=True, dropout_rate=0.3, dropout_rng=nnx.Rngs(dropout=5).dropout()))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+  plain = layer.out(jax_flash2.reference.attention(q, k, v, causal=True))
+  np.testing.assert_allclose(np.asarray(layer(x, deterministic=True)), np.asarray(plain),
+                             atol=2e-5)
+  assert not np.allclose(np.asarray(got), np.asarray(plain), atol=1e-3)
+  with pytest.raises(ValueError, match="needs deterministic"):
+    layer(x)
+  with pytest.raises(ValueError, match="needs rngs"):
+    layer(x, deterministic=False)
+
+  module = jfl.MultiHeadAttention(num_heads=4, num_kv_heads=2, causal=True, dropout_rate=0.3)
+  params = module.init(jax.random.key(1), x, deterministic=True)
+  run = lambda key: module.apply(params, x, deterministic=False, rngs={"dropout": key})  # noqa: E731
+  np.testing.assert_array_equal(np.asarray(run(jax.random.key(2))),
+                                np.asarray(run(jax.random.key(2))))
+  still = module.apply(params, x, deterministic=True)
+  no_dropout = jfl.MultiHeadAttention(num_heads=4, num_kv_heads=2, causal=True)
+  np.testing.assert_array_equal(np.asarray(still), np.asarray(no_dropout.apply(params, x)))
+  assert not np.allclose(np.asarray(run(jax.random.key(2))), np.asarray(still), atol=1e-3)

@@ -120,6 +120,15 @@ def test_cuda_lowering_passes_score_options(option):
   assert ir.count(attribute) == 2  # the forward and the backward call
 
 
+@pytest.mark.skipif(_ext.cuda_ext is None, reason="needs the CUDA extension to lower for CUDA")
+def test_cuda_lowering_refuses_dropout():
+  q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
+  f = jax.jit(lambda q, k, v: jax_flash2.flash_attention(
+      q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0)))
+  with pytest.raises(NotImplementedError, match="dropout_rate > 0 is not in the CUDA kernels yet"):
+    f.trace(q, q, q).lower(lowering_platforms=("cuda",))
+
+
 def test_vmap_of_grad(backend, rng):
   dtype = _dtype(backend)
   q, k, v = random_inputs(rng, 4, 13, 13, 2, 1, 16, dtype)
