@@ -117,10 +117,12 @@ def _plan(mesh, q_sharding, q_ndim: int, num_heads: int, num_kv_heads: int):
   n = math.prod(mesh.shape[a] for a in heads)
   if num_heads % n:
     return lead, (), ()
-  if num_kv_heads % n == 0:
-    return lead, heads, heads
+  # K == 1 first: over a head axis of size 1 both rules apply, and MQA's k, v
+  # are typically replicated.
   if num_kv_heads == 1:
     return lead, heads, ()
+  if num_kv_heads % n == 0:
+    return lead, heads, heads
   return lead, (), ()
 
 

@@ -319,18 +319,21 @@ def gspmd_partitioner(data, model):
 
 @check
 def explicit_mesh_axes(data, model):
-  # Sharding in types: results are typed with the batch and head sharding.
+  # Sharding in types: results are typed with the batch and head sharding,
+  # for GQA (k, v split along heads) and MQA (k, v replicated).
   m = mesh(data, model, jax.sharding.AxisType.Explicit)
-  q, k, v = qkv(4)
   spec = P("data", None, "model", None)
-  args = [jax.device_put(x, NamedSharding(m, spec)) for x in (q, k, v)]
-  fwd = jax.jit(lambda q, k, v: jax_flash2.flash_attention(q, k, v, causal=True))
-  out = fwd(*args)
-  # Equivalence, not spec equality: jax drops mesh axes of size 1 from the spec.
-  assert out.sharding.is_equivalent_to(NamedSharding(m, spec), out.ndim), out.sharding
-  assert not collectives(fwd.lower(*args).compile().as_text())
-  assert_close(out, fwd(q, k, v))
-  assert_close(jax.jit(value_and_grads)(*args), value_and_grads(q, k, v), GRAD_TOL)
+  for kv_heads, kv_spec in ((4, spec), (1, P("data", None, None, None))):
+    q, k, v = qkv(kv_heads)
+    args = [jax.device_put(x, NamedSharding(m, s))
+            for x, s in zip((q, k, v), (spec, kv_spec, kv_spec))]
+    fwd = jax.jit(lambda q, k, v: jax_flash2.flash_attention(q, k, v, causal=True))
+    out = fwd(*args)
+    # Equivalence, not spec equality: jax drops mesh axes of size 1 from the spec.
+    assert out.sharding.is_equivalent_to(NamedSharding(m, spec), out.ndim), out.sharding
+    assert not collectives(fwd.lower(*args).compile().as_text())
+    assert_close(out, fwd(q, k, v))
+    assert_close(jax.jit(value_and_grads)(*args), value_and_grads(q, k, v), GRAD_TOL)
 
 
 @check
