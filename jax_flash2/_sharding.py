@@ -110,19 +110,23 @@ def _plan(mesh, q_sharding, q_ndim: int, num_heads: int, num_kv_heads: int):
 
   The leading axes keep q's sharding. Heads keep q's head axes when each shard
   can hold whole GQA groups (K divisible by the shard count), or when K == 1
-  and k, v can simply be replicated; otherwise heads are gathered.
+  and k, v can simply be replicated; otherwise heads are gathered. Head axes of
+  size 1 are kept: under Explicit axes the gradients must carry the operands'
+  types, size-1 axes included.
   """
   spec = tuple(getattr(q_sharding, "spec", None) or ())
   spec = spec + (None,) * (q_ndim - len(spec))
   lead = tuple(_axes(e) for e in spec[:q_ndim - 3])
   heads = _axes(spec[q_ndim - 2])
   n = math.prod(mesh.shape[a] for a in heads)
-  if n == 1 or num_heads % n:
+  if num_heads % n:
     return lead, (), ()
-  if num_kv_heads % n == 0:
-    return lead, heads, heads
+  # K == 1 first: over a head axis of size 1 both rules apply, and MQA's k, v
+  # are typically replicated.
   if num_kv_heads == 1:
     return lead, heads, ()
+  if num_kv_heads % n == 0:
+    return lead, heads, heads
   return lead, (), ()
 
 
