@@ -63,6 +63,13 @@ def _cuda_rule(target: str, backward: bool):
       )
     # Only the backward's dQ sum has an order to fix (the forward has no atomics).
     deterministic = bool(config.deterministic and backward)
+    shapes = [aval.shape for aval in ctx.avals_in[:2]]
+    if not all(isinstance(d, int) for shape in shapes for d in shape):
+      # The workspace output's size is a function of the shapes.
+      raise NotImplementedError(
+          f"jax_flash2: the CUDA kernels need static shapes (got q/k shapes {shapes}); "
+          "export for CUDA with concrete sizes, or use implementation='reference'"
+      )
     batch, seqlen_q, heads_q, head_dim = ctx.avals_in[0].shape
     seqlen_k, heads_kv = ctx.avals_in[1].shape[1:3]
     sm_count = _sm_count()

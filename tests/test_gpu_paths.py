@@ -28,19 +28,21 @@ def _forward_calls_during(fn) -> dict[str, int]:
   return {path: after[path] - before[path] for path in before}
 
 
-# (T, S, H, K, D, causal, expected path on cc 9.0)
+# (B, T, S, H, K, D, causal, expected path on cc 9.0). The Hopper kernel takes
+# grids that fill the GPU; small ones go to the sm80 split-KV path.
 PATH_CASES = [
-    (300, 300, 4, 4, 128, True, "sm90"),
-    (257, 1000, 4, 2, 64, False, "sm90"),  # GQA by index, T != S
-    (300, 300, 4, 4, 96, False, "sm80"),  # no Hopper tile for D = 96
-    (1, 4096, 8, 2, 128, False, "sm80"),  # decode: split-KV and GQA packing
+    (8, 1000, 1000, 16, 16, 128, True, "sm90"),
+    (8, 1025, 1500, 16, 4, 64, False, "sm90"),  # GQA by index, T != S
+    (8, 1000, 1000, 16, 16, 96, False, "sm80"),  # no Hopper tile for D = 96
+    (2, 300, 300, 4, 4, 128, False, "sm80"),  # a small grid: split-KV
+    (1, 1, 4096, 8, 2, 128, False, "sm80"),  # decode: split-KV and GQA packing
 ]
 
 
-@pytest.mark.parametrize("case", PATH_CASES, ids=lambda c: f"T{c[0]}S{c[1]}D{c[4]}-{c[6]}")
+@pytest.mark.parametrize("case", PATH_CASES, ids=lambda c: f"B{c[0]}T{c[1]}S{c[2]}D{c[5]}-{c[7]}")
 def test_forward_path(rng, case):
-  seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, expected = case
-  q, k, v = random_inputs(rng, 2, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16)
+  batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, expected = case
+  q, k, v = random_inputs(rng, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16)
   fn = jax.jit(lambda q, k, v: jax_flash2.flash_attention(q, k, v, causal=causal,
                                                           return_lse=True))
   fn.lower(q, k, v).compile()  # compile outside the counted window
