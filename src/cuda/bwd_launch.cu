@@ -7,6 +7,9 @@
 
 #include "bwd_kernel.cuh"
 #include "flash_cuda.h"
+#if JF2_HAVE_SM90
+#include "sm90/bwd_sm90.h"
+#endif
 
 namespace jax_flash2::cuda {
 
@@ -62,7 +65,13 @@ cudaError_t RunBackwardTyped(const FlashParams& p, const BwdScratchPtrs& s, size
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
 
-  // 2. dK, dV, dQ accumulator.
+  // 2. dK, dV, dQ accumulator: the Hopper kernel where it applies (same
+  // scratch, same preprocess and convert), else the sm80 kernel per bucket.
+#if JF2_HAVE_SM90
+  if (dev.cc_major == 9 && Sm90BackwardEnabled() && Sm90BackwardSupports(p)) {
+    err = RunBackwardSm90(p, s, dev, stream);
+  } else
+#endif
   switch (BwdTileFor(p.head_dim).head_dim) {
     case 32: err = LaunchBwdMain<Elem, 32>(p, s, dev, stream); break;
     case 64: err = LaunchBwdMain<Elem, 64>(p, s, dev, stream); break;

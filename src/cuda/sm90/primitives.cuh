@@ -89,6 +89,24 @@ __device__ __forceinline__ void TmaLoad4d(void* smem_dst, const CUtensorMap* map
       : "memory");
 }
 
+// Plain (non-tensor) bulk copy of `bytes` contiguous bytes (a multiple of 16,
+// both addresses 16-byte aligned) that completes on an mbarrier like TmaLoad4d.
+__device__ __forceinline__ void BulkLoad(void* smem_dst, const void* gmem_src, uint32_t bytes,
+                                         uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+      ::"r"(SmemAddr(smem_dst)), "l"(reinterpret_cast<uint64_t>(gmem_src)), "r"(bytes),
+      "r"(SmemAddr(bar))
+      : "memory");
+}
+
+// Orders this thread's ordinary shared-memory stores before later reads of
+// the same bytes by the async proxy (wgmma operands, TMA stores). Each writing
+// thread executes it before the barrier that hands the tile to the readers.
+__device__ __forceinline__ void FenceProxyAsync() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 // ---------------------------------------------------------------------------
 // wgmma protocol. Per warpgroup: WgmmaFence before the first wgmma of a batch
 // (orders earlier register writes of the accumulators / A fragments against
