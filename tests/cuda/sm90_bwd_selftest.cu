@@ -1,6 +1,9 @@
 // Standalone check of the Hopper backward (RunBackwardSm90, between the
 // preprocess and convert kernels of bwd_kernel.cuh, as RunBackward runs it)
 // against a float64 CPU oracle, then timings beside the sm80 RunBackward.
+// Every case runs both dQ variants (Sm90BwdDq: atomic, bulk) on the same
+// inputs: if only one fails, the bug is in its dQ reduction; if both do, in
+// what they share (TMA, descriptors, fragments, masking).
 //
 // Per case: random q, k, v, dO (and dLSE where asked) in the dtype; O and LSE
 // from a float64 CPU forward (O rounded to the dtype, LSE to fp32, as the
@@ -22,6 +25,7 @@
 //   sm90_bwd_selftest --filter STR  only the cases whose name contains STR
 //   sm90_bwd_selftest --no-time     skip timings
 //   sm90_bwd_selftest --time-only   timings only
+//   sm90_bwd_selftest --dq atomic|bulk  one dQ variant only (default both)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -49,10 +53,15 @@ using namespace jax_flash2;
 using namespace jax_flash2::selftest;
 using jax_flash2::cuda::BwdScratchPtrs;
 using jax_flash2::cuda::DeviceInfo;
+using jax_flash2::cuda::sm90::Sm90BwdDq;
 
 namespace {
 
 constexpr double kHangSeconds = 20.0;
+
+std::vector<Sm90BwdDq> g_variants = {Sm90BwdDq::kAtomic, Sm90BwdDq::kBulkReduce};
+
+const char* VariantName(Sm90BwdDq v) { return v == Sm90BwdDq::kAtomic ? "atomic" : "bulk"; }
 
 struct Case {
   std::string name;
@@ -130,7 +139,8 @@ cudaError_t SyncWithWatchdog(const std::string& what) {
 
 // What RunBackward does on the sm90 path: preprocess, RunBackwardSm90, convert.
 template <typename Elem>
-cudaError_t RunSm90Typed(const FlashParams& p, void* scratch, const DeviceInfo& dev) {
+cudaError_t RunSm90Typed(const FlashParams& p, void* scratch, const DeviceInfo& dev,
+                         Sm90BwdDq dq) {
   const cuda::BwdScratchLayout layout =
       cuda::MakeBwdScratchLayout(p.batch, p.seqlen_q, p.num_heads_q, p.head_dim);
   char* base = static_cast<char*>(scratch);
@@ -144,7 +154,7 @@ cudaError_t RunSm90Typed(const FlashParams& p, void* scratch, const DeviceInfo& 
     cuda::BwdPreprocessKernel<Elem><<<static_cast<unsigned>((rows + 7) / 8), 256>>>(p, s);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
-  if ((err = cuda::RunBackwardSm90(p, s, dev, 0)) != cudaSuccess) return err;
+  if ((err = cuda::sm90::RunBackwardSm90Dq(p, s, dev, 0, dq)) != cudaSuccess) return err;
   const int64_t chunks = p.batch * p.seqlen_q * p.num_heads_q * (p.head_dim / 8);
   if (chunks > 0) {
     const int64_t blocks = std::min<int64_t>((chunks + 255) / 256, dev.sm_count * 16);
@@ -154,9 +164,9 @@ cudaError_t RunSm90Typed(const FlashParams& p, void* scratch, const DeviceInfo& 
   return err;
 }
 
-cudaError_t RunSm90(const FlashParams& p, void* scratch, const DeviceInfo& dev) {
-  if (p.dtype == DType::kFloat16) return RunSm90Typed<__half>(p, scratch, dev);
-  return RunSm90Typed<__nv_bfloat16>(p, scratch, dev);
+cudaError_t RunSm90(const FlashParams& p, void* scratch, const DeviceInfo& dev, Sm90BwdDq dq) {
+  if (p.dtype == DType::kFloat16) return RunSm90Typed<__half>(p, scratch, dev, dq);
+  return RunSm90Typed<__nv_bfloat16>(p, scratch, dev, dq);
 }
 
 struct ErrStats {
@@ -192,7 +202,8 @@ ErrStats Compare(DType dt, const std::vector<uint16_t>& out, const std::vector<d
 
 bool Ok(const ErrStats& e) { return e.finite && e.rel <= 3 * e.naive_rel + 1e-4; }
 
-// Runs one case; prints PASS/FAIL. Returns 1 on failure.
+// Runs one case under each dQ variant; one PASS/FAIL line each. Returns the
+// number of failures.
 int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
   FlashParams p = MakeParams(c);
   const DType dt = c.dtype;
@@ -309,8 +320,8 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
   });
 
   if (!cuda::Sm90BackwardSupports(p)) {
-    std::printf("FAIL %-48s Sm90BackwardSupports is false\n", c.name.c_str());
-    return 1;
+    std::printf("FAIL %-57s Sm90BackwardSupports is false\n", c.name.c_str());
+    return static_cast<int>(g_variants.size());
   }
   void *d_q, *d_k, *d_v, *d_out, *d_dout, *d_dq, *d_dk, *d_dv, *d_scratch;
   float *d_lse_buf, *d_dlse_buf;
@@ -331,10 +342,6 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
   CHECK_CUDA(cudaMemcpy(d_dout, hdo.data(), nq * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(d_lse_buf, lse.data(), nl * 4, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(d_dlse_buf, d_lse.data(), nl * 4, cudaMemcpyHostToDevice));
-  // Poison: 0xffff is NaN in fp16 and bf16; 0xffffffff is NaN in fp32.
-  CHECK_CUDA(cudaMemset(d_dq, 0xff, nq * 2));
-  CHECK_CUDA(cudaMemset(d_dk, 0xff, nk * 2));
-  CHECK_CUDA(cudaMemset(d_dv, 0xff, nk * 2));
   p.q = d_q;
   p.k = d_k;
   p.v = d_v;
@@ -347,59 +354,71 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
   p.dv = d_dv;
   const size_t scratch_bytes = cuda::BackwardScratchBytes(p, dev);
   CHECK_CUDA(cudaMalloc(&d_scratch, scratch_bytes));
-  CHECK_CUDA(cudaMemset(d_scratch, 0xff, scratch_bytes));
-  CHECK_CUDA(cudaDeviceSynchronize());
-  cudaError_t err = RunSm90(p, d_scratch, dev);
-  if (err == cudaSuccess) err = SyncWithWatchdog(c.name);
-  if (err != cudaSuccess) {
-    std::printf("FAIL %-48s %s\n", c.name.c_str(), cudaGetErrorString(err));
-    if (err != cudaErrorInvalidValue && err != cudaErrorNotSupported) {
-      std::printf("(sticky device error: stopping)\n");
-      std::fflush(stdout);
-      std::_Exit(1);
+  int failed = 0;
+  for (Sm90BwdDq variant : g_variants) {
+    const std::string what = c.name + " [" + VariantName(variant) + "]";
+    // Poison: 0xffff is NaN in fp16 and bf16; 0xffffffff is NaN in fp32.
+    CHECK_CUDA(cudaMemset(d_dq, 0xff, nq * 2));
+    CHECK_CUDA(cudaMemset(d_dk, 0xff, nk * 2));
+    CHECK_CUDA(cudaMemset(d_dv, 0xff, nk * 2));
+    CHECK_CUDA(cudaMemset(d_scratch, 0xff, scratch_bytes));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    cudaError_t err = RunSm90(p, d_scratch, dev, variant);
+    if (err == cudaSuccess) err = SyncWithWatchdog(what);
+    if (err != cudaSuccess) {
+      std::printf("FAIL %-57s %s\n", what.c_str(), cudaGetErrorString(err));
+      if (err != cudaErrorInvalidValue && err != cudaErrorNotSupported) {
+        std::printf("(sticky device error: stopping)\n");
+        std::fflush(stdout);
+        std::_Exit(1);
+      }
+      ++failed;
+      continue;
     }
-    return 1;
+    std::vector<uint16_t> out_dq(nq), out_dk(nk), out_dv(nk);
+    CHECK_CUDA(cudaMemcpy(out_dq.data(), d_dq, nq * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(out_dk.data(), d_dk, nk * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(out_dv.data(), d_dv, nk * 2, cudaMemcpyDeviceToHost));
+
+    const ErrStats eq = Compare(dt, out_dq, dq, dqn), ek = Compare(dt, out_dk, dk, dkn),
+                   ev = Compare(dt, out_dv, dv, dvn);
+    const bool pass = Ok(eq) && Ok(ek) && Ok(ev);
+    failed += pass ? 0 : 1;
+    std::printf(
+        "%s %-57s dq %.2e (naive %.2e)%s  dk %.2e (naive %.2e)%s  dv %.2e (naive %.2e)%s\n",
+        pass ? "PASS" : "FAIL", what.c_str(), eq.rel, eq.naive_rel, eq.finite ? "" : " NaN",
+        ek.rel, ek.naive_rel, ek.finite ? "" : " NaN", ev.rel, ev.naive_rel,
+        ev.finite ? "" : " NaN");
+    if (!pass) {
+      // Worst element of each output, decoded by its strides (q's for dq, k's
+      // for dk and dv): (b, row, head, d).
+      auto show = [&](const char* name, const ErrStats& e, const std::vector<uint16_t>& out,
+                      const std::vector<double>& ref, int64_t bs, int64_t rs, int64_t hs) {
+        const int64_t i = static_cast<int64_t>(e.worst);
+        std::printf("     %s worst at b=%lld row=%lld head=%lld d=%lld: got %.5g want %.5g\n",
+                    name, (long long)(i / bs), (long long)((i % bs) / rs),
+                    (long long)((i % rs) / hs), (long long)(i % hs), FromBits(dt, out[i]),
+                    ref[i]);
+      };
+      if (c.bhtd) {
+        // Row and head strides are swapped; decode b, head, row, d instead.
+        std::printf("     (bhtd layout: 'row' and 'head' below are head and row)\n");
+        show("dq", eq, out_dq, dq, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
+        show("dk", ek, out_dk, dk, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+        show("dv", ev, out_dv, dv, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+      } else {
+        show("dq", eq, out_dq, dq, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
+        show("dk", ek, out_dk, dk, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
+        show("dv", ev, out_dv, dv, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
+      }
+    }
+    std::fflush(stdout);
   }
-  std::vector<uint16_t> out_dq(nq), out_dk(nk), out_dv(nk);
-  CHECK_CUDA(cudaMemcpy(out_dq.data(), d_dq, nq * 2, cudaMemcpyDeviceToHost));
-  CHECK_CUDA(cudaMemcpy(out_dk.data(), d_dk, nk * 2, cudaMemcpyDeviceToHost));
-  CHECK_CUDA(cudaMemcpy(out_dv.data(), d_dv, nk * 2, cudaMemcpyDeviceToHost));
   for (void* ptr : {d_q, d_k, d_v, d_out, d_dout, d_dq, d_dk, d_dv, d_scratch,
                     static_cast<void*>(d_lse_buf), static_cast<void*>(d_dlse_buf)}) {
     CHECK_CUDA(cudaFree(ptr));
   }
-
-  const ErrStats eq = Compare(dt, out_dq, dq, dqn), ek = Compare(dt, out_dk, dk, dkn),
-                 ev = Compare(dt, out_dv, dv, dvn);
-  const bool pass = Ok(eq) && Ok(ek) && Ok(ev);
-  std::printf("%s %-48s dq %.2e (naive %.2e)%s  dk %.2e (naive %.2e)%s  dv %.2e (naive %.2e)%s\n",
-              pass ? "PASS" : "FAIL", c.name.c_str(), eq.rel, eq.naive_rel,
-              eq.finite ? "" : " NaN", ek.rel, ek.naive_rel, ek.finite ? "" : " NaN", ev.rel,
-              ev.naive_rel, ev.finite ? "" : " NaN");
-  if (!pass) {
-    // Worst element of each output, decoded by its strides (q's for dq, k's
-    // for dk and dv): (b, row, head, d).
-    auto show = [&](const char* name, const ErrStats& e, const std::vector<uint16_t>& out,
-                    const std::vector<double>& ref, int64_t bs, int64_t rs, int64_t hs) {
-      const int64_t i = static_cast<int64_t>(e.worst);
-      std::printf("     %s worst at b=%lld row=%lld head=%lld d=%lld: got %.5g want %.5g\n", name,
-                  (long long)(i / bs), (long long)((i % bs) / rs), (long long)((i % rs) / hs),
-                  (long long)(i % hs), FromBits(dt, out[i]), ref[i]);
-    };
-    if (c.bhtd) {
-      // Row and head strides are swapped; decode b, head, row, d instead.
-      std::printf("     (bhtd layout: 'row' and 'head' below are head and row)\n");
-      show("dq", eq, out_dq, dq, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
-      show("dk", ek, out_dk, dk, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
-      show("dv", ev, out_dv, dv, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
-    } else {
-      show("dq", eq, out_dq, dq, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
-      show("dk", ek, out_dk, dk, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
-      show("dv", ev, out_dv, dv, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
-    }
-  }
-  std::fflush(stdout);
-  return pass ? 0 : 1;
+  return failed;
 }
 
 // Fills n dtype elements with hashed pseudo-random values in about [-2, 2].
@@ -486,12 +505,15 @@ void TimeCase(const Case& c, const DeviceInfo& dev) {
     }
     std::sort(ms.begin(), ms.end());
     const double med = ms[kReps / 2];
-    std::printf("TIME %-36s %-5s %8.3f ms  %6.1f TFLOP/s\n", c.name.c_str(), impl, med,
+    std::printf("TIME %-32s %-11s %8.3f ms  %6.1f TFLOP/s\n", c.name.c_str(), impl, med,
                 flops / med / 1e9);
     std::fflush(stdout);
   };
   time("sm80", [&] { return cuda::RunBackward(p, scratch, dev, 0); });
-  time("sm90", [&] { return RunSm90(p, scratch, dev); });
+  for (Sm90BwdDq variant : g_variants) {
+    const std::string impl = std::string("sm90 ") + VariantName(variant);
+    time(impl.c_str(), [&] { return RunSm90(p, scratch, dev, variant); });
+  }
   CHECK_CUDA(cudaEventDestroy(e0));
   CHECK_CUDA(cudaEventDestroy(e1));
   for (void* ptr : bufs) CHECK_CUDA(cudaFree(ptr));
@@ -513,6 +535,9 @@ int main(int argc, char** argv) {
       no_time = true;
     } else if (a == "--time-only") {
       time_only = true;
+    } else if (a == "--dq" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      g_variants = {v == "bulk" ? Sm90BwdDq::kBulkReduce : Sm90BwdDq::kAtomic};
     } else {
       mode = a;
     }
@@ -571,10 +596,11 @@ int main(int argc, char** argv) {
   for (const Case& c : cases) {
     if (!filter.empty() && c.name.find(filter) == std::string::npos) continue;
     failed += RunCase(c, dev, seed++);
-    ++run;
+    run += static_cast<int>(g_variants.size());
   }
   if (run > 0) {
-    std::printf("%s: %d failure(s) of %d cases\n", failed ? "FAILED" : "ALL PASSED", failed, run);
+    std::printf("%s: %d failure(s) of %d runs (cases x dQ variants)\n",
+                failed ? "FAILED" : "ALL PASSED", failed, run);
   }
   if (!tiny && !no_time) {
     std::printf("timings (median of 15; whole backward incl. preprocess and convert):\n");
