@@ -141,12 +141,14 @@ cudaError_t SyncWithWatchdog(const std::string& what) {
 template <typename Elem>
 cudaError_t RunSm90Typed(const FlashParams& p, void* scratch, const DeviceInfo& dev,
                          Sm90BwdDq dq) {
+  // One dQ slice: the Hopper backward never serves deterministic calls.
   const cuda::BwdScratchLayout layout =
-      cuda::MakeBwdScratchLayout(p.batch, p.seqlen_q, p.num_heads_q, p.head_dim);
+      cuda::MakeBwdScratchLayout(p.batch, p.seqlen_q, p.num_heads_q, p.head_dim, 1);
   char* base = static_cast<char*>(scratch);
   const BwdScratchPtrs s{reinterpret_cast<float*>(base + layout.lse2_offset),
                          reinterpret_cast<float*>(base + layout.dvec_offset),
-                         reinterpret_cast<float*>(base + layout.dq_acc_offset), layout.t_pad};
+                         reinterpret_cast<float*>(base + layout.dq_acc_offset), layout.t_pad,
+                         1, 0};
   cudaError_t err = cudaMemsetAsync(s.dq_acc, 0, layout.total_bytes - layout.dq_acc_offset, 0);
   if (err != cudaSuccess) return err;
   const int64_t rows = p.batch * p.num_heads_q * s.t_pad;
@@ -158,7 +160,7 @@ cudaError_t RunSm90Typed(const FlashParams& p, void* scratch, const DeviceInfo& 
   const int64_t chunks = p.batch * p.seqlen_q * p.num_heads_q * (p.head_dim / 8);
   if (chunks > 0) {
     const int64_t blocks = std::min<int64_t>((chunks + 255) / 256, dev.sm_count * 16);
-    cuda::BwdConvertKernel<Elem><<<static_cast<unsigned>(blocks), 256>>>(p, s.dq_acc);
+    cuda::BwdConvertKernel<Elem><<<static_cast<unsigned>(blocks), 256>>>(p, s);
     err = cudaGetLastError();
   }
   return err;

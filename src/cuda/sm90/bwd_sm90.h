@@ -17,8 +17,9 @@ namespace jax_flash2::cuda {
 struct BwdScratchPtrs;  // bwd_kernel.cuh
 
 // True when the Hopper backward can serve p: bf16/fp16, D in {64, 128}, no
-// softcap, ALiBi or segment ids, every stride a multiple of 8 elements and
-// every pointer 16-byte aligned (TMA), sizes within the grid limits.
+// softcap, ALiBi, segment ids or dropout, not deterministic, every stride a
+// multiple of 8 elements and every pointer 16-byte aligned (TMA), sizes
+// within the grid limits.
 bool Sm90BackwardSupports(const FlashParams& p);
 
 // False when the environment variable JAX_FLASH2_SM90_BACKWARD is "0": a

@@ -69,9 +69,11 @@ cudaError_t LaunchForDq(const BwdSm90Args& args, Sm90BwdDq dq, cudaStream_t stre
 bool Sm90BackwardSupports(const FlashParams& p) {
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return false;
   if (sm90::BwdSm90TileFor(p.head_dim).head_dim == 0) return false;
-  // Score modifiers the kernel does not implement.
+  // Score modifiers the kernel does not implement; and the deterministic
+  // backward, whose fixed dQ summation order (dQ slices, bwd_kernel.cuh) it
+  // does not follow: its dQ reductions land in any order.
   if (p.softcap != 0.f || p.alibi_slopes != nullptr || p.q_segment_ids != nullptr ||
-      p.kv_segment_ids != nullptr) {
+      p.kv_segment_ids != nullptr || p.dropout_seeds != nullptr || p.deterministic) {
     return false;
   }
   if (p.num_heads_kv <= 0 || p.num_heads_q % p.num_heads_kv != 0 ||
@@ -114,7 +116,10 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
 
 cudaError_t sm90::RunBackwardSm90Dq(const FlashParams& p, const BwdScratchPtrs& s,
                                     const DeviceInfo& dev, cudaStream_t stream, Sm90BwdDq dq) {
-  if (!Sm90BackwardSupports(p) || dev.cc_major != 9) return cudaErrorInvalidValue;
+  // One dQ accumulator (dq_splits == 1): deterministic calls are not served.
+  if (!Sm90BackwardSupports(p) || dev.cc_major != 9 || s.dq_splits != 1) {
+    return cudaErrorInvalidValue;
+  }
   const BwdSm90Tile tile = sm90::BwdSm90TileFor(p.head_dim);
   if (static_cast<size_t>(sm90::BwdSm90SmemBytes(tile)) > dev.max_smem_per_block_optin) {
     return cudaErrorInvalidValue;
