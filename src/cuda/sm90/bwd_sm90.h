@@ -28,8 +28,10 @@ bool Sm90BackwardEnabled();
 
 // The main backward kernel (dK, dV, and dQ / scale accumulated into
 // s.dq_acc), on the current device (must be cc 9.0); the caller runs the
-// preprocess before and the convert after, as for the sm80 kernel. Returns
-// cudaErrorInvalidValue when !Sm90BackwardSupports(p).
+// preprocess before and the convert after, as for the sm80 kernel. dQ goes
+// through atomics (Sm90BwdDq::kAtomic below) until the bulk variant is timed.
+// Returns cudaErrorInvalidValue when !Sm90BackwardSupports(p) or s has more
+// than one dQ slice.
 cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const DeviceInfo& dev,
                             cudaStream_t stream);
 
