@@ -378,7 +378,7 @@ def _cuda_kernel_info() -> str | None:
   if _ext.cuda_ext is None:
     return None
   if _ext.cuda_ext.has_sm90():
-    return "cuda-flash2-sm80 (forward on cc 9.0: sm90a wgmma/TMA kernel)"
+    return "cuda-flash2-sm80 (forward and backward on cc 9.0: sm90a wgmma/TMA kernels)"
   return "cuda-flash2-sm80"
 
 

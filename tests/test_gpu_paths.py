@@ -1,7 +1,13 @@
-"""Which CUDA forward kernel serves a call: the Hopper (sm90a) kernel on cc 9.0
-for the shapes it supports, the sm80 kernels otherwise. Runs only on a GPU."""
+"""Which CUDA forward and backward kernels serve a call: the Hopper (sm90a)
+kernels on cc 9.0 for the shapes they support, the sm80 kernels otherwise.
+Runs only on a GPU."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -21,11 +27,15 @@ def _is_hopper() -> bool:
   return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
 
 
-def _forward_calls_during(fn) -> dict[str, int]:
-  before = _ext.cuda_ext.forward_call_counts()
+def _calls_during(counts, fn) -> dict[str, int]:
+  before = counts()
   jax.block_until_ready(fn())
-  after = _ext.cuda_ext.forward_call_counts()
+  after = counts()
   return {path: after[path] - before[path] for path in before}
+
+
+def _forward_calls_during(fn) -> dict[str, int]:
+  return _calls_during(_ext.cuda_ext.forward_call_counts, fn)
 
 
 # (B, T, S, H, K, D, causal, expected path on cc 9.0). The Hopper kernel takes
@@ -61,3 +71,65 @@ def test_hopper_forward_is_built():
     pytest.skip("not a cc 9.0 GPU")
   assert _ext.cuda_ext.has_sm90()
   assert "sm90a" in jax_flash2.kernel_info()["cuda"]
+
+
+# (T, S, H, K, D, causal, expected backward path on cc 9.0)
+BWD_PATH_CASES = [
+    (300, 300, 4, 4, 128, True, "sm90"),
+    (257, 1000, 8, 2, 64, False, "sm90"),  # GQA 4:1, T != S
+    (1000, 257, 4, 4, 64, True, "sm90"),  # T > S causal: rows that see no key
+    (300, 257, 4, 4, 96, False, "sm80"),  # no Hopper backward for D = 96
+]
+
+
+def _grads_fn(causal):
+  def grads(q, k, v, d_out, d_lse):
+    _, vjp = jax.vjp(lambda q, k, v: jax_flash2.flash_attention(
+        q, k, v, causal=causal, return_lse=True), q, k, v)
+    return vjp((d_out, d_lse))
+  return jax.jit(grads)
+
+
+@pytest.mark.parametrize("case", BWD_PATH_CASES,
+                         ids=lambda c: f"T{c[0]}S{c[1]}D{c[4]}-{c[6]}")
+def test_backward_path(rng, case):
+  seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, expected = case
+  batch = 2
+  q, k, v = random_inputs(rng, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim,
+                          jnp.bfloat16)
+  d_out = jnp.asarray(rng.standard_normal((batch, seqlen_q, heads_q, head_dim)), jnp.bfloat16)
+  d_lse = jnp.asarray(rng.standard_normal((batch, heads_q, seqlen_q)), jnp.float32)
+  fn = _grads_fn(causal)
+  fn.lower(q, k, v, d_out, d_lse).compile()  # compile outside the counted window
+  calls = _calls_during(_ext.cuda_ext.backward_call_counts,
+                        lambda: fn(q, k, v, d_out, d_lse))
+  # JAX_FLASH2_SM90_BACKWARD=0 turns the Hopper backward off for the process.
+  hopper_backward = _is_hopper() and os.environ.get("JAX_FLASH2_SM90_BACKWARD", "1") != "0"
+  path = expected if hopper_backward else "sm80"
+  assert calls[path] == 1 and sum(calls.values()) == 1, calls
+  grads = fn(q, k, v, d_out, d_lse)
+  _, ref_grads = oracle(q, k, v, d_out, d_lse, causal=causal)
+  _, naive_vjp = jax.vjp(lambda q, k, v: naive_same_dtype(q, k, v, causal=causal), q, k, v)
+  base_grads = naive_vjp((d_out, d_lse.astype(q.dtype)))
+  for name, g, r, bg in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads):
+    assert_close_to_oracle(name, g, r, bg, q.dtype)
+
+
+def test_hopper_backward_kill_switch():
+  """JAX_FLASH2_SM90_BACKWARD=0 (read once per process) sends every backward
+  to the sm80 kernels; checked in a fresh process."""
+  if not _is_hopper():
+    pytest.skip("not a cc 9.0 GPU")
+  code = textwrap.dedent("""
+      import jax, jax.numpy as jnp
+      import jax_flash2
+      from jax_flash2 import _ext
+      q = jnp.ones((1, 128, 2, 128), jnp.bfloat16)
+      g = jax.grad(lambda q: jax_flash2.flash_attention(q, q, q).astype(jnp.float32).sum())(q)
+      jax.block_until_ready(g)
+      print(_ext.cuda_ext.backward_call_counts())
+  """)
+  env = dict(os.environ, JAX_FLASH2_SM90_BACKWARD="0", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300, check=True).stdout
+  assert "'sm90': 0" in out and "'sm80': 1" in out, out

@@ -7,7 +7,7 @@
 # Optional jobs, run on GPU $AUX_GPU: beside the tests when it differs from
 # $TEST_GPU (a 2-GPU host), after them otherwise, so timings never share a GPU:
 #   SELFTEST=1  the standalone sm80 forward and backward self-tests + sanitizers
-#   SM90=1      the Hopper forward self-test + sanitizers
+#   SM90=1      the Hopper forward and backward self-tests + sanitizers
 #   BENCH=1     the benchmark grid and the variant table
 set -u
 export PYTHONUNBUFFERED=1
@@ -34,6 +34,8 @@ aux_jobs() {
   if [ "${SM90:-0}" = 1 ]; then
     echo "== sm90 forward self-test"
     OUT=/tmp/sm90_selftest timeout 300 bash tests/cuda/run_sm90_fwd_selftest.sh 2>&1 | grep -v "^PASS"
+    echo "== sm90 backward self-test"
+    OUT=/tmp/sm90_bwd_selftest timeout 300 bash tests/cuda/run_sm90_bwd_selftest.sh 2>&1 | grep -v "^PASS"
   fi
   if [ "${BENCH:-0}" = 1 ]; then
     (cd benchmarks && timeout 420 python3 gpu_bench.py --xla-max-seqlen 2048 --out "$OUT/h200.md" \

@@ -3,10 +3,14 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "bwd_kernel.cuh"
 #include "flash_cuda.h"
+#if JF2_HAVE_SM90
+#include "sm90/bwd_sm90.h"
+#endif
 
 namespace jax_flash2::cuda {
 
@@ -25,6 +29,9 @@ JF2_EXTERN_BWD(__nv_bfloat16, 256)
 #undef JF2_EXTERN_BWD
 
 namespace {
+
+// Calls served by each main kernel (sm80, sm90) in this process.
+std::atomic<int64_t> backward_calls[2];
 
 bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
@@ -50,6 +57,18 @@ bool BackwardSupported(const FlashParams& p, const DeviceInfo& dev) {
   return p.lse != nullptr;
 }
 
+// The Hopper main kernel serves the cc 9.0 calls it supports, unless switched
+// off by JAX_FLASH2_SM90_BACKWARD=0.
+bool UseSm90Backward(const FlashParams& p, const DeviceInfo& dev) {
+#if JF2_HAVE_SM90
+  return dev.cc_major == 9 && Sm90BackwardEnabled() && Sm90BackwardSupports(p);
+#else
+  (void)p;
+  (void)dev;
+  return false;
+#endif
+}
+
 template <typename Elem>
 cudaError_t RunBackwardTyped(const FlashParams& p, const BwdScratchPtrs& s, size_t dq_acc_bytes,
                              const DeviceInfo& dev, cudaStream_t stream) {
@@ -62,7 +81,15 @@ cudaError_t RunBackwardTyped(const FlashParams& p, const BwdScratchPtrs& s, size
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
 
-  // 2. dK, dV, dQ accumulator.
+  // 2. dK, dV, dQ accumulator: the Hopper kernel where it applies (same
+  // scratch, same preprocess and convert), else the sm80 kernel per bucket.
+  const bool sm90 = UseSm90Backward(p, dev);
+  ++backward_calls[sm90 ? 1 : 0];
+#if JF2_HAVE_SM90
+  if (sm90) {
+    err = RunBackwardSm90(p, s, dev, stream);
+  } else
+#endif
   switch (BwdTileFor(p.head_dim).head_dim) {
     case 32: err = LaunchBwdMain<Elem, 32>(p, s, dev, stream); break;
     case 64: err = LaunchBwdMain<Elem, 64>(p, s, dev, stream); break;
@@ -90,6 +117,10 @@ BwdScratchLayout ScratchLayout(const FlashParams& p, const DeviceInfo& dev) {
 }
 
 }  // namespace
+
+BackwardCallCounts GetBackwardCallCounts() {
+  return {backward_calls[0].load(), backward_calls[1].load()};
+}
 
 size_t BackwardScratchBytes(const FlashParams& p, const DeviceInfo& dev) {
   return ScratchLayout(p, dev).total_bytes;

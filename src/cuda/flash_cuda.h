@@ -58,4 +58,12 @@ size_t BackwardScratchBytes(const FlashParams& p, const DeviceInfo& dev);
 cudaError_t RunBackward(const FlashParams& p, void* scratch, const DeviceInfo& dev,
                         cudaStream_t stream);
 
+// Backward calls run so far in this process by the sm80 and the Hopper main
+// kernels (as ForwardCallCounts).
+struct BackwardCallCounts {
+  int64_t sm80 = 0;
+  int64_t sm90 = 0;
+};
+BackwardCallCounts GetBackwardCallCounts();
+
 }  // namespace jax_flash2::cuda

@@ -55,6 +55,13 @@ NB_MODULE(_cuda_ext, m) {
     d["sm90"] = counts.sm90;
     return d;
   });
+  m.def("backward_call_counts", [] {
+    const auto counts = jax_flash2::cuda::GetBackwardCallCounts();
+    nb::dict d;
+    d["sm80"] = counts.sm80;
+    d["sm90"] = counts.sm90;
+    return d;
+  });
   m.def("has_sm90", [] { return jax_flash2::cuda::kHaveSm90; });
   m.def("workspace_bytes", &WorkspaceBytes, nb::arg("backward"), nb::arg("batch"),
         nb::arg("seqlen_q"), nb::arg("seqlen_k"), nb::arg("heads_q"), nb::arg("heads_kv"),

@@ -1,0 +1,132 @@
+// Hopper (sm_90a) backward: host interface, tile table and the kernel's
+// argument block. Built into the sm_90a-only library (CMakeLists.txt).
+// RunBackward (bwd_launch.cu) runs its preprocess kernel (lse2, Dvec, dq_acc =
+// 0), then RunBackwardSm90 in place of the sm80 main kernel on cc 9.0 devices
+// when Sm90BackwardEnabled() and Sm90BackwardSupports(p) hold, then its
+// convert kernel: the scratch layout (bwd_traits.h) is the same for both.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (type only)
+#include <cuda_runtime.h>
+
+#include "../../flash_params.h"
+#include "../flash_cuda.h"
+
+namespace jax_flash2::cuda {
+
+struct BwdScratchPtrs;  // bwd_kernel.cuh
+
+// True when the Hopper backward can serve p: bf16/fp16, D in {64, 128}, no
+// softcap, ALiBi, segment ids or dropout, not deterministic, every stride a
+// multiple of 8 elements and every pointer 16-byte aligned (TMA), sizes
+// within the grid limits.
+bool Sm90BackwardSupports(const FlashParams& p);
+
+// False when the environment variable JAX_FLASH2_SM90_BACKWARD is "0": a
+// kill switch that sends every backward to the sm80 kernels. Read once.
+bool Sm90BackwardEnabled();
+
+// The main backward kernel (dK, dV, and dQ / scale accumulated into
+// s.dq_acc), on the current device (must be cc 9.0); the caller runs the
+// preprocess before and the convert after, as for the sm80 kernel. dQ goes
+// through atomics (Sm90BwdDq::kAtomic below) until the bulk variant is timed.
+// Returns cudaErrorInvalidValue when !Sm90BackwardSupports(p) or s has more
+// than one dQ slice.
+cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const DeviceInfo& dev,
+                            cudaStream_t stream);
+
+namespace sm90 {
+
+// How the kernel adds its dQ tile (64 queries x 64 columns per consumer
+// warpgroup and query block, fp32) into dq_acc (a kernel template argument):
+//   kAtomic:      straight from the accumulator registers, one float2 atomic
+//                 (red.global.add) per register pair: 16 per thread.
+//   kBulkReduce:  the tile goes to shared memory, then warp 0 of the
+//                 warpgroup issues one cp.reduce.async.bulk add per query row
+//                 (256 bytes), so the LSU issues 64 bulk operations instead of
+//                 2048 atomics (FlashAttention-3 reduces whole tiles the same
+//                 way). To be timed against kAtomic on the H200 before it
+//                 becomes the default.
+enum class Sm90BwdDq : int { kAtomic = 0, kBulkReduce = 1 };
+
+// RunBackwardSm90 with an explicit dQ variant (for the self-test).
+cudaError_t RunBackwardSm90Dq(const FlashParams& p, const BwdScratchPtrs& s,
+                              const DeviceInfo& dev, cudaStream_t stream, Sm90BwdDq dq);
+
+// One row per head dim. A CTA owns kBlockN = 128 keys of one (batch, K/V
+// head), 64 per consumer warpgroup, and loops over block_m = 64 query rows at
+// a time (of every query head of its group). Shared memory, 2-byte elements:
+//   K, V (block_n x D each), `stages` x (Q, dO) (block_m x D each), two dS^T
+//   buffers (block_n x block_m), a dQ tile per consumer warpgroup (block_m x
+//   64 fp32, rows padded by 16 bytes; used by kBulkReduce only), `stages` x
+//   (lse2, Dvec) (block_m fp32 each):
+//   D = 64:  32 KB + 2 x 16 KB + 32 KB + 34 KB = 130 KB
+//   D = 128: 64 KB + 2 x 32 KB + 32 KB + 34 KB = 194 KB
+// Registers per consumer thread: dK, dV (D / 2 fp32 each), S^T and dP^T (32
+// fp32 each), dQ (32 fp32), P^T and dS^T as A fragments (16 b32 each): about
+// 230 at D = 128 at the peak (S^T, dP^T live beside dK, dV).
+struct BwdSm90Tile {
+  int head_dim;
+  int block_m;
+  int block_n;
+  int stages;
+};
+
+inline constexpr BwdSm90Tile kBwdSm90TileTable[] = {
+    {64, 64, 128, 2},
+    {128, 64, 128, 2},
+};
+
+constexpr BwdSm90Tile BwdSm90TileFor(int64_t head_dim) {
+  for (const BwdSm90Tile& t : kBwdSm90TileTable) {
+    if (head_dim == t.head_dim) return t;
+  }
+  return BwdSm90Tile{0, 0, 0, 0};
+}
+
+// Warp roles: warpgroup 0 produces (one thread issues every TMA copy),
+// warpgroups 1 and 2 consume, 64 keys each.
+inline constexpr int kBwdConsumerWarpgroups = 2;
+inline constexpr int kBwdSm90Threads = 128 * (1 + kBwdConsumerWarpgroups);
+// setmaxnreg budget: 128 x 24 + 256 x 240 = 64512 <= 65536 registers. The
+// producer only computes coordinates; the consumers hold dK and dV.
+inline constexpr int kBwdProducerRegs = 24;
+inline constexpr int kBwdConsumerRegs = 240;
+
+// A row of the kBulkReduce dQ tile: 64 fp32 + 16 bytes of padding, so that
+// the 8 rows a warp writes at once spread over the banks (2-way conflicts at
+// most) while each row stays a 16-byte aligned bulk-copy source.
+inline constexpr int kBwdDqRowBytes = 64 * 4 + 16;
+
+constexpr int BwdSm90SmemBytes(const BwdSm90Tile& t) {
+  const int kv = 2 * t.block_n * t.head_dim * 2;
+  const int q_do = t.stages * 2 * t.block_m * t.head_dim * 2;
+  const int ds = 2 * t.block_n * t.block_m * 2;
+  const int dq = kBwdConsumerWarpgroups * t.block_m * kBwdDqRowBytes;
+  const int rows = t.stages * 2 * t.block_m * 4;
+  const int barriers = (1 + 2 * t.stages) * 8;  // kv_full; q_full, q_empty per stage
+  return kv + q_do + ds + dq + rows + barriers + 1024;  // 1 KB: alignment slack
+}
+
+// The kernel's by-value argument block (__grid_constant__, so the tensor maps
+// sit in parameter space). Maps as in FwdSm90Args: 4-D, `*_heads_inner` says
+// whether the head dimension precedes the row dimension. d_o shares o's
+// strides.
+struct BwdSm90Args {
+  CUtensorMap tma_q;
+  CUtensorMap tma_do;
+  CUtensorMap tma_k;
+  CUtensorMap tma_v;
+  FlashParams p;
+  const float* lse2 = nullptr;  // [B, H, t_pad]
+  const float* dvec = nullptr;  // [B, H, t_pad]
+  float* dq_acc = nullptr;      // [B, T, H, D]
+  int64_t t_pad = 0;
+  bool q_heads_inner = true;
+  bool do_heads_inner = true;
+  bool k_heads_inner = true;
+  bool v_heads_inner = true;
+};
+
+}  // namespace sm90
+}  // namespace jax_flash2::cuda

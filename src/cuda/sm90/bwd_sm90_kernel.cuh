@@ -1,0 +1,481 @@
+// FlashAttention-2 backward main kernel for Hopper (sm_90a): TMA loads of Q
+// and dO into a ring of shared-memory stages synchronised by mbarriers, wgmma
+// for all five products, one producer and two consumer warpgroups. It
+// replaces BwdMainKernel (bwd_kernel.cuh) only: the preprocess (lse2 = LSE *
+// log2(e), Dvec = rowsum(dO * O) - dLSE, dq_acc = 0) and the convert (dq =
+// dq_acc * scale) are that file's kernels, and the scratch layout is
+// bwd_traits.h's.
+//
+// One CTA per (key block of kBlockN = 128 keys, batch, K/V head); consumer
+// warpgroup c owns keys [64 c, 64 c + 64) of the block and keeps their dK, dV
+// (64 x D fp32) in registers while the CTA loops over every query head of the
+// K/V head's group and every query block of kBlockM = 64 rows that can see the
+// key block (so GQA sums dK, dV over the group in registers, as the sm80
+// kernel does). Per query block, in warpgroup c (64 keys x 64 queries):
+//   S^T  = K_c Q^T                    wgmma SS, both operands K-major (over D)
+//   dP^T = V_c dO^T                   wgmma SS
+//   P^T  = exp2(S^T * scale * log2(e) - lse2)   (0 where masked)
+//   dS^T = P^T o (dP^T - Dvec)        (o: elementwise)
+//   dV  += P^T dO                     wgmma RS: P^T from registers, dO MN-major
+//   dK  += dS^T Q                     wgmma RS: dS^T from registers, Q MN-major
+//   dQ   = dS K                       wgmma SS from the dS^T tile in smem (both
+//                                     operands MN-major), then added into dq_acc:
+//                                     fp32 atomics or bulk reductions (Sm90BwdDq)
+// P^T and dS^T come out of the S^T and dP^T accumulators in the register
+// A-fragment layout of the next products (the forward's P V trick), which is
+// why the kernel computes the transposed products, keys as the M dimension.
+//
+// dQ needs dS over all 128 keys of the block. At D = 128 the two warpgroups
+// split dQ's columns (64 each; wgmma's N), which needs both halves of dS^T in
+// shared memory: a named barrier over both warpgroups each query block, and
+// two dS^T buffers so one warpgroup may write the next block's while the other
+// still reads this one's. At D = 64 each warpgroup computes dQ over its own 64
+// keys (N = 64 = D) and both add into dq_acc: twice the atomics, but no
+// barrier between the warpgroups.
+//
+// Masking as in the sm80 backward: query blocks outside the key block's
+// window are skipped (QueryRange), and only blocks not fully visible to a
+// warpgroup's 64 keys pay for the per-element WindowMask predicate. TMA
+// zero-fills rows past T (Q, dO) and S (K, V); query rows past T have lse2 =
+// +inf and Dvec = 0 (preprocess), so their P and dS are 0; keys past S are
+// masked, and their dK, dV rows are never written.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "../../flash_mask.h"
+#include "../primitives.cuh"
+#include "bwd_sm90.h"
+#include "primitives.cuh"
+#include "wgmma.cuh"
+
+namespace jax_flash2::cuda::sm90 {
+
+template <int kHeadDim_>
+struct BwdSm90Traits {
+  static constexpr BwdSm90Tile kTile = BwdSm90TileFor(kHeadDim_);
+  static_assert(kTile.head_dim == kHeadDim_, "no sm90 backward tile for this head dim");
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kStages = kTile.stages;
+  static constexpr int kPanelCols = 64;  // one 128-byte swizzled row of 2-byte elements
+  static constexpr int kPanels = kHeadDim / kPanelCols;
+  static constexpr int kKvBytes = kBlockN * kHeadDim * 2;  // one K or V tile
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one Q or dO tile
+  static constexpr int kKvPanelBytes = kBlockN * 128;
+  static constexpr int kQPanelBytes = kBlockM * 128;
+  static constexpr int kDsBytes = kBlockN * kBlockM * 2;  // dS^T: [key][query], 128-byte rows
+  static constexpr int kDqStride = kBwdDqRowBytes / 4;     // dQ tile row (floats)
+  static constexpr int kDqBytes = kBlockM * kBwdDqRowBytes;  // one warpgroup's dQ tile
+  static constexpr int kRowBytes = kBlockM * 4;            // lse2 or Dvec of one query block
+  static constexpr int kAcc = kHeadDim / 2;                // fp32 dK (or dV) accumulators
+  static constexpr int kConsumerWarps = 4 * kBwdConsumerWarpgroups;
+  // dQ: split over keys at D = 64, over columns at D = 128 (see above); 64
+  // columns per warpgroup either way.
+  static constexpr bool kDqSplitKeys = kHeadDim == 64;
+  static_assert(kHeadDim == 64 || kHeadDim == 128);
+  static_assert(kBlockM == 64 && kBlockN == 64 * kBwdConsumerWarpgroups);
+};
+
+// Shared-memory carve-up (byte offsets from the 1024-aligned base); every
+// swizzled tile and panel starts on a 1024-byte boundary.
+template <class Tr>
+struct BwdSm90Smem {
+  static constexpr int kK = 0;
+  static constexpr int kV = kK + Tr::kKvBytes;
+  static constexpr int kQ = kV + Tr::kKvBytes;
+  static constexpr int kDo = kQ + Tr::kStages * Tr::kQBytes;
+  static constexpr int kDs = kDo + Tr::kStages * Tr::kQBytes;
+  static constexpr int kDq = kDs + 2 * Tr::kDsBytes;
+  static constexpr int kLse2 = kDq + kBwdConsumerWarpgroups * Tr::kDqBytes;
+  static constexpr int kDvec = kLse2 + Tr::kStages * Tr::kRowBytes;
+  static constexpr int kBars = kDvec + Tr::kStages * Tr::kRowBytes;
+  static_assert(kV % 1024 == 0 && kQ % 1024 == 0 && kDo % 1024 == 0 && kDs % 1024 == 0);
+  static_assert(Tr::kQBytes % 1024 == 0 && Tr::kDsBytes % 1024 == 0 && kBars % 8 == 0);
+  static_assert(Tr::kDqBytes % 16 == 0 && kBwdDqRowBytes % 16 == 0);
+};
+
+template <typename Elem, int kHeadDim, Sm90BwdDq kDq>
+__global__ void __launch_bounds__(kBwdSm90Threads, 1)
+    BwdSm90Kernel(const __grid_constant__ BwdSm90Args args) {
+  using Tr = BwdSm90Traits<kHeadDim>;
+  using Smem = BwdSm90Smem<Tr>;
+  constexpr int kBlockM = Tr::kBlockM;
+  constexpr int kBlockN = Tr::kBlockN;
+  constexpr int kStages = Tr::kStages;
+
+  extern __shared__ unsigned char smem_raw[];
+  // Dynamic shared memory is only guaranteed 16-byte aligned; the swizzle
+  // atoms need 1024 (BwdSm90SmemBytes reserves the slack).
+  unsigned char* smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  unsigned char* s_k = smem + Smem::kK;
+  unsigned char* s_v = smem + Smem::kV;
+  unsigned char* s_q = smem + Smem::kQ;
+  unsigned char* s_do = smem + Smem::kDo;
+  unsigned char* s_ds = smem + Smem::kDs;
+  float* s_lse2 = reinterpret_cast<float*>(smem + Smem::kLse2);
+  float* s_dvec = reinterpret_cast<float*>(smem + Smem::kDvec);
+  float* s_dq = reinterpret_cast<float*>(smem + Smem::kDq);
+  // kv_full: K and V landed (once). q_full[s]: Q, dO, lse2, Dvec of stage s
+  // landed; q_empty[s]: every consumer warp is done with them.
+  uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem + Smem::kBars);
+  uint64_t* q_full = kv_full + 1;
+  uint64_t* q_empty = q_full + kStages;
+
+  const FlashParams& p = args.p;
+  const int n_block = blockIdx.x;
+  const int b = blockIdx.y;
+  const int kv_head = blockIdx.z;
+  const int seqlen_q = static_cast<int>(p.seqlen_q);
+  const int seqlen_k = static_cast<int>(p.seqlen_k);
+  const int n_begin = n_block * kBlockN;
+
+  // Query blocks [m_block_begin, + num_m_blocks) that may see a key of this
+  // block, once per query head of the group.
+  const WindowMask mask = MakeWindowMask(p);
+  int64_t q_begin, q_end;
+  mask.QueryRange(n_begin, min(n_begin + kBlockN, seqlen_k), p.seqlen_q, &q_begin, &q_end);
+  const int m_block_begin = static_cast<int>(q_begin / kBlockM);
+  const int num_m_blocks =
+      q_end > q_begin ? static_cast<int>((q_end + kBlockM - 1) / kBlockM) - m_block_begin : 0;
+  const int num_iters = num_m_blocks * static_cast<int>(p.group_size);
+
+  if (threadIdx.x == 0) {
+    MbarInit(kv_full, 1);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      MbarInit(&q_full[s], 1);
+      // Every consumer warp arrives after its own wait for the last wgmma
+      // reading the stage (as in the forward).
+      MbarInit(&q_empty[s], Tr::kConsumerWarps);
+    }
+    FenceBarrierInit();
+  }
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    // ---------------------------------------------------------------- producer
+    SetMaxNRegDec<kBwdProducerRegs>();
+    if (threadIdx.x == 0 && num_iters > 0) {
+      PrefetchTensorMap(&args.tma_q);
+      PrefetchTensorMap(&args.tma_do);
+      PrefetchTensorMap(&args.tma_k);
+      PrefetchTensorMap(&args.tma_v);
+      MbarArriveExpectTx(kv_full, 2 * Tr::kKvBytes);
+#pragma unroll
+      for (int panel = 0; panel < Tr::kPanels; ++panel) {
+        TmaLoad4d(s_k + panel * Tr::kKvPanelBytes, &args.tma_k, kv_full, panel * Tr::kPanelCols,
+                  args.k_heads_inner ? kv_head : n_begin, args.k_heads_inner ? n_begin : kv_head,
+                  b);
+        TmaLoad4d(s_v + panel * Tr::kKvPanelBytes, &args.tma_v, kv_full, panel * Tr::kPanelCols,
+                  args.v_heads_inner ? kv_head : n_begin, args.v_heads_inner ? n_begin : kv_head,
+                  b);
+      }
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int it = 0; it < num_iters; ++it) {
+        const int h = kv_head * static_cast<int>(p.group_size) + it / num_m_blocks;
+        const int m_begin = (m_block_begin + it % num_m_blocks) * kBlockM;
+        // Slot free? (Parity phase ^ 1: the first pass finds every slot free.)
+        MbarWait(&q_empty[stage], phase ^ 1);
+        MbarArriveExpectTx(&q_full[stage], 2 * Tr::kQBytes + 2 * Tr::kRowBytes);
+        unsigned char* q_dst = s_q + stage * Tr::kQBytes;
+        unsigned char* do_dst = s_do + stage * Tr::kQBytes;
+#pragma unroll
+        for (int panel = 0; panel < Tr::kPanels; ++panel) {
+          TmaLoad4d(q_dst + panel * Tr::kQPanelBytes, &args.tma_q, &q_full[stage],
+                    panel * Tr::kPanelCols, args.q_heads_inner ? h : m_begin,
+                    args.q_heads_inner ? m_begin : h, b);
+          TmaLoad4d(do_dst + panel * Tr::kQPanelBytes, &args.tma_do, &q_full[stage],
+                    panel * Tr::kPanelCols, args.do_heads_inner ? h : m_begin,
+                    args.do_heads_inner ? m_begin : h, b);
+        }
+        // lse2 / Dvec rows are padded to t_pad (a multiple of kBlockM), so a
+        // query block's rows are one whole, 256-byte aligned run.
+        const int64_t row0 = (static_cast<int64_t>(b) * p.num_heads_q + h) * args.t_pad + m_begin;
+        BulkLoad(s_lse2 + stage * kBlockM, args.lse2 + row0, Tr::kRowBytes, &q_full[stage]);
+        BulkLoad(s_dvec + stage * kBlockM, args.dvec + row0, Tr::kRowBytes, &q_full[stage]);
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  SetMaxNRegInc<kBwdConsumerRegs>();
+  const int cg = warpgroup - 1;  // consumer warpgroup: keys [64 cg, 64 cg + 64) of the block
+  const int wg_tid = threadIdx.x % 128;
+  const int warp = wg_tid / 32;  // 16 keys (accumulator rows) per warp
+  const int lane = wg_tid % 32;
+  const int g = lane / 4;        // accumulator row (and g + 8)
+  const int t4 = lane % 4;       // accumulator column pair
+  const int key0 = n_begin + 64 * cg;
+  const float scale_log2 = p.softmax_scale_log2;
+
+  float acc_dk[Tr::kAcc], acc_dv[Tr::kAcc];
+#pragma unroll
+  for (int i = 0; i < Tr::kAcc; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+
+  // Descriptors of stage 0 / buffer 0: K and V rows of this warpgroup
+  // (K-major, for S^T and dP^T), Q and dO (K-major for S^T and dP^T, MN-major
+  // for dK and dV), the dS^T tile and K as the MN-major operands of dQ.
+  const uint64_t desc_k_rows = MakeDescK(SmemAddr(s_k) + 64 * cg * 128);
+  const uint64_t desc_v_rows = MakeDescK(SmemAddr(s_v) + 64 * cg * 128);
+  const uint64_t desc_q_k = MakeDescK(SmemAddr(s_q));
+  const uint64_t desc_do_k = MakeDescK(SmemAddr(s_do));
+  const uint64_t desc_q_mn = MakeDescMN(SmemAddr(s_q), Tr::kQPanelBytes);
+  const uint64_t desc_do_mn = MakeDescMN(SmemAddr(s_do), Tr::kQPanelBytes);
+  // dS as A of dQ: 64 queries = one 128-byte row per key, so M needs one
+  // panel and the leading byte offset is unused.
+  const uint64_t desc_ds_mn = MakeDescMN(SmemAddr(s_ds), Tr::kDsBytes);
+  const uint64_t desc_k_mn = MakeDescMN(SmemAddr(s_k), Tr::kKvPanelBytes);
+  // dQ split (see the file comment): k16 steps over keys [16 kk0, +16 kDqSteps),
+  // columns [dq_col0, +64) = K panel dq_col0 / 64.
+  constexpr int kDqSteps = Tr::kDqSplitKeys ? 4 : kBlockN / 16;
+  const int kk0 = Tr::kDqSplitKeys ? 4 * cg : 0;
+  const int dq_col0 = Tr::kDqSplitKeys ? 0 : 64 * cg;
+
+  if (num_iters > 0) MbarWait(kv_full, 0);
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int it = 0; it < num_iters; ++it) {
+    const int h = kv_head * static_cast<int>(p.group_size) + it / num_m_blocks;
+    const int m_begin = (m_block_begin + it % num_m_blocks) * kBlockM;
+    const uint32_t q_off = stage * Tr::kQBytes;
+    const int ds_buf = it % 2;
+
+    // S^T = K_c Q^T and dP^T = V_c dO^T (unscaled), two wgmma groups.
+    float s[32], dp[32];
+    MbarWait(&q_full[stage], phase);
+    WgmmaFence();
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      // k16 step ks: panel ks / 4, 32 bytes per step inside a 128-byte row.
+      const uint32_t k_off = (ks % 4) * 32;
+      Wgmma<Elem, 64>::SS(s, DescAdd(desc_k_rows, (ks / 4) * Tr::kKvPanelBytes + k_off),
+                          DescAdd(desc_q_k, q_off + (ks / 4) * Tr::kQPanelBytes + k_off), ks > 0);
+    }
+    WgmmaCommit();
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      const uint32_t k_off = (ks % 4) * 32;
+      Wgmma<Elem, 64>::SS(dp, DescAdd(desc_v_rows, (ks / 4) * Tr::kKvPanelBytes + k_off),
+                          DescAdd(desc_do_k, q_off + (ks / 4) * Tr::kQPanelBytes + k_off), ks > 0);
+    }
+    WgmmaCommit();
+
+    // Accumulator element i of the 64 x 64 tiles: key row 16 warp + g + 8 rh,
+    // query column 8 j + 2 t4 + e, with j = i / 4, rh = (i / 2) % 2, e = i % 2.
+    const float* lse2 = s_lse2 + stage * kBlockM;
+    const float* dvec = s_dvec + stage * kBlockM;
+    const bool full = mask.BlockFullyVisible(m_begin, m_begin + kBlockM, key0, key0 + 64);
+    WgmmaFenceOperands(s);
+    WgmmaWait<1>();  // S^T done; dP^T may still run
+    WgmmaFenceOperands(s);
+    // P^T = exp2(S^T * scale_log2 - lse2[query]); lse2 = +inf (rows past T,
+    // rows that see no key) gives exactly 0.
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t4);
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int i = 4 * j + 2 * rh + e;
+          float x = FastExp2(fmaf(s[i], scale_log2, -(e ? l2.y : l2.x)));
+          if (!full && !mask.Allowed(m_begin + 8 * j + 2 * t4 + e, key0 + 16 * warp + g + 8 * rh)) {
+            x = 0.f;
+          }
+          s[i] = x;
+        }
+      }
+    }
+    WgmmaFenceOperands(dp);
+    WgmmaWait<0>();
+    WgmmaFenceOperands(dp);
+    // dS^T = P^T o (dP^T - Dvec[query]), in place of dP^T.
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float2 dv2 = *reinterpret_cast<const float2*>(dvec + 8 * j + 2 * t4);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = 4 * j + r;
+        dp[i] = s[i] * (dp[i] - ((r & 1) ? dv2.y : dv2.x));
+      }
+    }
+
+    // P^T and dS^T as A fragments (rounded to Elem, as in FlashAttention-2):
+    // n8 tiles 2 kk and 2 kk + 1 form k16 slice kk (see wgmma.cuh).
+    uint32_t pa[4][4], dsa[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        pa[kk][r] = PackFloat2<Elem>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+        dsa[kk][r] = PackFloat2<Elem>(dp[8 * kk + 2 * r], dp[8 * kk + 2 * r + 1]);
+      }
+    }
+
+    // dS^T into buffer ds_buf in the 128-byte swizzled layout TMA would give
+    // a [key][query] tile: row r = key, 16-byte chunk c at (c ^ (r % 8)).
+    // Fragment r of slice kk holds key row 16 warp + g (+8 for r odd) and
+    // queries 16 kk + 8 (r / 2) + 2 t4, + 1: chunk 2 kk + r / 2, bytes 4 t4.
+    // The 8 rows g of a warp hit 8 distinct chunks: no bank conflicts. Stored
+    // before the dV/dK wgmmas are issued: their A fragments (dsa) may not be
+    // touched, not even read, until those complete.
+    {
+      unsigned char* ds_tile = s_ds + ds_buf * Tr::kDsBytes;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int row = 64 * cg + 16 * warp + g + 8 * (r % 2);
+          const int chunk = (2 * kk + r / 2) ^ g;  // row % 8 == g
+          *reinterpret_cast<uint32_t*>(ds_tile + row * 128 + chunk * 16 + 4 * t4) = dsa[kk][r];
+        }
+      }
+    }
+    FenceProxyAsync();
+    // kBulkReduce: the previous block's dQ reductions have finished reading
+    // this warpgroup's dQ tile (warp 0 issued them) before the barrier below
+    // lets any thread rewrite it.
+    if constexpr (kDq == Sm90BwdDq::kBulkReduce) {
+      if (warp == 0) BulkWaitRead<0>();
+    }
+
+    // dV += P^T dO, dK += dS^T Q: issued before the barrier, so they run
+    // while the warpgroups meet there.
+    WgmmaFenceOperands(pa);
+    WgmmaFenceOperands(dsa);
+    WgmmaFenceOperands(acc_dv);
+    WgmmaFenceOperands(acc_dk);
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      // k16 slice kk: queries [16 kk, +16) = 2048 bytes into the MN-major tile.
+      Wgmma<Elem, kHeadDim>::RS(acc_dv, pa[kk], DescAdd(desc_do_mn, q_off + kk * 2048), 1);
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      Wgmma<Elem, kHeadDim>::RS(acc_dk, dsa[kk], DescAdd(desc_q_mn, q_off + kk * 2048), 1);
+    }
+    WgmmaCommit();
+
+    // The dS^T rows dQ reads are complete: both warpgroups' at D = 128 (ids:
+    // 1 for both, or 1 + cg per warpgroup; 0 is __syncthreads').
+    if constexpr (Tr::kDqSplitKeys) {
+      NamedBarrierSync(1 + cg, 128);
+    } else {
+      NamedBarrierSync(1, 256);
+    }
+
+    // dQ = dS K over this warpgroup's keys / columns (see the file comment).
+    float dq[32];
+#pragma unroll
+    for (int x = 0; x < kDqSteps; ++x) {
+      // k16 slice kk: keys [16 kk, +16), 2048 bytes into dS^T and into K.
+      const int kk = kk0 + x;
+      Wgmma<Elem, 64>::SSMN(
+          dq, DescAdd(desc_ds_mn, ds_buf * Tr::kDsBytes + kk * 2048),
+          DescAdd(desc_k_mn, (dq_col0 / 64) * Tr::kKvPanelBytes + kk * 2048), x > 0);
+    }
+    WgmmaCommit();
+    WgmmaFenceOperands(acc_dv);
+    WgmmaFenceOperands(acc_dk);
+    WgmmaFenceOperands(dq);
+    WgmmaWait<0>();
+    WgmmaFenceOperands(acc_dv);
+    WgmmaFenceOperands(acc_dk);
+    WgmmaFenceOperands(dq);
+    WgmmaFenceOperands(pa);
+    WgmmaFenceOperands(dsa);
+    // This warp no longer reads the stage (lse2 and Dvec included).
+    __syncwarp();
+    if (lane == 0) MbarArrive(&q_empty[stage]);
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+
+    // dq_acc [B, T, H, D] += dQ (unscaled; the convert kernel scales): query
+    // row m_begin + 16 warp + g + 8 rh, columns dq_col0 + 8 j + 2 t4, + 1.
+    const int64_t dq_row0 =
+        (static_cast<int64_t>(b) * seqlen_q + m_begin) * p.num_heads_q + h;  // row m_begin
+    const int64_t dq_row_stride = p.num_heads_q * kHeadDim;  // floats between query rows
+    if constexpr (kDq == Sm90BwdDq::kAtomic) {
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        const int r = 16 * warp + g + 8 * rh;
+        if (m_begin + r >= seqlen_q) continue;
+        float* dst = args.dq_acc + dq_row0 * kHeadDim + r * dq_row_stride + dq_col0 + 2 * t4;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          atomicAdd(reinterpret_cast<float2*>(dst + 8 * j),
+                    make_float2(dq[4 * j + 2 * rh], dq[4 * j + 2 * rh + 1]));
+        }
+      }
+    } else {
+      // The tile into this warpgroup's dQ buffer (free: see above), then one
+      // bulk add per valid query row, issued by warp 0, lane l: rows l, l + 32.
+      float* dq_tile = s_dq + cg * (Tr::kDqBytes / 4);
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        const int r = 16 * warp + g + 8 * rh;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          *reinterpret_cast<float2*>(dq_tile + r * Tr::kDqStride + 8 * j + 2 * t4) =
+              make_float2(dq[4 * j + 2 * rh], dq[4 * j + 2 * rh + 1]);
+        }
+      }
+      FenceProxyAsync();
+      NamedBarrierSync(3 + cg, 128);
+      if (warp == 0) {
+#pragma unroll
+        for (int r = lane; r < kBlockM; r += 32) {
+          if (m_begin + r < seqlen_q) {
+            BulkReduceAddF32(args.dq_acc + dq_row0 * kHeadDim + r * dq_row_stride + dq_col0,
+                             dq_tile + r * Tr::kDqStride, 64 * 4);
+          }
+        }
+        BulkCommit();
+      }
+    }
+  }
+  // The last reductions must have read their tile before the block exits
+  // (and written dq_acc before the convert kernel reads it).
+  if constexpr (kDq == Sm90BwdDq::kBulkReduce) {
+    if (warp == 0) BulkWait<0>();
+  }
+
+  // Epilogue: dK = scale * acc_dk, dV = acc_dv into [B, S, K, D] (dk and dv
+  // share k's strides), straight from the accumulator fragment. Keys no query
+  // sees get zeros (num_iters == 0).
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    const int n = key0 + 16 * warp + g + 8 * rh;
+    if (n >= seqlen_k) continue;
+    const int64_t off = b * p.k_batch_stride + n * p.k_row_stride + kv_head * p.k_head_stride;
+    Elem* dk = static_cast<Elem*>(p.dk) + off;
+    Elem* dv = static_cast<Elem*>(p.dv) + off;
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j) {
+      const int d = 8 * j + 2 * t4;
+      *reinterpret_cast<uint32_t*>(dk + d) =
+          PackFloat2<Elem>(acc_dk[4 * j + 2 * rh] * p.softmax_scale,
+                           acc_dk[4 * j + 2 * rh + 1] * p.softmax_scale);
+      *reinterpret_cast<uint32_t*>(dv + d) =
+          PackFloat2<Elem>(acc_dv[4 * j + 2 * rh], acc_dv[4 * j + 2 * rh + 1]);
+    }
+  }
+}
+
+}  // namespace jax_flash2::cuda::sm90

@@ -1,0 +1,76 @@
+// Tensor maps for the Hopper kernels' TMA loads (forward and backward),
+// encoded through the driver entry point the runtime hands out, so nothing
+// links libcuda.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../../flash_params.h"
+
+namespace jax_flash2::cuda::sm90 {
+
+// cuTensorMapEncodeTiled's signature (cudaTypedefs.h would give the same).
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// Looked up once per process; nullptr when the driver does not have it.
+inline EncodeTiledFn GetEncodeTiled() {
+  static EncodeTiledFn fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    // The 12.0 ABI of the function (it has not changed since).
+    const cudaError_t err = cudaGetDriverEntryPointByVersion(
+        "cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status);
+    if (err != cudaSuccess || status != cudaDriverEntryPointSuccess) return EncodeTiledFn{nullptr};
+    return reinterpret_cast<EncodeTiledFn>(ptr);
+  }();
+  return fn;
+}
+
+// A 4-D map over one [B, rows, heads, D] tensor (element strides given),
+// boxes of 64 columns (128 bytes, the swizzle width) x box_rows rows of one
+// head, 128-byte swizzle, zero fill out of bounds. The middle dimensions go
+// in increasing stride order; *heads_inner reports the order chosen.
+inline cudaError_t EncodeTensorMap(CUtensorMap* map, EncodeTiledFn encode, DType dtype, const void* ptr,
+                            int64_t batch, int64_t rows, int64_t heads, int64_t head_dim,
+                            int64_t batch_stride, int64_t row_stride, int64_t head_stride,
+                            int box_rows, bool* heads_inner) {
+  *heads_inner = head_stride <= row_stride;
+  const CUtensorMapDataType type = dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                             : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  cuuint64_t dims[4], strides[3];
+  cuuint32_t box[4];
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  dims[0] = static_cast<cuuint64_t>(head_dim);
+  box[0] = 64;
+  if (*heads_inner) {
+    dims[1] = heads;
+    dims[2] = rows;
+    strides[0] = head_stride * 2;
+    strides[1] = row_stride * 2;
+    box[1] = 1;
+    box[2] = box_rows;
+  } else {
+    dims[1] = rows;
+    dims[2] = heads;
+    strides[0] = row_stride * 2;
+    strides[1] = head_stride * 2;
+    box[1] = box_rows;
+    box[2] = 1;
+  }
+  dims[3] = batch;
+  strides[2] = batch_stride * 2;
+  box[3] = 1;
+  const CUresult res = encode(map, type, 4, const_cast<void*>(ptr), dims, strides, box,
+                              elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+}  // namespace jax_flash2::cuda::sm90

@@ -1,0 +1,75 @@
+#!/bin/bash
+# Builds (unless a carried build/sm90_bwd_selftest loads) and runs the Hopper
+# backward self-test: the case matrix against the float64 oracle, timings
+# beside the sm80 backward, then compute-sanitizer memcheck and racecheck on
+# tiny cases. Meant for one device call (an H200; under 4 minutes):
+#   bash tests/cuda/run_sm90_bwd_selftest.sh
+# Logs go to $OUT (or /tmp/sm90_bwd_selftest_out). REBUILD=1 forces a build,
+# SANITIZE=0 skips the sanitizer runs, TIME=0 the timings, FILTER=str runs
+# only the cases whose name contains str.
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/sm90_bwd_selftest_out}
+mkdir -p "$OUT" build/sm90_bwd_obj
+# wgmma and setmaxnreg need the arch-specific target (sm_90a), spelled with
+# -gencode (see run_sm90_fwd_selftest.sh).
+ARCH=-gencode=arch=compute_90a,code=sm_90a
+FLAGS="-std=c++17 -O3 -I. --expt-relaxed-constexpr $ARCH"
+BIN=build/sm90_bwd_selftest
+
+build() {
+  local pids=() f
+  # The sm80 backward is linked too (without JF2_HAVE_SM90, so RunBackward is
+  # the sm80 path), for the side-by-side timings.
+  for f in src/cuda/sm90/bwd_sm90_launch.cu src/cuda/bwd_launch.cu src/cuda/bwd_hdim*.cu \
+           tests/cuda/sm90_bwd_selftest.cu; do
+    local extra=""
+    [ "$f" = src/cuda/sm90/bwd_sm90_launch.cu ] && extra="-Xptxas -v"
+    nvcc $FLAGS $extra -c "$f" -o "build/sm90_bwd_obj/$(basename "$f" .cu).o" \
+      2> "$OUT/build_$(basename "$f" .cu).log" &
+    pids+=($!)
+  done
+  local ok=0
+  for pid in "${pids[@]}"; do wait "$pid" || ok=1; done
+  # Errors and warnings (ptxas -v info lines aside) go to the console.
+  grep -hv "ptxas info\|bytes stack frame" "$OUT"/build_*.log
+  [ $ok -eq 0 ] && nvcc $ARCH build/sm90_bwd_obj/*.o -o $BIN
+}
+
+if [ "${REBUILD:-0}" = 1 ] || ! $BIN --probe >/dev/null 2>&1; then
+  echo "== building $BIN"
+  SECONDS=0
+  build || { echo "BUILD FAILED"; exit 1; }
+  echo "== built in ${SECONDS}s"
+  echo "ptxas, sm90 backward kernels (count, line):"
+  grep -E "Used|spill|C75" "$OUT/build_bwd_sm90_launch.log" | sort | uniq -c
+fi
+if command -v cuobjdump >/dev/null; then
+  cuobjdump --dump-sass build/sm90_bwd_obj/bwd_sm90_launch.o > "$OUT/bwd_sm90.sass" 2>&1
+  echo "== SASS: $(grep -c HGMMA "$OUT/bwd_sm90.sass") HGMMA, $(grep -cE 'LDL|STL' "$OUT/bwd_sm90.sass") LDL/STL"
+fi
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+rc=0
+ARGS=()
+[ -n "${FILTER:-}" ] && ARGS=(--filter "$FILTER")
+echo "== selftest"
+# The binary's watchdog reports a hung kernel as HANG and exits; timeout is
+# the backstop.
+timeout 120 $BIN --no-time ${ARGS[@]+"${ARGS[@]}"} 2>&1 | tee "$OUT/selftest.log"
+rc=$((rc | PIPESTATUS[0]))
+echo "== summary"
+grep -h "^FAIL\|^HANG\|failure(s)" "$OUT/selftest.log"
+if [ "${TIME:-1}" = 1 ]; then
+  echo "== timings (median of 15; TFLOP/s = 2.5 * 4 B T S H D / t, halved when causal)"
+  timeout 60 $BIN --time-only 2>&1 | tee "$OUT/timings.log"; rc=$((rc | PIPESTATUS[0]))
+fi
+if [ "${SANITIZE:-1}" = 1 ]; then
+  echo "== memcheck (--tiny)"
+  timeout 45 compute-sanitizer --tool memcheck --error-exitcode 3 $BIN --tiny 2>&1 | tee "$OUT/memcheck.log" | tail -8
+  rc=$((rc | PIPESTATUS[0]))
+  echo "== racecheck (--tiny)"
+  timeout 45 compute-sanitizer --tool racecheck --error-exitcode 3 $BIN --tiny 2>&1 | tee "$OUT/racecheck.log" | tail -8
+  rc=$((rc | PIPESTATUS[0]))
+fi
+echo "== exit status $rc"
+exit $rc

@@ -1,0 +1,620 @@
+// Standalone check of the Hopper backward (RunBackwardSm90, between the
+// preprocess and convert kernels of bwd_kernel.cuh, as RunBackward runs it)
+// against a float64 CPU oracle, then timings beside the sm80 RunBackward.
+// Every case runs both dQ variants (Sm90BwdDq: atomic, bulk) on the same
+// inputs: if only one fails, the bug is in its dQ reduction; if both do, in
+// what they share (TMA, descriptors, fragments, masking).
+//
+// Per case: random q, k, v, dO (and dLSE where asked) in the dtype; O and LSE
+// from a float64 CPU forward (O rounded to the dtype, LSE to fp32, as the
+// forward hands them over); dq, dk, dv poisoned with NaN and the scratch with
+// 0xff; then the float64 backward of the same inputs. Tolerance as in
+// bwd_selftest.cu: the oracle also runs the "same-dtype naive" backward (P, dS
+// and the outputs rounded to the dtype, sums in float64), and a case passes
+// when, for each of dq, dk, dv, no NaN/Inf is left and
+//   ||out - ref|| / ||ref|| <= 3 * (||naive - ref|| / ||ref||) + 1e-4.
+// A failing case prints each output's worst element (b, row, head, d, got,
+// want), so a layout or descriptor error shows which rows/columns are off.
+// Each launch is watched: a kernel still running after kHangSeconds (an
+// mbarrier wait that never completes) is reported as HANG and the process
+// exits.
+//
+//   sm90_bwd_selftest               all cases + timings
+//   sm90_bwd_selftest --tiny        four small cases (for the sanitizers)
+//   sm90_bwd_selftest --probe       exits 0 at once: checks that a carried binary loads
+//   sm90_bwd_selftest --filter STR  only the cases whose name contains STR
+//   sm90_bwd_selftest --no-time     skip timings
+//   sm90_bwd_selftest --time-only   timings only
+//   sm90_bwd_selftest --dq atomic|bulk  one dQ variant only (default both)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "src/cuda/bwd_kernel.cuh"
+#include "src/cuda/bwd_traits.h"
+#include "src/cuda/flash_cuda.h"
+#include "src/cuda/sm90/bwd_sm90.h"
+#include "src/flash_mask.h"
+#include "src/flash_params.h"
+#include "tests/cuda/selftest_util.h"
+
+using namespace jax_flash2;
+using namespace jax_flash2::selftest;
+using jax_flash2::cuda::BwdScratchPtrs;
+using jax_flash2::cuda::DeviceInfo;
+using jax_flash2::cuda::sm90::Sm90BwdDq;
+
+namespace {
+
+constexpr double kHangSeconds = 20.0;
+
+std::vector<Sm90BwdDq> g_variants = {Sm90BwdDq::kAtomic, Sm90BwdDq::kBulkReduce};
+
+const char* VariantName(Sm90BwdDq v) { return v == Sm90BwdDq::kAtomic ? "atomic" : "bulk"; }
+
+struct Case {
+  std::string name;
+  DType dtype;
+  int64_t B, T, S, H, K, D;
+  int64_t wl, wr;     // window; causal = (-1, 0)
+  bool dlse = false;  // nonzero dLSE
+  bool bhtd = false;  // [B, H, T, D] layout through strides
+};
+
+DeviceInfo QueryDevice() {
+  DeviceInfo info;
+  CHECK_CUDA(cudaGetDevice(&info.device));
+  CHECK_CUDA(cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, info.device));
+  CHECK_CUDA(
+      cudaDeviceGetAttribute(&info.cc_major, cudaDevAttrComputeCapabilityMajor, info.device));
+  CHECK_CUDA(
+      cudaDeviceGetAttribute(&info.cc_minor, cudaDevAttrComputeCapabilityMinor, info.device));
+  int smem = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, info.device));
+  info.max_smem_per_block_optin = static_cast<size_t>(smem);
+  return info;
+}
+
+FlashParams MakeParams(const Case& c) {
+  FlashParams p;
+  p.dtype = c.dtype;
+  p.batch = c.B;
+  p.seqlen_q = c.T;
+  p.seqlen_k = c.S;
+  p.num_heads_q = c.H;
+  p.num_heads_kv = c.K;
+  p.head_dim = c.D;
+  p.group_size = c.H / c.K;
+  SetDenseStrides(p);
+  if (c.bhtd) {
+    p.q_row_stride = c.D;
+    p.q_head_stride = c.T * c.D;
+    p.q_batch_stride = c.H * c.T * c.D;
+    p.o_row_stride = p.q_row_stride;
+    p.o_head_stride = p.q_head_stride;
+    p.o_batch_stride = p.q_batch_stride;
+    p.k_row_stride = c.D;
+    p.k_head_stride = c.S * c.D;
+    p.k_batch_stride = c.K * c.S * c.D;
+    p.v_row_stride = p.k_row_stride;
+    p.v_head_stride = p.k_head_stride;
+    p.v_batch_stride = p.k_batch_stride;
+  }
+  p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+  p.softmax_scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  p.window_left = c.wl;
+  p.window_right = c.wr;
+  return p;
+}
+
+// Waits for the stream's work, polling, so that a hung kernel is reported
+// instead of blocking forever.
+cudaError_t SyncWithWatchdog(const std::string& what) {
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    const cudaError_t err = cudaStreamQuery(0);
+    if (err != cudaErrorNotReady) return err;
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (s > kHangSeconds) {
+      std::printf("HANG %s: kernel still running after %.0f s (mbarrier wait never completed?)\n",
+                  what.c_str(), s);
+      std::fflush(stdout);
+      std::_Exit(2);  // the context cannot be recovered; don't run destructors
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+// What RunBackward does on the sm90 path: preprocess, RunBackwardSm90, convert.
+template <typename Elem>
+cudaError_t RunSm90Typed(const FlashParams& p, void* scratch, const DeviceInfo& dev,
+                         Sm90BwdDq dq) {
+  // One dQ slice: the Hopper backward never serves deterministic calls.
+  const cuda::BwdScratchLayout layout =
+      cuda::MakeBwdScratchLayout(p.batch, p.seqlen_q, p.num_heads_q, p.head_dim, 1);
+  char* base = static_cast<char*>(scratch);
+  const BwdScratchPtrs s{reinterpret_cast<float*>(base + layout.lse2_offset),
+                         reinterpret_cast<float*>(base + layout.dvec_offset),
+                         reinterpret_cast<float*>(base + layout.dq_acc_offset), layout.t_pad,
+                         1, 0};
+  cudaError_t err = cudaMemsetAsync(s.dq_acc, 0, layout.total_bytes - layout.dq_acc_offset, 0);
+  if (err != cudaSuccess) return err;
+  const int64_t rows = p.batch * p.num_heads_q * s.t_pad;
+  if (rows > 0) {
+    cuda::BwdPreprocessKernel<Elem><<<static_cast<unsigned>((rows + 7) / 8), 256>>>(p, s);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  if ((err = cuda::sm90::RunBackwardSm90Dq(p, s, dev, 0, dq)) != cudaSuccess) return err;
+  const int64_t chunks = p.batch * p.seqlen_q * p.num_heads_q * (p.head_dim / 8);
+  if (chunks > 0) {
+    const int64_t blocks = std::min<int64_t>((chunks + 255) / 256, dev.sm_count * 16);
+    cuda::BwdConvertKernel<Elem><<<static_cast<unsigned>(blocks), 256>>>(p, s);
+    err = cudaGetLastError();
+  }
+  return err;
+}
+
+cudaError_t RunSm90(const FlashParams& p, void* scratch, const DeviceInfo& dev, Sm90BwdDq dq) {
+  if (p.dtype == DType::kFloat16) return RunSm90Typed<__half>(p, scratch, dev, dq);
+  return RunSm90Typed<__nv_bfloat16>(p, scratch, dev, dq);
+}
+
+struct ErrStats {
+  double rel = 0, naive_rel = 0;
+  bool finite = true;
+  size_t worst = 0;
+  double worst_err = -1;
+};
+
+// out: device result bits; ref: float64 oracle; naive: same-dtype naive.
+ErrStats Compare(DType dt, const std::vector<uint16_t>& out, const std::vector<double>& ref,
+                 const std::vector<double>& naive) {
+  double num = 0, den = 0, nnum = 0;
+  ErrStats e;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double o = FromBits(dt, out[i]);
+    if (!std::isfinite(o)) e.finite = false;
+    const double err = std::isfinite(o) ? std::fabs(o - ref[i]) : INFINITY;
+    if (err > e.worst_err) {
+      e.worst_err = err;
+      e.worst = i;
+    }
+    num += (o - ref[i]) * (o - ref[i]);
+    const double n = RoundTo(dt, static_cast<float>(naive[i]));
+    nnum += (n - ref[i]) * (n - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  if (den == 0) den = 1;  // all-zero reference: absolute error
+  e.rel = std::sqrt(num / den);
+  e.naive_rel = std::sqrt(nnum / den);
+  return e;
+}
+
+bool Ok(const ErrStats& e) { return e.finite && e.rel <= 3 * e.naive_rel + 1e-4; }
+
+// Runs one case under each dQ variant; one PASS/FAIL line each. Returns the
+// number of failures.
+int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
+  FlashParams p = MakeParams(c);
+  const DType dt = c.dtype;
+  const int64_t B = c.B, T = c.T, S = c.S, H = c.H, K = c.K, D = c.D, G = H / K;
+  const WindowMask mask = MakeWindowMask(p);
+  const double scale = p.softmax_scale;
+  const int64_t nq = B * T * H * D, nk = B * S * K * D, nl = B * H * T;
+  auto qi = [&](int64_t b, int64_t t, int64_t h) {
+    return Off(p.q_batch_stride, p.q_row_stride, p.q_head_stride, b, t, h, 0);
+  };
+  auto ki = [&](int64_t b, int64_t s, int64_t kh) {
+    return Off(p.k_batch_stride, p.k_row_stride, p.k_head_stride, b, s, kh, 0);
+  };
+  auto li = [&](int64_t b, int64_t h, int64_t t) { return (b * H + h) * T + t; };
+
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  auto random = [&](int64_t n, std::vector<uint16_t>& bits, std::vector<double>& val) {
+    bits.resize(n);
+    val.resize(n);
+    for (int64_t i = 0; i < n; ++i) {
+      bits[i] = ToBits(dt, normal(rng));
+      val[i] = FromBits(dt, bits[i]);
+    }
+  };
+  std::vector<uint16_t> hq, hk, hv, hdo;
+  std::vector<double> q, k, v, d_o;
+  random(nq, hq, q);
+  random(nk, hk, k);
+  random(nk, hv, v);
+  random(nq, hdo, d_o);
+  std::vector<float> d_lse(nl, 0.f);
+  if (c.dlse) {
+    for (float& x : d_lse) x = normal(rng);
+  }
+
+  // float64 forward: O (rounded to the dtype), LSE (fp32; -inf for a row that
+  // sees no key, as the forward emits).
+  std::vector<uint16_t> ho(nq);
+  std::vector<double> o(nq);
+  std::vector<float> lse(nl);
+  ParallelFor(B * H, [&](int64_t bh) {
+    const int64_t b = bh / H, h = bh % H, kh = h / G;
+    std::vector<double> sc(S), acc(D);
+    for (int64_t t = 0; t < T; ++t) {
+      double m = -INFINITY;
+      for (int64_t s = 0; s < S; ++s) {
+        sc[s] = -INFINITY;
+        if (!mask.Allowed(t, s)) continue;
+        double dot = 0;
+        for (int64_t d = 0; d < D; ++d) dot += q[qi(b, t, h) + d] * k[ki(b, s, kh) + d];
+        sc[s] = dot * scale;
+        m = std::max(m, sc[s]);
+      }
+      std::fill(acc.begin(), acc.end(), 0.0);
+      double l = 0;
+      if (m != -INFINITY) {
+        for (int64_t s = 0; s < S; ++s) {
+          if (sc[s] == -INFINITY) continue;
+          const double w = std::exp(sc[s] - m);
+          l += w;
+          for (int64_t d = 0; d < D; ++d) acc[d] += w * v[ki(b, s, kh) + d];
+        }
+      }
+      lse[li(b, h, t)] = m == -INFINITY ? -INFINITY : static_cast<float>(m + std::log(l));
+      for (int64_t d = 0; d < D; ++d) {
+        ho[qi(b, t, h) + d] = ToBits(dt, static_cast<float>(l > 0 ? acc[d] / l : 0.0));
+        o[qi(b, t, h) + d] = FromBits(dt, ho[qi(b, t, h) + d]);
+      }
+    }
+  });
+
+  // float64 backward and the same-dtype naive one; one (b, K/V head) per task
+  // (its dk, dv rows and its group's dq rows are disjoint from the others').
+  std::vector<double> dq(nq, 0), dk(nk, 0), dv(nk, 0), dqn(nq, 0), dkn(nk, 0), dvn(nk, 0);
+  ParallelFor(B * K, [&](int64_t bk) {
+    const int64_t b = bk / K, kh = bk % K;
+    std::vector<double> pr(S), ds(S);
+    for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
+      for (int64_t t = 0; t < T; ++t) {
+        const double L = lse[li(b, h, t)];
+        if (L == -INFINITY) continue;  // no key visible: P = 0, all gradients 0
+        const double* qr = &q[qi(b, t, h)];
+        const double* dor = &d_o[qi(b, t, h)];
+        double Di = -d_lse[li(b, h, t)];
+        for (int64_t d = 0; d < D; ++d) Di += dor[d] * o[qi(b, t, h) + d];
+        for (int64_t s = 0; s < S; ++s) {
+          pr[s] = ds[s] = 0;
+          if (!mask.Allowed(t, s)) continue;
+          double dot = 0, dp = 0;
+          for (int64_t d = 0; d < D; ++d) {
+            dot += qr[d] * k[ki(b, s, kh) + d];
+            dp += dor[d] * v[ki(b, s, kh) + d];
+          }
+          pr[s] = std::exp(dot * scale - L);
+          ds[s] = pr[s] * (dp - Di);
+        }
+        for (int64_t s = 0; s < S; ++s) {
+          if (pr[s] == 0 && ds[s] == 0) continue;
+          const double pn = RoundTo(dt, static_cast<float>(pr[s]));
+          const double dsn = RoundTo(dt, static_cast<float>(ds[s]));
+          const double* kr = &k[ki(b, s, kh)];
+          for (int64_t d = 0; d < D; ++d) {
+            dq[qi(b, t, h) + d] += scale * ds[s] * kr[d];
+            dqn[qi(b, t, h) + d] += scale * dsn * kr[d];
+            dk[ki(b, s, kh) + d] += scale * ds[s] * qr[d];
+            dkn[ki(b, s, kh) + d] += scale * dsn * qr[d];
+            dv[ki(b, s, kh) + d] += pr[s] * dor[d];
+            dvn[ki(b, s, kh) + d] += pn * dor[d];
+          }
+        }
+      }
+    }
+  });
+
+  if (!cuda::Sm90BackwardSupports(p)) {
+    std::printf("FAIL %-57s Sm90BackwardSupports is false\n", c.name.c_str());
+    return static_cast<int>(g_variants.size());
+  }
+  void *d_q, *d_k, *d_v, *d_out, *d_dout, *d_dq, *d_dk, *d_dv, *d_scratch;
+  float *d_lse_buf, *d_dlse_buf;
+  CHECK_CUDA(cudaMalloc(&d_q, nq * 2));
+  CHECK_CUDA(cudaMalloc(&d_k, nk * 2));
+  CHECK_CUDA(cudaMalloc(&d_v, nk * 2));
+  CHECK_CUDA(cudaMalloc(&d_out, nq * 2));
+  CHECK_CUDA(cudaMalloc(&d_dout, nq * 2));
+  CHECK_CUDA(cudaMalloc(&d_dq, nq * 2));
+  CHECK_CUDA(cudaMalloc(&d_dk, nk * 2));
+  CHECK_CUDA(cudaMalloc(&d_dv, nk * 2));
+  CHECK_CUDA(cudaMalloc(&d_lse_buf, nl * 4));
+  CHECK_CUDA(cudaMalloc(&d_dlse_buf, nl * 4));
+  CHECK_CUDA(cudaMemcpy(d_q, hq.data(), nq * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(d_k, hk.data(), nk * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(d_v, hv.data(), nk * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(d_out, ho.data(), nq * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(d_dout, hdo.data(), nq * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(d_lse_buf, lse.data(), nl * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(d_dlse_buf, d_lse.data(), nl * 4, cudaMemcpyHostToDevice));
+  p.q = d_q;
+  p.k = d_k;
+  p.v = d_v;
+  p.o = d_out;
+  p.lse = d_lse_buf;
+  p.d_o = d_dout;
+  p.d_lse = d_dlse_buf;
+  p.dq = d_dq;
+  p.dk = d_dk;
+  p.dv = d_dv;
+  const size_t scratch_bytes = cuda::BackwardScratchBytes(p, dev);
+  CHECK_CUDA(cudaMalloc(&d_scratch, scratch_bytes));
+  int failed = 0;
+  for (Sm90BwdDq variant : g_variants) {
+    const std::string what = c.name + " [" + VariantName(variant) + "]";
+    // Poison: 0xffff is NaN in fp16 and bf16; 0xffffffff is NaN in fp32.
+    CHECK_CUDA(cudaMemset(d_dq, 0xff, nq * 2));
+    CHECK_CUDA(cudaMemset(d_dk, 0xff, nk * 2));
+    CHECK_CUDA(cudaMemset(d_dv, 0xff, nk * 2));
+    CHECK_CUDA(cudaMemset(d_scratch, 0xff, scratch_bytes));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    cudaError_t err = RunSm90(p, d_scratch, dev, variant);
+    if (err == cudaSuccess) err = SyncWithWatchdog(what);
+    if (err != cudaSuccess) {
+      std::printf("FAIL %-57s %s\n", what.c_str(), cudaGetErrorString(err));
+      if (err != cudaErrorInvalidValue && err != cudaErrorNotSupported) {
+        std::printf("(sticky device error: stopping)\n");
+        std::fflush(stdout);
+        std::_Exit(1);
+      }
+      ++failed;
+      continue;
+    }
+    std::vector<uint16_t> out_dq(nq), out_dk(nk), out_dv(nk);
+    CHECK_CUDA(cudaMemcpy(out_dq.data(), d_dq, nq * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(out_dk.data(), d_dk, nk * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(out_dv.data(), d_dv, nk * 2, cudaMemcpyDeviceToHost));
+
+    const ErrStats eq = Compare(dt, out_dq, dq, dqn), ek = Compare(dt, out_dk, dk, dkn),
+                   ev = Compare(dt, out_dv, dv, dvn);
+    const bool pass = Ok(eq) && Ok(ek) && Ok(ev);
+    failed += pass ? 0 : 1;
+    std::printf(
+        "%s %-57s dq %.2e (naive %.2e)%s  dk %.2e (naive %.2e)%s  dv %.2e (naive %.2e)%s\n",
+        pass ? "PASS" : "FAIL", what.c_str(), eq.rel, eq.naive_rel, eq.finite ? "" : " NaN",
+        ek.rel, ek.naive_rel, ek.finite ? "" : " NaN", ev.rel, ev.naive_rel,
+        ev.finite ? "" : " NaN");
+    if (!pass) {
+      // Worst element of each output, decoded by its strides (q's for dq, k's
+      // for dk and dv): (b, row, head, d).
+      auto show = [&](const char* name, const ErrStats& e, const std::vector<uint16_t>& out,
+                      const std::vector<double>& ref, int64_t bs, int64_t rs, int64_t hs) {
+        const int64_t i = static_cast<int64_t>(e.worst);
+        std::printf("     %s worst at b=%lld row=%lld head=%lld d=%lld: got %.5g want %.5g\n",
+                    name, (long long)(i / bs), (long long)((i % bs) / rs),
+                    (long long)((i % rs) / hs), (long long)(i % hs), FromBits(dt, out[i]),
+                    ref[i]);
+      };
+      if (c.bhtd) {
+        // Row and head strides are swapped; decode b, head, row, d instead.
+        std::printf("     (bhtd layout: 'row' and 'head' below are head and row)\n");
+        show("dq", eq, out_dq, dq, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
+        show("dk", ek, out_dk, dk, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+        show("dv", ev, out_dv, dv, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+      } else {
+        show("dq", eq, out_dq, dq, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
+        show("dk", ek, out_dk, dk, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
+        show("dv", ev, out_dv, dv, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
+      }
+    }
+    std::fflush(stdout);
+  }
+  for (void* ptr : {d_q, d_k, d_v, d_out, d_dout, d_dq, d_dk, d_dv, d_scratch,
+                    static_cast<void*>(d_lse_buf), static_cast<void*>(d_dlse_buf)}) {
+    CHECK_CUDA(cudaFree(ptr));
+  }
+  return failed;
+}
+
+// Fills n dtype elements with hashed pseudo-random values in about [-2, 2].
+__global__ void FillRandom(uint16_t* x, size_t n, uint32_t seed, bool bf16) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    const float f = (h & 0xffffff) / float(0x1000000) * 4.f - 2.f;
+    if (bf16) {
+      __nv_bfloat16 b = __float2bfloat16_rn(f);
+      x[i] = *reinterpret_cast<uint16_t*>(&b);
+    } else {
+      __half b = __float2half_rn(f);
+      x[i] = *reinterpret_cast<uint16_t*>(&b);
+    }
+  }
+}
+
+// LSE of a row that sees `visible` keys of scores ~ 0: log(visible), so that P
+// has realistic magnitudes (~1 / visible); dLSE small nonzero.
+__global__ void FillLse(float* lse, float* d_lse, int64_t rows, int64_t T, int64_t S,
+                        bool causal) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i % T;
+    const int64_t visible = causal ? std::min<int64_t>(S, t + 1 + S - T) : S;
+    lse[i] = logf(static_cast<float>(visible > 0 ? visible : 1));
+    d_lse[i] = 1e-3f * static_cast<float>((i * 37) % 17 - 8);
+  }
+}
+
+// The whole backward (preprocess, main, convert) by both paths, bf16;
+// TFLOP/s = 2.5 * 4 B T S H D / t (5 products of 2 B T S H D flops each),
+// halved when causal.
+void TimeCase(const Case& c, const DeviceInfo& dev) {
+  FlashParams p = MakeParams(c);
+  const int64_t nq = c.B * c.T * c.H * c.D, nk = c.B * c.S * c.K * c.D;
+  std::vector<void*> bufs;
+  const int64_t sizes[] = {nq, nk, nk, nq, nq, nq, nk, nk};  // q k v o dO dq dk dv
+  for (int i = 0; i < 8; ++i) {
+    void* ptr;
+    CHECK_CUDA(cudaMalloc(&ptr, sizes[i] * 2));
+    FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(ptr), sizes[i], 1234u + i, true);
+    CHECK_CUDA(cudaGetLastError());
+    bufs.push_back(ptr);
+  }
+  float *lse, *d_lse;
+  CHECK_CUDA(cudaMalloc(&lse, c.B * c.H * c.T * 4));
+  CHECK_CUDA(cudaMalloc(&d_lse, c.B * c.H * c.T * 4));
+  FillLse<<<1024, 256>>>(lse, d_lse, c.B * c.H * c.T, c.T, c.S, c.wr == 0);
+  CHECK_CUDA(cudaGetLastError());
+  p.q = bufs[0];
+  p.k = bufs[1];
+  p.v = bufs[2];
+  p.o = bufs[3];
+  p.d_o = bufs[4];
+  p.dq = bufs[5];
+  p.dk = bufs[6];
+  p.dv = bufs[7];
+  p.lse = lse;
+  p.d_lse = d_lse;
+  void* scratch;
+  CHECK_CUDA(cudaMalloc(&scratch, cuda::BackwardScratchBytes(p, dev)));
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  double flops = 2.5 * 4.0 * c.B * c.T * c.S * c.H * c.D;
+  if (c.wr == 0) flops /= 2;
+  constexpr int kReps = 15;
+  auto time = [&](const char* impl, auto run) {
+    const std::string what = c.name + " [" + impl + "]";
+    for (int i = 0; i < 3; ++i) CHECK_CUDA(run());
+    CHECK_CUDA(SyncWithWatchdog(what + " (warm-up)"));
+    std::vector<float> ms(kReps);
+    for (int r = 0; r < kReps; ++r) {
+      CHECK_CUDA(cudaEventRecord(e0));
+      CHECK_CUDA(run());
+      CHECK_CUDA(cudaEventRecord(e1));
+      CHECK_CUDA(SyncWithWatchdog(what));
+      CHECK_CUDA(cudaEventElapsedTime(&ms[r], e0, e1));
+    }
+    std::sort(ms.begin(), ms.end());
+    const double med = ms[kReps / 2];
+    std::printf("TIME %-32s %-11s %8.3f ms  %6.1f TFLOP/s\n", c.name.c_str(), impl, med,
+                flops / med / 1e9);
+    std::fflush(stdout);
+  };
+  time("sm80", [&] { return cuda::RunBackward(p, scratch, dev, 0); });
+  for (Sm90BwdDq variant : g_variants) {
+    const std::string impl = std::string("sm90 ") + VariantName(variant);
+    time(impl.c_str(), [&] { return RunSm90(p, scratch, dev, variant); });
+  }
+  CHECK_CUDA(cudaEventDestroy(e0));
+  CHECK_CUDA(cudaEventDestroy(e1));
+  for (void* ptr : bufs) CHECK_CUDA(cudaFree(ptr));
+  CHECK_CUDA(cudaFree(lse));
+  CHECK_CUDA(cudaFree(d_lse));
+  CHECK_CUDA(cudaFree(scratch));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string mode, filter;
+  bool no_time = false, time_only = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--filter" && i + 1 < argc) {
+      filter = argv[++i];
+    } else if (a == "--no-time") {
+      no_time = true;
+    } else if (a == "--time-only") {
+      time_only = true;
+    } else if (a == "--dq" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      g_variants = {v == "bulk" ? Sm90BwdDq::kBulkReduce : Sm90BwdDq::kAtomic};
+    } else {
+      mode = a;
+    }
+  }
+  if (mode == "--probe") return 0;
+  const bool tiny = mode == "--tiny";
+  const DeviceInfo dev = QueryDevice();
+  std::printf("device sm_%d%d, %d SMs, %zu B smem opt-in\n", dev.cc_major, dev.cc_minor,
+              dev.sm_count, dev.max_smem_per_block_optin);
+  if (dev.cc_major != 9) {
+    std::printf("FAIL: needs a cc 9.0 device\n");
+    return 1;
+  }
+  const DType bf = DType::kBFloat16, fp = DType::kFloat16;
+  std::vector<Case> cases;
+  if (tiny) {
+    cases = {
+        {"tiny bf16 d128 T70 S130 causal", bf, 1, 70, 130, 1, 1, 128, -1, 0},
+        {"tiny fp16 d64 T33 S47 causal gqa2 dlse", fp, 1, 33, 47, 4, 2, 64, -1, 0, true},
+        {"tiny bf16 d128 T200 S100 causal (empty rows)", bf, 1, 200, 100, 2, 2, 128, -1, 0},
+        {"tiny bf16 d64 T130 S200 window(64,16) bhtd", bf, 1, 130, 200, 2, 2, 64, 64, 16, false,
+         true},
+    };
+  } else if (!time_only) {
+    cases = {
+        // Smoke: whole blocks, no mask.
+        {"bf16 d128 T128 S128 full", bf, 1, 128, 128, 1, 1, 128, -1, -1},
+        {"bf16 d64 T128 S128 full", bf, 1, 128, 128, 1, 1, 64, -1, -1},
+        {"fp16 d128 T64 S256 full", fp, 1, 64, 256, 2, 2, 128, -1, -1},
+        // Odd lengths, T != S, causal.
+        {"bf16 d128 T257 S300 causal", bf, 1, 257, 300, 2, 2, 128, -1, 0},
+        {"fp16 d64 T257 S300 full", fp, 1, 257, 300, 2, 2, 64, -1, -1},
+        {"fp16 d128 T64 S64 causal dlse", fp, 1, 64, 64, 2, 2, 128, -1, 0, true},
+        {"bf16 d64 T1 S1 full", bf, 1, 1, 1, 1, 1, 64, -1, -1},
+        // GQA 4:1, MQA.
+        {"bf16 d64 T1000 S1000 causal gqa4 dlse", bf, 1, 1000, 1000, 8, 2, 64, -1, 0, true},
+        {"fp16 d128 T1000 S257 full gqa4 dlse", fp, 1, 1000, 257, 8, 2, 128, -1, -1, true},
+        {"bf16 d128 T17 S1000 full mqa", bf, 1, 17, 1000, 4, 1, 128, -1, -1},
+        // Empty rows (T > S causal), short S.
+        {"bf16 d128 T300 S100 causal (empty rows)", bf, 2, 300, 100, 2, 2, 128, -1, 0},
+        {"fp16 d64 T257 S100 causal (empty rows)", fp, 1, 257, 100, 2, 1, 64, -1, 0},
+        {"bf16 d64 T1000 S17 causal", bf, 1, 1000, 17, 2, 2, 64, -1, 0},
+        // Windows.
+        {"bf16 d128 T1000 S1000 window(128,32)", bf, 1, 1000, 1000, 2, 2, 128, 128, 32},
+        {"fp16 d64 T300 S1000 window(64,0)", fp, 1, 300, 1000, 2, 2, 64, 64, 0},
+        {"fp16 d128 T1000 S1000 window(-1,100) gqa2", fp, 1, 1000, 1000, 4, 2, 128, -1, 100},
+        // B * H large; [B, H, T, D] strides.
+        {"bf16 d128 T512 S512 B2 H16 causal", bf, 2, 512, 512, 16, 16, 128, -1, 0},
+        {"fp16 d64 T384 S384 B3 H12 gqa3 full", fp, 3, 384, 384, 12, 4, 64, -1, -1},
+        {"fp16 d128 T257 S257 causal gqa2 bhtd", fp, 1, 257, 257, 4, 2, 128, -1, 0, false, true},
+        {"bf16 d64 T300 S500 full bhtd dlse", bf, 2, 300, 500, 2, 2, 64, -1, -1, true, true},
+    };
+  }
+  int failed = 0, run = 0;
+  uint64_t seed = 0x5eed;
+  for (const Case& c : cases) {
+    if (!filter.empty() && c.name.find(filter) == std::string::npos) continue;
+    failed += RunCase(c, dev, seed++);
+    run += static_cast<int>(g_variants.size());
+  }
+  if (run > 0) {
+    std::printf("%s: %d failure(s) of %d runs (cases x dQ variants)\n",
+                failed ? "FAILED" : "ALL PASSED", failed, run);
+  }
+  if (!tiny && !no_time) {
+    std::printf("timings (median of 15; whole backward incl. preprocess and convert):\n");
+    const std::vector<Case> timed = {
+        {"B4 T=S=4096 H16 D128", bf, 4, 4096, 4096, 16, 16, 128, -1, -1},
+        {"B4 T=S=4096 H16 D128 causal", bf, 4, 4096, 4096, 16, 16, 128, -1, 0},
+        {"B4 T=S=4096 H32 D64", bf, 4, 4096, 4096, 32, 32, 64, -1, -1},
+        {"B4 T=S=4096 H32 D64 causal", bf, 4, 4096, 4096, 32, 32, 64, -1, 0},
+        {"B1 T=S=16384 H16 D128", bf, 1, 16384, 16384, 16, 16, 128, -1, -1},
+        {"B1 T=S=16384 H16 D128 causal", bf, 1, 16384, 16384, 16, 16, 128, -1, 0},
+    };
+    for (const Case& c : timed) TimeCase(c, dev);
+  }
+  return failed ? 1 : 0;
+}
