@@ -93,10 +93,13 @@ def forward_from_config(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, co
   safe_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
   weights = jnp.exp(scores - safe_max)
   row_sum = jnp.sum(weights, axis=-1, keepdims=True)
-  probs = weights / jnp.where(row_sum > 0, row_sum, 1.0)
+  seen = row_sum > 0
+  probs = weights / jnp.where(seen, row_sum, 1.0)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(compute),
                    precision=jax.lax.Precision.HIGHEST)
-  lse = (safe_max + jnp.log(row_sum))[..., 0]  # [B, K, G, T]; log(0) = -inf for empty rows
+  # [B, K, G, T]; -inf for empty rows, set by a select rather than log(0) so
+  # that their LSE tangent is 0, not 0 / 0.
+  lse = jnp.where(seen, safe_max + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)[..., 0]
   out = out.reshape(batch, seqlen_q, num_heads, head_dim).astype(q.dtype)
   return out, lse.reshape(batch, num_heads, seqlen_q)
 
