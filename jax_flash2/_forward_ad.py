@@ -108,7 +108,10 @@ def _tangent_block(q, tq, lse, q_segment_ids, rows, k, v, tk, tv, alibi_slopes,
 def tangents(q, k, v, lse, tq, tk, tv, alibi_slopes, q_segment_ids, kv_segment_ids, config):
   """(t_out [B, T, H, D], t_lse [B, H, T]) for one batch axis, in query blocks."""
   batch, seqlen_q, num_heads, _ = q.shape
-  rows, count = block_rows(batch, num_heads, seqlen_q, k.shape[1])
+  # A symbolic batch size (jax.export) cannot pick a block size: budget for
+  # one batch entry then.
+  rows, count = block_rows(batch if isinstance(batch, int) else 1, num_heads, seqlen_q,
+                           k.shape[1])
   block = functools.partial(_tangent_block, k=k, v=v, tk=tk, tv=tv, alibi_slopes=alibi_slopes,
                             kv_segment_ids=kv_segment_ids, config=config, seqlen_q=seqlen_q)
   if count == 1:
