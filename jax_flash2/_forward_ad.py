@@ -135,19 +135,13 @@ def tangents(q, k, v, lse, tq, tk, tv, alibi_slopes, q_segment_ids, kv_segment_i
   return t_out[:, :seqlen_q], t_lse[..., :seqlen_q]
 
 
-# Trailing (non-batch) rank of each operand of flash_jvp_p.
-_TRAILING = (3, 3, 3, 3, 2, 3, 3, 3, 1, 1, 1)
-
-
 def _impl(q, k, v, out, lse, tq, tk, tv, alibi_slopes, q_segment_ids, kv_segment_ids, *,
           config):
   """flash_jvp_p on [*L] leading axes: merge them into B, compute, split them."""
   del out  # only the transpose (the backward kernel) reads the output
-  args = (q, k, v, lse, tq, tk, tv, alibi_slopes, q_segment_ids, kv_segment_ids)
-  ranks = _TRAILING[:3] + _TRAILING[4:]
-  merged = [x.reshape((-1,) + x.shape[x.ndim - n:]) for x, n in zip(args, ranks)]
-  t_out, t_lse = tangents(*merged, config)
   lead = q.shape[:-3]
+  args = (q, k, v, lse, tq, tk, tv, alibi_slopes, q_segment_ids, kv_segment_ids)
+  t_out, t_lse = tangents(*(x.reshape((-1,) + x.shape[len(lead):]) for x in args), config)
   return [t_out.reshape(lead + t_out.shape[1:]), t_lse.reshape(lead + t_lse.shape[1:])]
 
 
@@ -177,7 +171,7 @@ def _transpose(cotangents, q, k, v, out, lse, tq, tk, tv, alibi_slopes, q_segmen
                kv_segment_ids, *, config):
   """(d_out, d_lse) -> (dq, dk, dv) on the tangent operands: the backward."""
   d_out, d_lse = cotangents
-  none = [None] * len(_TRAILING)
+  none = [None] * 11  # no cotangent for the operands other than tq, tk, tv
   if type(d_out) is ad.Zero and type(d_lse) is ad.Zero:
     return none
   d_out, d_lse = (_sharding._vary_like(ad.instantiate_zeros(c), q) for c in (d_out, d_lse))
