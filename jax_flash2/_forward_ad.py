@@ -16,8 +16,8 @@ LSE, as the backward does) and t_s the tangent of the final scores s:
 ALiBi slopes are constants and the mask does not move, so neither has a
 tangent. This is plain JAX, run over blocks of query rows with lax.map so that
 at most [B, H, rows, S] scores exist at once, never [B, H, T, S]; it lowers on
-every platform. Cost: about 2x the FLOPs of the forward (three T x S matmuls
-against two), in float32.
+every platform. Cost: five T x S matmuls (the scores, two for t_s, two for
+t_out) against the forward's two, in float32.
 
 Reverse mode: jax.grad linearizes the custom_jvp (in _vjp) into this
 primitive and transposes it. The transpose of a map (tq, tk, tv) -> (t_out,
