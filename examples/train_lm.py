@@ -12,7 +12,9 @@ repository's own Python source (shipped with it), so nothing is downloaded.
 
 Each step logs the loss; at the end, tokens/s (compilation excluded) and peak
 memory (the device's peak_bytes_in_use where it reports one, else the process's
-peak RSS). --compare trains the same model, from the same initial weights on
+peak RSS). Before training, the compiled forward pass is searched for the flash
+kernels' custom call and its input dtype, which the run reports (and a flash
+run without it fails): on GPU with --dtype bfloat16 it is bf16. --compare trains the same model, from the same initial weights on
 the same batches, once per attention implementation, each in its own process
 so that peak memory is its own, and prints both loss curves side by side.
 """
@@ -23,6 +25,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import resource
 import subprocess
 import sys
@@ -37,6 +40,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jax_flash2.export
 import jax_flash2.flax as jf
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -143,6 +147,16 @@ def peak_memory_bytes() -> tuple[int, str]:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
 
 
+def flash_kernel_dtypes(model, tokens) -> list[str]:
+  """Input dtypes of the flash forward kernels in the compiled forward pass
+  (one per layer and device program); empty when none runs."""
+  graphdef, state = nnx.split(model)
+  forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
+  hlo = forward.lower(state, tokens[:, :-1]).compile().as_text()
+  target = jax_flash2.export.TARGETS[0]
+  return re.findall(rf'custom_call_target="{target}", operand_layout_constraints=\{{(\w+)\[', hlo)
+
+
 def train(cfg, attention: str = "flash", log=print) -> dict:
   """Trains for cfg.steps; returns the losses, tokens/s and peak memory."""
   attention_fn = jf.dot_product_attention if attention == "flash" else xla_attention
@@ -171,6 +185,14 @@ def train(cfg, attention: str = "flash", log=print) -> dict:
     return loss
 
   data = batches(corpus(), cfg.batch, cfg.seq_len, cfg.seed)
+  kernel_dtypes = []
+  if attention == "flash":
+    kernel_dtypes = flash_kernel_dtypes(model, jax.device_put(next(data), data_sharding))
+    if not kernel_dtypes:
+      raise RuntimeError("train_lm: the compiled model runs no flash kernel")
+    log(f"[flash] flash kernels in the compiled forward: {len(kernel_dtypes)}, "
+        f"input dtype {sorted(set(kernel_dtypes))}")
+    data = batches(corpus(), cfg.batch, cfg.seq_len, cfg.seed)  # the same batches as xla
   losses, times = [], []
   for i in range(cfg.steps):
     tokens = jax.device_put(next(data), data_sharding)
@@ -185,10 +207,15 @@ def train(cfg, attention: str = "flash", log=print) -> dict:
   # The first step compiles; leave it out of the throughput.
   timed = times[1:] or times
   peak, peak_source = peak_memory_bytes()
+  tokens_per_s = cfg.batch * cfg.seq_len * len(timed) / sum(timed)
   return dict(attention=attention, losses=losses,
-              tokens_per_s=cfg.batch * cfg.seq_len * len(timed) / sum(timed),
+              tokens_per_s=tokens_per_s, tokens_per_s_per_device=tokens_per_s / len(devices),
+              median_step_s=float(np.median(timed)), first_step_s=times[0],
               peak_memory_bytes=peak, peak_memory_source=peak_source,
-              devices=len(devices), platform=jax.default_backend())
+              flash_kernel_dtypes=sorted(set(kernel_dtypes)),
+              devices=len(devices), device_kind=devices[0].device_kind,
+              platform=jax.default_backend(),
+              config={k: v for k, v in vars(cfg).items() if k not in ("compare", "json_out")})
 
 
 def summary(result: dict) -> str:
@@ -204,7 +231,7 @@ def compare(cfg, argv) -> tuple[dict, dict]:
   with tempfile.TemporaryDirectory() as tmp:
     for attention in ("flash", "xla"):
       path = pathlib.Path(tmp) / f"{attention}.json"
-      child = [a for a in argv if a != "--compare"]
+      child = without_option([a for a in argv if a != "--compare"], "--json-out")
       subprocess.run([sys.executable, __file__, *child, "--attention", attention,
                       "--json-out", str(path)], check=True)
       results[attention] = json.loads(path.read_text())
@@ -215,13 +242,30 @@ def compare(cfg, argv) -> tuple[dict, dict]:
     print(f"{i + 1:4d}   {a:10.4f}   {b:11.4f}   {abs(a - b):.2e}")
   diff = max(abs(a - b) for a, b in zip(flash["losses"], xla["losses"]))
   tol = 1e-3 if cfg.dtype == "float32" else 5e-2
-  verdict = "agree" if diff <= tol * max(1.0, max(flash["losses"])) else "DIFFER"
-  print(f"\nloss curves {verdict}: max |diff| {diff:.2e} over {cfg.steps} steps")
+  agree = diff <= tol * max(1.0, max(flash["losses"]))
+  print(f"\nloss curves {'agree' if agree else 'DIFFER'}: max |diff| {diff:.2e} over "
+        f"{cfg.steps} steps")
   print(f"{'':14s}{'flash':>16s}{'jax.nn':>16s}")
   print(f"{'tokens/s':14s}{flash['tokens_per_s']:16,.0f}{xla['tokens_per_s']:16,.0f}")
   print(f"{'peak MiB':14s}{flash['peak_memory_bytes'] / 2**20:16,.1f}"
         f"{xla['peak_memory_bytes'] / 2**20:16,.1f}   ({flash['peak_memory_source']})")
+  if cfg.json_out:
+    pathlib.Path(cfg.json_out).write_text(json.dumps(
+        dict(flash=flash, xla=xla, max_loss_diff=diff, loss_curves_agree=agree)))
   return flash, xla
+
+
+def without_option(argv, name):
+  """argv less `name VALUE` / `name=VALUE`."""
+  out, skip = [], False
+  for a in argv:
+    if skip:
+      skip = False
+    elif a == name:
+      skip = True
+    elif not a.startswith(name + "="):
+      out.append(a)
+  return out
 
 
 def parse_args(argv=None):
@@ -244,7 +288,8 @@ def parse_args(argv=None):
                  help="also train with jax.nn.dot_product_attention and compare")
   p.add_argument("--attention", choices=("flash", "xla"), default="flash",
                  help=argparse.SUPPRESS)
-  p.add_argument("--json-out", help=argparse.SUPPRESS)
+  p.add_argument("--json-out", help="write the results as JSON (with --compare: both runs, "
+                 "the loss difference and the verdict)")
   return p.parse_args(argv)
 
 

@@ -2,11 +2,13 @@
 the backward kernel.
 
 flash_jvp_p: (q, k, v, out, lse, tq, tk, tv, alibi_slopes, q_segment_ids,
-              kv_segment_ids) -> (t_out, t_lse)
+              kv_segment_ids, dropout_seeds) -> (t_out, t_lse)
 is linear in the tangents (tq, tk, tv); the rest are the forward's operands
 and results. Operands lead with batch axes [*L] as in _sharding: [*L, T, H, D]
 for q, out, tq; [*L, S, K, D] for k, v, tk, tv; [*L, H, T] for lse;
-[*L, H], [*L, T], [*L, S] for the slopes and segment ids.
+[*L, H], [*L, T], [*L, S], [*L, H, 2] for the slopes, segment ids and
+dropout seeds. Tangents with dropout are not implemented (the transpose, the
+backward kernel, serves dropout: reverse mode works).
 
 With P = exp(s - lse) the forward's probabilities (recomputed from the saved
 LSE, as the backward does) and t_s the tangent of the final scores s:
@@ -45,9 +47,11 @@ _SCORE_BUDGET = 1 << 25
 _MIN_ROWS, _MAX_ROWS = 16, 512
 
 
-def jvp(q, k, v, out, lse, tq, tk, tv, alibi_slopes, q_segment_ids, kv_segment_ids, config):
+def jvp(q, k, v, out, lse, tq, tk, tv, alibi_slopes, q_segment_ids, kv_segment_ids,
+        dropout_seeds, config):
   """(t_out, t_lse): the tangents of (out, lse) for tangents (tq, tk, tv)."""
-  args = (q, k, v, out, lse, tq, tk, tv, alibi_slopes, q_segment_ids, kv_segment_ids)
+  args = (q, k, v, out, lse, tq, tk, tv, alibi_slopes, q_segment_ids, kv_segment_ids,
+          dropout_seeds)
   # Inside shard_map every operand must vary like q (the slopes, ids and
   # instantiated zero tangents may be replicated), as in _sharding.forward.
   args = [_sharding._vary_like(x, q) for x in args]
@@ -135,10 +139,17 @@ def tangents(q, k, v, lse, tq, tk, tv, alibi_slopes, q_segment_ids, kv_segment_i
   return t_out[:, :seqlen_q], t_lse[..., :seqlen_q]
 
 
-def _impl(q, k, v, out, lse, tq, tk, tv, alibi_slopes, q_segment_ids, kv_segment_ids, *,
-          config):
+def _impl(q, k, v, out, lse, tq, tk, tv, alibi_slopes, q_segment_ids, kv_segment_ids,
+          dropout_seeds, *, config):
   """flash_jvp_p on [*L] leading axes: merge them into B, compute, split them."""
-  del out  # only the transpose (the backward kernel) reads the output
+  del out, dropout_seeds  # only the transpose (the backward kernel) reads them
+  # Raised here, where tangents are computed, not in the custom_jvp rule:
+  # jax.grad traces that rule too and never evaluates this.
+  if config.dropout_rate > 0:
+    raise NotImplementedError(
+        "flash_attention: forward-mode AD (jax.jvp, jax.jacfwd, jax.hessian) with "
+        f"dropout_rate > 0 is not implemented (got dropout_rate={config.dropout_rate}); "
+        "reverse mode (jax.grad) is, or use implementation=\"reference\"")
   lead = q.shape[:-3]
   args = (q, k, v, lse, tq, tk, tv, alibi_slopes, q_segment_ids, kv_segment_ids)
   t_out, t_lse = tangents(*(x.reshape((-1,) + x.shape[len(lead):]) for x in args), config)
@@ -168,28 +179,28 @@ def _jvp(primals, tangents_in, *, config):
 
 
 def _transpose(cotangents, q, k, v, out, lse, tq, tk, tv, alibi_slopes, q_segment_ids,
-               kv_segment_ids, *, config):
+               kv_segment_ids, dropout_seeds, *, config):
   """(d_out, d_lse) -> (dq, dk, dv) on the tangent operands: the backward."""
   d_out, d_lse = cotangents
-  none = [None] * 11  # no cotangent for the operands other than tq, tk, tv
+  none = [None] * 12  # no cotangent for the operands other than tq, tk, tv
   if type(d_out) is ad.Zero and type(d_lse) is ad.Zero:
     return none
   d_out, d_lse = (_sharding._vary_like(ad.instantiate_zeros(c), q) for c in (d_out, d_lse))
   grads = _backward(q, k, v, out, lse, d_out.astype(out.dtype), d_lse, alibi_slopes,
-                    q_segment_ids, kv_segment_ids, config)
+                    q_segment_ids, kv_segment_ids, dropout_seeds, config)
   for i, (operand, grad) in enumerate(zip((tq, tk, tv), grads)):
     if ad.is_undefined_primal(operand):
       none[5 + i] = grad
   return none
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(10,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(11,))
 def _backward(q, k, v, out, lse, d_out, d_lse, alibi_slopes, q_segment_ids, kv_segment_ids,
-              config):
+              dropout_seeds, config):
   """The backward kernel, differentiable once more in forward mode (for
   jax.hessian, jvp-of-grad)."""
   return _sharding.backward(q, k, v, out, lse, d_out, d_lse, alibi_slopes, q_segment_ids,
-                            kv_segment_ids, config)
+                            kv_segment_ids, dropout_seeds, config)
 
 
 @_backward.defjvp

@@ -22,6 +22,7 @@ def _attributes(config) -> dict:
       softcap=np.float32(config.softcap),
       has_alibi=np.bool_(config.has_alibi),
       has_segment_ids=np.bool_(config.has_segment_ids),
+      dropout_rate=np.float32(config.dropout_rate),
   )
 
 
@@ -55,15 +56,13 @@ def _cuda_rule(target: str, backward: bool):
           "jax_flash2: the CUDA kernels take float16 or bfloat16 (they accumulate in "
           "float32); cast q, k, v or pass implementation='reference'"
       )
-    for name, used in (("softcap", config.softcap > 0), ("alibi_slopes", config.has_alibi),
-                       ("segment_ids", config.has_segment_ids),
-                       # dQ is summed with fp32 atomics: order varies run to run.
-                       ("deterministic", config.deterministic and backward)):
-      if used:
-        raise NotImplementedError(
-            f"jax_flash2: {name} is not in the CUDA kernels yet; use "
-            "implementation='reference' or CPU"
-        )
+    if config.dropout_rate > 0:
+      raise NotImplementedError(
+          "jax_flash2: dropout_rate > 0 is not in the CUDA kernels yet; use "
+          "implementation='reference' or CPU"
+      )
+    # Only the backward's dQ sum has an order to fix (the forward has no atomics).
+    deterministic = bool(config.deterministic and backward)
     batch, seqlen_q, heads_q, head_dim = ctx.avals_in[0].shape
     seqlen_k, heads_kv = ctx.avals_in[1].shape[1:3]
     sm_count = _sm_count()
@@ -71,10 +70,11 @@ def _cuda_rule(target: str, backward: bool):
     # output, so XLA allocates it with the call's other buffers.
     nbytes = _ext.cuda_ext.workspace_bytes(
         backward, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim,
-        config.window_left, config.window_right, sm_count)
+        config.window_left, config.window_right, sm_count, deterministic)
     workspace = jax.core.ShapedArray((max(int(nbytes), 1),), np.uint8)
     ctx = ctx.replace(avals_out=[*ctx.avals_out, workspace])
-    results = ffi_rule(ctx, *args, sm_count=np.int64(sm_count), **_attributes(config))
+    extra = dict(deterministic=np.bool_(deterministic)) if backward else {}
+    results = ffi_rule(ctx, *args, sm_count=np.int64(sm_count), **extra, **_attributes(config))
     return results[:-1]
 
   return rule

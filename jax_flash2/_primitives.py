@@ -1,11 +1,13 @@
 """The attention primitives: abstract evaluation and batching.
 
-flash_fwd_p: (q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids) -> (out, lse)
+flash_fwd_p: (q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids,
+              dropout_seeds) -> (out, lse)
 flash_bwd_p: (q, k, v, out, lse, d_out, d_lse, alibi_slopes, q_segment_ids,
-              kv_segment_ids) -> (dq, dk, dv)
+              kv_segment_ids, dropout_seeds) -> (dq, dk, dv)
 Both carry `config` (an AttentionConfig) as their only parameter. The slopes
-[B, H] float32 and segment ids [B, T], [B, S] int32 are always operands (zeros
-when the config leaves them off), so every operand leads with B. vmap folds
+[B, H] float32, segment ids [B, T], [B, S] int32 and dropout seeds [B, H, 2]
+uint32 are always operands (zeros when the config leaves them off), so every
+operand leads with B. vmap folds
 every mapped axis into the batch axis B: one kernel launch, no loop; an
 unbatched operand (say slopes shared by the vmapped examples) is broadcast
 along the mapped axis first, so per-B slopes and ids stay lined up with q.
@@ -33,8 +35,9 @@ def _define(name: str, abstract_eval, batch_rule) -> Primitive:
   return prim
 
 
-def _fwd_abstract_eval(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, *, config):
-  del k, v, alibi_slopes, q_segment_ids, kv_segment_ids, config
+def _fwd_abstract_eval(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds, *,
+                       config):
+  del k, v, alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds, config
   batch, seqlen_q, num_heads, _ = q.shape
   return (
       jax.core.ShapedArray(q.shape, q.dtype),
@@ -43,8 +46,8 @@ def _fwd_abstract_eval(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, *, 
 
 
 def _bwd_abstract_eval(q, k, v, out, lse, d_out, d_lse, alibi_slopes, q_segment_ids,
-                       kv_segment_ids, *, config):
-  del out, lse, d_out, d_lse, alibi_slopes, q_segment_ids, kv_segment_ids, config
+                       kv_segment_ids, dropout_seeds, *, config):
+  del out, lse, d_out, d_lse, alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds, config
   return (
       jax.core.ShapedArray(q.shape, q.dtype),
       jax.core.ShapedArray(k.shape, k.dtype),

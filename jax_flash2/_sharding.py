@@ -15,13 +15,14 @@ flash_fwd_p / flash_bwd_p on per-device shapes.
 
 Operands here are [*L, T, H, D] for q, out, d_out, [*L, S, K, D] for k, v,
 [*L, H, T] for lse, d_lse, [*L, H] for the ALiBi slopes, [*L, T] and [*L, S]
-for the query and key segment ids, with L the leading batch axes (B, plus one
-per vmap). The slopes and ids are always operands (zeros when unused).
+for the query and key segment ids, [*L, H, 2] for the dropout seeds, with L
+the leading batch axes (B, plus one per vmap). The slopes, ids and seeds are
+always operands (zeros when unused).
 
 What gets partitioned:
   * L: split freely; every batch entry is an independent attention problem.
-    The slopes and segment ids follow q's leading axes.
-  * H and K together (and the slopes' H with them): a shard holds whole GQA groups, H/n query heads and the
+    The slopes, segment ids and dropout seeds follow q's leading axes.
+  * H and K together (and the H of the slopes and seeds with them): a shard holds whole GQA groups, H/n query heads and the
     K/n kv heads they read, which needs K % n == 0. With K == 1 (MQA) query
     heads may be split while k and v stay replicated; the backward then sums
     the partial dk, dv over the head axes. Any other head split is gathered.
@@ -57,23 +58,26 @@ from jax._src import dispatch as _dispatch
 from jax_flash2 import _primitives
 
 
-def forward(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, config):
+def forward(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds, config):
   """(out, lse) = flash forward of q [B, T, H, D], k, v [B, S, K, D], with
-  alibi_slopes [B, H], q_segment_ids [B, T], kv_segment_ids [B, S]."""
-  extras = [_vary_like(x, q) for x in (alibi_slopes, q_segment_ids, kv_segment_ids)]
+  alibi_slopes [B, H], q_segment_ids [B, T], kv_segment_ids [B, S],
+  dropout_seeds [B, H, 2]."""
+  extras = [_vary_like(x, q)
+            for x in (alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds)]
   return tuple(_fwd_p.bind(q, k, v, *extras, config=config))
 
 
 def backward(q, k, v, out, lse, d_out, d_lse, alibi_slopes, q_segment_ids, kv_segment_ids,
-             config):
+             dropout_seeds, config):
   """(dq, dk, dv) from the forward's residuals and the output cotangents."""
-  extras = [_vary_like(x, q) for x in (alibi_slopes, q_segment_ids, kv_segment_ids)]
+  extras = [_vary_like(x, q)
+            for x in (alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds)]
   return tuple(_bwd_p.bind(q, k, v, out, lse, d_out, d_lse, *extras, config=config))
 
 
 def _vary_like(x, ref):
-  """x, made to vary over the shard_map axes `ref` varies over. The slopes and
-  ids are often replicated (shared parameters, or the zeros standing in for an
+  """x, made to vary over the shard_map axes `ref` varies over. The slopes,
+  ids and seeds are often replicated (shared parameters, or the zeros standing in for an
   unused option) while q varies; the kernels need them typed alike."""
   missing = _varying(jax.typeof(ref)) - _varying(jax.typeof(x))
   if not missing:
@@ -106,40 +110,44 @@ def _plan(mesh, q_sharding, q_ndim: int, num_heads: int, num_kv_heads: int):
 
   The leading axes keep q's sharding. Heads keep q's head axes when each shard
   can hold whole GQA groups (K divisible by the shard count), or when K == 1
-  and k, v can simply be replicated; otherwise heads are gathered.
+  and k, v can simply be replicated; otherwise heads are gathered. Head axes of
+  size 1 are kept: under Explicit axes the gradients must carry the operands'
+  types, size-1 axes included.
   """
   spec = tuple(getattr(q_sharding, "spec", None) or ())
   spec = spec + (None,) * (q_ndim - len(spec))
   lead = tuple(_axes(e) for e in spec[:q_ndim - 3])
   heads = _axes(spec[q_ndim - 2])
   n = math.prod(mesh.shape[a] for a in heads)
-  if n == 1 or num_heads % n:
+  if num_heads % n:
     return lead, (), ()
-  if num_kv_heads % n == 0:
-    return lead, heads, heads
+  # K == 1 first: over a head axis of size 1 both rules apply, and MQA's k, v
+  # are typically replicated.
   if num_kv_heads == 1:
     return lead, heads, ()
+  if num_kv_heads % n == 0:
+    return lead, heads, heads
   return lead, (), ()
 
 
 def _specs(lead: tuple, heads: tuple, kv_heads: tuple):
   """PartitionSpecs for [*L, T, H, D], [*L, S, K, D], [*L, H, T], [*L, H]
-  (slopes) and [*L, T|S] (segment ids) arrays."""
+  (slopes), [*L, T|S] (segment ids) and [*L, H, 2] (dropout seeds) arrays."""
   lead = tuple(_entry(a) for a in lead)
   h, kh = _entry(heads), _entry(kv_heads)
   return (P(*lead, None, h, None), P(*lead, None, kh, None), P(*lead, h, None), P(*lead, h),
-          P(*lead, None))
+          P(*lead, None), P(*lead, h, None))
 
 
 def _plan_shardings(mesh, arg_shapes):
   q, k = arg_shapes[0], arg_shapes[1]
   lead, heads, kv_heads = _plan(mesh, q.sharding, q.ndim, q.shape[-2], k.shape[-2])
-  q_like, kv_like, lse_like, slopes_like, ids_like = (
+  q_like, kv_like, lse_like, slopes_like, ids_like, seeds_like = (
       NamedSharding(mesh, s) for s in _specs(lead, heads, kv_heads))
   # MQA with split query heads: each shard's dk, dv covers only its own query
   # heads, so the full gradient is their sum over the head axes.
   reduce_axes = heads if heads and not kv_heads else ()
-  extras = (slopes_like, ids_like, ids_like)  # slopes, q ids, kv ids
+  extras = (slopes_like, ids_like, ids_like, seeds_like)  # slopes, q ids, kv ids, seeds
   return q_like, kv_like, lse_like, extras, reduce_axes
 
 
@@ -152,13 +160,14 @@ def _shardy_rule(backward: bool):
   is no NamedSharding to hand to `partition`. `partition` lines them up.
   """
   q, k, v, o, lse = "... t h d", "... s kv d", "... s kv e", "... t h e", "... h t"
-  extras = "... h, ... t, ... s"  # alibi slopes, q segment ids, kv segment ids
+  # alibi slopes, q segment ids, kv segment ids, dropout seeds (a seed is 2 words)
+  extras = "... h, ... t, ... s, ... h w"
   if backward:
     rule = f"{q}, {k}, {v}, {o}, {lse}, {o}, {lse}, {extras} -> {q}, {k}, {v}"
   else:
     rule = f"{q}, {k}, {v}, {extras} -> {o}, {lse}"
   # Shardy wants special factors in the order they first appear.
-  return dict(sharding_rule=rule, need_replication_factors=("t", "d", "s", "e"))
+  return dict(sharding_rule=rule, need_replication_factors=("t", "d", "s", "e", "w"))
 
 
 # The per-device functions: merge the leading axes into B, call the kernels.
@@ -168,26 +177,28 @@ def _merge_lead(x, trailing: int):
   return x.reshape((-1,) + x.shape[x.ndim - trailing:])
 
 
-def _fwd_local(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, config):
+def _fwd_local(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds, config):
   lead = q.shape[:-3]
   args = [_merge_lead(x, 3) for x in (q, k, v)]
   args += [_merge_lead(x, 1) for x in (alibi_slopes, q_segment_ids, kv_segment_ids)]
+  args += [_merge_lead(dropout_seeds, 2)]
   out, lse = _primitives.flash_fwd_p.bind(*args, config=config)
   return out.reshape(lead + out.shape[1:]), lse.reshape(lead + lse.shape[1:])
 
 
 def _bwd_local(q, k, v, out, lse, d_out, d_lse, alibi_slopes, q_segment_ids, kv_segment_ids,
-               config):
+               dropout_seeds, config):
   lead = q.shape[:-3]
   args = [_merge_lead(x, 3) for x in (q, k, v, out)]
   args += [_merge_lead(lse, 2), _merge_lead(d_out, 3), _merge_lead(d_lse, 2)]
   args += [_merge_lead(x, 1) for x in (alibi_slopes, q_segment_ids, kv_segment_ids)]
+  args += [_merge_lead(dropout_seeds, 2)]
   grads = _primitives.flash_bwd_p.bind(*args, config=config)
   return tuple(g.reshape(lead + g.shape[1:]) for g in grads)
 
 
-_fwd_partitioned = custom_partitioning(_fwd_local, static_argnums=(6,))
-_bwd_partitioned = custom_partitioning(_bwd_local, static_argnums=(10,))
+_fwd_partitioned = custom_partitioning(_fwd_local, static_argnums=(7,))
+_bwd_partitioned = custom_partitioning(_bwd_local, static_argnums=(11,))
 
 
 def _fwd_infer(config, mesh, arg_shapes, result_shape):
@@ -200,8 +211,9 @@ def _fwd_partition(config, mesh, arg_shapes, result_shape):
   del result_shape
   q_like, kv_like, lse_like, extras, _ = _plan_shardings(mesh, arg_shapes)
 
-  def per_device(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids):
-    return _fwd_local(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, config)
+  def per_device(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds):
+    return _fwd_local(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds,
+                      config)
 
   return mesh, per_device, (q_like, lse_like), (q_like, kv_like, kv_like, *extras)
 
@@ -216,9 +228,10 @@ def _bwd_partition(config, mesh, arg_shapes, result_shape):
   del result_shape
   q_like, kv_like, lse_like, extras, reduce_axes = _plan_shardings(mesh, arg_shapes)
 
-  def per_device(q, k, v, out, lse, d_out, d_lse, alibi_slopes, q_segment_ids, kv_segment_ids):
+  def per_device(q, k, v, out, lse, d_out, d_lse, alibi_slopes, q_segment_ids, kv_segment_ids,
+                 dropout_seeds):
     dq, dk, dv = _bwd_local(q, k, v, out, lse, d_out, d_lse, alibi_slopes, q_segment_ids,
-                            kv_segment_ids, config)
+                            kv_segment_ids, dropout_seeds, config)
     if reduce_axes:
       dk = jax.lax.psum(dk, reduce_axes)
       dv = jax.lax.psum(dv, reduce_axes)
@@ -267,7 +280,7 @@ def _result_types(outs, avals, backward: bool):
         "flash_attention inside shard_map: the operands vary over different mesh "
         f"axes {[sorted(_varying(a)) for a in avals]}; make them vary alike, "
         "e.g. with jax.lax.pcast(x, axes, to=\"varying\")")
-  q_like, kv_like, lse_like, _, _ = _specs(
+  q_like, kv_like, lse_like, *_ = _specs(
       *_plan(mesh, q.sharding, q.ndim, q.shape[-2], k.shape[-2]))
   specs = (q_like, kv_like, kv_like) if backward else (q_like, lse_like)
   manual = {}
@@ -288,8 +301,8 @@ def _define(name: str, inner: Primitive, local, partitioned, backward: bool):
   prim = Primitive(name)
   prim.multiple_results = True
   # Trailing (non-batch) rank of each operand: lse and d_lse are [*L, H, T];
-  # the slopes [*L, H] and segment ids [*L, T|S] come last.
-  trailing = ((3, 3, 3, 3, 2, 3, 2) if backward else (3, 3, 3)) + (1, 1, 1)
+  # the slopes [*L, H], segment ids [*L, T|S] and dropout seeds [*L, H, 2] come last.
+  trailing = ((3, 3, 3, 3, 2, 3, 2) if backward else (3, 3, 3)) + (1, 1, 1, 2)
 
   def impl(*args, config):
     return jax.jit(local, static_argnums=len(args))(*args, config)

@@ -1,16 +1,19 @@
 """attention as a custom_jvp whose tangent map transposes into the backward kernel.
 
 Forward mode (jax.jvp, jax.jacfwd): the forward kernel gives (out, lse), and
-_forward_ad.jvp gives their tangents in plain JAX, blockwise over query rows.
+_forward_ad.jvp gives their tangents in plain JAX, blockwise over query rows
+(not with dropout: NotImplementedError).
 
 Reverse mode (jax.grad, jax.vjp): JAX linearizes the jvp rule and transposes
 the tangent primitive, whose transpose is the backward kernel. The residuals
 are q, k, v, out and lse only (nothing T x S), plus the small
-non-differentiated operands (ALiBi slopes, segment ids), and the backward
-recomputes P from the LSE, as FlashAttention-2 does. The LSE output is
-differentiable too: its cotangent enters the backward's preprocess as
-D = rowsum(dO * O) - dLSE. The ALiBi slopes and segment ids get no tangent
-and no cotangent: the slopes are treated as constants, the ids are integers.
+non-differentiated operands (ALiBi slopes, segment ids, dropout seeds), and
+the backward recomputes P from the LSE, as FlashAttention-2 does. The LSE
+output is differentiable too: its cotangent enters the backward's preprocess
+as D = rowsum(dO * O) - dLSE. The ALiBi slopes, segment ids and dropout seeds
+get no tangent and no cotangent: the slopes are treated as constants, the ids
+and seeds are integers. The dropout mask is regenerated from the seeds in the
+backward, never saved.
 """
 
 from __future__ import annotations
@@ -22,14 +25,16 @@ import jax
 from jax_flash2 import _forward_ad, _sharding
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(6,))
-def attention(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, config):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(7,))
+def attention(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds, config):
   """(out [B, T, H, D], lse [B, H, T] float32) for the kernels of the platform.
 
-  alibi_slopes [B, H] float32, q_segment_ids [B, T] and kv_segment_ids [B, S]
-  int32 are always passed (api.extra_operands); config says which are used.
+  alibi_slopes [B, H] float32, q_segment_ids [B, T], kv_segment_ids [B, S]
+  int32 and dropout_seeds [B, H, 2] uint32 are always passed
+  (api.extra_operands); config says which are used.
   """
-  return _sharding.forward(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, config)
+  return _sharding.forward(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds,
+                           config)
 
 
 @attention.defjvp

@@ -32,7 +32,9 @@ class AttentionConfig:
   causal is folded in as window_right = 0.
 
   has_alibi / has_segment_ids say whether the alibi_slopes and segment-id
-  operands (always passed, see `extra_operands`) take part in the call.
+  operands (always passed, see `extra_operands`) take part in the call; so does
+  dropout_rate > 0 for the dropout-seed operand. dropout_rate is a float32
+  value (the kernels' attribute), kept here as a Python float.
   """
 
   softmax_scale: float
@@ -42,6 +44,7 @@ class AttentionConfig:
   has_alibi: bool = False
   has_segment_ids: bool = False
   deterministic: bool = False
+  dropout_rate: float = 0.0
   implementation: str = "kernel"
 
 
@@ -125,6 +128,29 @@ def _check_softcap(softcap) -> float:
   return value
 
 
+def _check_dropout(dropout_rate, dropout_rng) -> float:
+  """The rate as the float32 value the kernels and the reference both use."""
+  rate = _static_number("dropout_rate", dropout_rate)
+  # The float32 rounding decides: 0.99999999 rounds to 1.0, which would drop all.
+  if not math.isfinite(rate) or not 0.0 <= rate or not np.float32(rate) < 1.0:
+    raise ValueError(f"flash_attention: dropout_rate must be in [0, 1) (0 = off); got "
+                     f"{dropout_rate!r}")
+  if dropout_rng is not None:
+    if not hasattr(dropout_rng, "dtype") or not hasattr(dropout_rng, "shape"):
+      raise TypeError("flash_attention: dropout_rng must be a jax PRNG key (jax.random.key) or a "
+                      f"raw uint32 key (jax.random.PRNGKey); got {type(dropout_rng).__name__}")
+    typed = jnp.issubdtype(dropout_rng.dtype, jax.dtypes.prng_key)
+    if not (typed and dropout_rng.shape == ()) and not (
+        dropout_rng.dtype == jnp.uint32 and dropout_rng.ndim == 1):
+      raise ValueError("flash_attention: dropout_rng must be one jax PRNG key (jax.random.key) "
+                       "or one raw uint32 key (jax.random.PRNGKey); got "
+                       f"{dropout_rng.dtype}{list(dropout_rng.shape)}")
+  elif rate > 0:
+    raise ValueError(f"flash_attention: dropout_rate={dropout_rate} needs dropout_rng, a jax PRNG "
+                     "key (jax.random.key); got None")
+  return float(np.float32(rate))
+
+
 def _check_alibi_slopes(alibi_slopes, batch: int, num_heads: int) -> None:
   if alibi_slopes is None:
     return
@@ -157,11 +183,18 @@ def _check_segment_ids(segment_ids, batch: int, seqlen_q: int, seqlen_k: int) ->
                          f"must be [B, {letter}] = ({batch}, {length})")
 
 
-def extra_operands(q, k, alibi_slopes=None, segment_ids=None):
+def extra_operands(q, k, alibi_slopes=None, segment_ids=None, dropout_rng=None,
+                   dropout_rate=0.0):
   """The array operands beside q, k, v, always present so that the primitives
   have one signature: (slopes [B, H] float32, q_ids [B, T] int32, kv_ids
-  [B, S] int32). Absent options become zeros that the kernels never read
-  (the config's has_alibi / has_segment_ids are False)."""
+  [B, S] int32, dropout seeds [B, H, 2] uint32). Absent options become zeros
+  that the kernels never read (the config's has_alibi / has_segment_ids are
+  False, its dropout_rate is 0).
+
+  The seeds are drawn from dropout_rng, one 64-bit seed per (batch, head):
+  the dropout mask is a function of them and the position only, so it is the
+  same on every backend, and vmap and sharding slice the seeds with B.
+  """
   batch, seqlen_q, num_heads = q.shape[:3]
   seqlen_k = k.shape[1]
   if alibi_slopes is None:
@@ -173,12 +206,17 @@ def extra_operands(q, k, alibi_slopes=None, segment_ids=None):
     kv_ids = jnp.zeros((batch, seqlen_k), jnp.int32)
   else:
     q_ids, kv_ids = (jnp.asarray(x).astype(jnp.int32) for x in segment_ids)
-  return slopes, q_ids, kv_ids
+  if dropout_rate > 0:
+    seeds = jax.random.bits(dropout_rng, (batch, num_heads, 2), jnp.uint32)
+  else:
+    seeds = jnp.zeros((batch, num_heads, 2), jnp.uint32)
+  return slopes, q_ids, kv_ids, seeds
 
 
 def make_config(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                 softcap=0.0, alibi_slopes=None, segment_ids=None, deterministic=False,
-                implementation=None, dtypes=SUPPORTED_DTYPES) -> AttentionConfig:
+                dropout_rate=0.0, dropout_rng=None, implementation=None,
+                dtypes=SUPPORTED_DTYPES) -> AttentionConfig:
   """Checks the arguments of flash_attention and returns its static config."""
   _check_arrays(q, k, v, dtypes)
   _check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2])
@@ -202,6 +240,7 @@ def make_config(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -
       has_alibi=alibi_slopes is not None,
       has_segment_ids=segment_ids is not None,
       deterministic=bool(deterministic),
+      dropout_rate=_check_dropout(dropout_rate, dropout_rng),
       implementation=implementation,
   )
 
@@ -209,7 +248,8 @@ def make_config(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -
 def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                     return_lse: bool = False, window_size: tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, alibi_slopes=None, segment_ids=None,
-                    deterministic: bool = False,
+                    deterministic: bool = False, dropout_rate: float = 0.0,
+                    dropout_rng: jax.Array | None = None,
                     implementation: str | None = None):
   """FlashAttention-2: softmax(q k^T * scale [masked]) v without the T x S matrix.
 
@@ -226,7 +266,7 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
       diagonal: query i sees keys i + S - T - left <= j <= i + S - T + right;
       -1 = unbounded. Combined with causal, right is at most 0.
     softcap: if > 0, scaled scores s become softcap * tanh(s / softcap)
-      (Gemma-2); 0 = off. CPU kernels and reference (CUDA: not yet).
+      (Gemma-2); 0 = off.
     alibi_slopes: None, or float32 [H] or [B, H]: adds
       -slope[b, h] * |i + S - T - j| to the score of query i and key j, after
       the softmax scale and after softcap (FlashAttention-2's order: its
@@ -235,7 +275,6 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
       instead, which gives the same output but an LSE shifted by
       slope * (i + S - T) per row; here the LSE always includes the distance
       form. The slopes are treated as constants: their cotangent is zero.
-      CPU kernels and reference (CUDA: not yet).
     segment_ids: None, or a pair (q_segment_ids [B, T], kv_segment_ids
       [B, S]) of integer arrays: packed sequences (other integer dtypes
       are cast to int32, so ids must fit in int32). Query i sees key j
@@ -243,11 +282,23 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
       (which stay positional: with packed self-attention, T == S, causal is
       causal within each segment). A query with no same-id key returns 0 and
       LSE -inf. K/V blocks with no same-id pair are skipped. Padding can be
-      given its own id. CPU kernels and reference (CUDA: not yet).
+      given its own id.
     deterministic: a backward with a fixed summation order, bit-identical run
       to run. The CPU kernels always are (dQ partials are summed in a fixed
-      order), so this costs nothing there; the CUDA backward accumulates dQ
-      with atomics and raises NotImplementedError for it (not yet).
+      order), so this costs nothing there. The CUDA backward then sums dQ in
+      per-CTA slices added in a fixed order instead of with free-running
+      atomics: more workspace (up to 1 GiB) and a grid of about one CTA per
+      multiprocessor.
+    dropout_rate: static float in [0, 1), 0 = off: dropout on the attention
+      weights, out = (Z o P / (1 - dropout_rate)) v with P the softmax and Z
+      a keep mask, P(keep) = 1 - dropout_rate. The LSE stays that of the
+      undropped softmax. The mask is never stored: it is a pure function of
+      a per-(batch, head) seed drawn from dropout_rng and the position (query
+      i, key j), regenerated in the backward (see src/flash_dropout.h).
+      CPU kernels and reference (CUDA: not yet).
+    dropout_rng: a jax PRNG key (jax.random.key, or a raw uint32 key);
+      required when dropout_rate > 0. The same key gives the same mask on
+      every backend; it gets no gradient.
     implementation: None or "kernel" (the compiled kernels of the platform),
       or "reference" (plain JAX, materializes the T x S scores).
 
@@ -258,8 +309,9 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
   config = make_config(q, k, v, causal=causal, softmax_scale=softmax_scale,
                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                        segment_ids=segment_ids, deterministic=deterministic,
+                       dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                        implementation=implementation)
-  extras = extra_operands(q, k, alibi_slopes, segment_ids)
+  extras = extra_operands(q, k, alibi_slopes, segment_ids, dropout_rng, config.dropout_rate)
   if config.implementation == "reference":
     out, lse = reference.forward_from_config(q, k, v, *extras, config)
   else:
@@ -271,7 +323,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                            max_seqlen_k: int, *, causal: bool = False,
                            softmax_scale: float | None = None, return_lse: bool = False,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                           deterministic: bool = False, implementation: str | None = None):
+                           deterministic: bool = False, dropout_rate: float = 0.0,
+                           dropout_rng: jax.Array | None = None,
+                           implementation: str | None = None):
   """Packed variable-length sequences, FlashAttention's varlen convention.
 
   Args:
@@ -286,6 +340,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     causal, window_size: per sequence, aligned bottom-right within each
       sequence (query i of a sequence with T_b queries and S_b keys sees keys
       j <= i + S_b - T_b), as FlashAttention-2's varlen.
+    dropout_rate, dropout_rng: as flash_attention; the mask is a function of
+      the position in the padded batch (sequence b, right-aligned slot).
     Other arguments: as flash_attention.
 
   Returns:
@@ -311,15 +367,24 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
   def attention(q, k, v, **kwargs):
     return flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                            window_size=window_size, softcap=softcap,
-                           deterministic=deterministic, implementation=implementation, **kwargs)
+                           deterministic=deterministic, dropout_rate=dropout_rate,
+                           dropout_rng=dropout_rng, implementation=implementation, **kwargs)
 
   return _varlen.varlen_attention(attention, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                   int(max_seqlen_q), int(max_seqlen_k), return_lse)
+
+
+def _cuda_kernel_info() -> str | None:
+  if _ext.cuda_ext is None:
+    return None
+  if _ext.cuda_ext.has_sm90():
+    return "cuda-flash2-sm80 (forward on cc 9.0: sm90a wgmma/TMA kernel)"
+  return "cuda-flash2-sm80"
 
 
 def kernel_info() -> dict[str, str | None]:
   """Which compiled kernels serve each platform in this installation."""
   return {
       "cpu": f"cpu-flash2 ({_ext.cpu_ext.isa()})",
-      "cuda": "cuda-flash2-sm80" if _ext.cuda_ext is not None else None,
+      "cuda": _cuda_kernel_info(),
   }

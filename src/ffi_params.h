@@ -9,6 +9,7 @@
 #include <string>
 #include <tuple>
 
+#include "flash_dropout.h"
 #include "flash_params.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -91,13 +92,15 @@ inline ffi::Error ParamsFromInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
-// The ALiBi slopes [B, H] float32 and segment ids [B, T], [B, S] int32 are
-// always operands; the attributes say whether the call uses them, and only
-// then do their pointers go into p (the kernels test for null).
+// The ALiBi slopes [B, H] float32, segment ids [B, T], [B, S] int32 and
+// dropout seeds [B, H, 2] uint32 are always operands; the attributes say
+// whether the call uses them, and only then do their pointers go into p (the
+// kernels test for null).
 inline ffi::Error SetOptionalInputs(const ffi::AnyBuffer& alibi_slopes,
                                     const ffi::AnyBuffer& q_segment_ids,
-                                    const ffi::AnyBuffer& kv_segment_ids, bool has_alibi,
-                                    bool has_segment_ids, FlashParams* p) {
+                                    const ffi::AnyBuffer& kv_segment_ids,
+                                    const ffi::AnyBuffer& dropout_seeds, bool has_alibi,
+                                    bool has_segment_ids, float dropout_rate, FlashParams* p) {
   const auto sd = alibi_slopes.dimensions();
   if (alibi_slopes.element_type() != ffi::DataType::F32 || sd.size() != 2 || sd[0] != p->batch ||
       sd[1] != p->num_heads_q) {
@@ -118,6 +121,24 @@ inline ffi::Error SetOptionalInputs(const ffi::AnyBuffer& alibi_slopes,
                                          ShapeString(*ids));
     }
   }
+  const auto dd = dropout_seeds.dimensions();
+  if (dropout_seeds.element_type() != ffi::DataType::U32 || dd.size() != 3 ||
+      dd[0] != p->batch || dd[1] != p->num_heads_q || dd[2] != 2) {
+    return ffi::Error::InvalidArgument("jax_flash2: dropout_seeds must be uint32 [B, H, 2] = [" +
+                                       std::to_string(p->batch) + ", " +
+                                       std::to_string(p->num_heads_q) + ", 2]; got " +
+                                       ShapeString(dropout_seeds));
+  }
+  // Written so that NaN fails too.
+  if (!(dropout_rate >= 0.0f && dropout_rate < 1.0f)) {
+    return ffi::Error::InvalidArgument("jax_flash2: dropout_rate must be in [0, 1); got " +
+                                       std::to_string(dropout_rate));
+  }
+  p->dropout_rate = dropout_rate;
+  p->dropout_seeds =
+      dropout_rate > 0.0f ? static_cast<const uint32_t*>(dropout_seeds.untyped_data()) : nullptr;
+  p->dropout_threshold = DropoutThreshold(dropout_rate);
+  p->dropout_scale = 1.0f / (1.0f - dropout_rate);
   p->alibi_slopes = has_alibi ? static_cast<const float*>(alibi_slopes.untyped_data()) : nullptr;
   p->q_segment_ids =
       has_segment_ids ? static_cast<const int32_t*>(q_segment_ids.untyped_data()) : nullptr;
@@ -165,6 +186,7 @@ struct CallAttrs {
   float softcap;
   bool has_alibi;
   bool has_segment_ids;
+  float dropout_rate;  // 0: off
 };
 
 // The optional per-call arrays; their shapes are checked even when unused.
@@ -172,6 +194,7 @@ struct OptionalInputs {
   ffi::AnyBuffer alibi_slopes;    // [B, H] float32
   ffi::AnyBuffer q_segment_ids;   // [B, T] int32
   ffi::AnyBuffer kv_segment_ids;  // [B, S] int32
+  ffi::AnyBuffer dropout_seeds;   // [B, H, 2] uint32
 };
 
 // FlashParams of a forward call: inputs q, k, v (+ optional), outputs out, lse.
@@ -182,8 +205,9 @@ inline ffi::Error ForwardParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
   JF2_RETURN_IF_ERROR(ParamsFromInputs(q, k, v, attrs.softmax_scale, attrs.window_left,
                                        attrs.window_right, attrs.softcap, p));
   JF2_RETURN_IF_ERROR(SetOptionalInputs(optional.alibi_slopes, optional.q_segment_ids,
-                                        optional.kv_segment_ids, attrs.has_alibi,
-                                        attrs.has_segment_ids, p));
+                                        optional.kv_segment_ids, optional.dropout_seeds,
+                                        attrs.has_alibi, attrs.has_segment_ids,
+                                        attrs.dropout_rate, p));
   JF2_RETURN_IF_ERROR(CheckSameShape(out, q, "out"));
   JF2_RETURN_IF_ERROR(CheckLseShape(lse, *p, "lse"));
   p->o = out.untyped_data();

@@ -116,6 +116,13 @@ struct SegmentMask {
   }
 };
 
+// True when the scores need more than the window mask: softcap, ALiBi or
+// segment ids. The CUDA kernels test it per tile from the kernel parameters,
+// so that the plain path keeps no extra register live.
+JF2_HD bool HasScoreVariants(const FlashParams& p) {
+  return p.softcap > 0.0f || p.alibi_slopes != nullptr || p.q_segment_ids != nullptr;
+}
+
 // The segment mask of batch entry b (inactive when p has no segment ids).
 JF2_HD SegmentMask MakeSegmentMask(const FlashParams& p, int64_t b) {
   if (p.q_segment_ids == nullptr) return SegmentMask{nullptr, nullptr};

@@ -67,6 +67,19 @@ struct FlashParams {
   // window allows it).
   const int32_t* q_segment_ids = nullptr;
   const int32_t* kv_segment_ids = nullptr;
+
+  // Backward only: dQ must be bit-identical run to run. The CPU backward
+  // always is; the CUDA one then sums dQ in a fixed order (bwd_launch.cu).
+  bool deterministic = false;
+
+  // Dropout on the softmax (flash_dropout.h): [B, H, 2] uint32 seeds, or null
+  // when off. A score survives when its Philox word is >= dropout_threshold
+  // (floor(rate * 2^32)); survivors are scaled by dropout_scale = 1 / (1 - rate).
+  // The LSE is of the undropped softmax.
+  const uint32_t* dropout_seeds = nullptr;
+  float dropout_rate = 0.0f;
+  uint32_t dropout_threshold = 0;
+  float dropout_scale = 1.0f;
 };
 
 // Fills the dense [B, T, H, D] strides of every tensor from the sizes.

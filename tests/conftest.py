@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,12 @@ import pytest
 import jax_flash2
 
 ON_GPU = jax.default_backend() == "gpu"
+
+# Compute dtype of the model-level tests (Flax layers, the training example):
+# the CUDA kernels take 16-bit inputs, so bfloat16 on the GPU and float32 on
+# CPU. JAX_FLASH2_TEST_MODEL_DTYPE=bfloat16 runs the GPU variant on CPU.
+MODEL_DTYPE = jnp.dtype(
+    os.environ.get("JAX_FLASH2_TEST_MODEL_DTYPE") or ("bfloat16" if ON_GPU else "float32"))
 
 # backend name -> dtypes it serves on the default device.
 BACKENDS = {

@@ -35,11 +35,13 @@ def _alibi(slopes, batch, num_heads, seqlen_q, seqlen_k):
 
 
 def oracle(q, k, v, d_out, d_lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-           softcap=0.0, alibi_slopes=None, segment_ids=None):
+           softcap=0.0, alibi_slopes=None, segment_ids=None, dropout_keep=None,
+           dropout_rate=0.0):
   """out, lse and (dq, dk, dv) of loss = <out, d_out> + <lse, d_lse>, in float64 numpy.
 
   Written directly from the definition (softmax of the masked, scaled scores and
-  its textbook derivative), independent of the kernels' blocking.
+  its textbook derivative), independent of the kernels' blocking. Dropout takes
+  the keep mask as given ([B, H, T, S] bool): out = (Z o P / (1 - rate)) v.
   """
   q, k, v, d_out, d_lse = (np.asarray(x, np.float64) for x in (q, k, v, d_out, d_lse))
   batch, seqlen_q, num_heads, head_dim = q.shape
@@ -69,11 +71,16 @@ def oracle(q, k, v, d_out, d_lse, *, causal=False, softmax_scale=None, window_si
   with np.errstate(divide="ignore"):
     lse = (row_max + np.log(row_sum))[..., 0]                    # [B, H, T]; -inf if empty
   probs = weights / np.where(row_sum > 0, row_sum, 1.0)
-  out = probs @ vh                                               # [B, H, T, D]
+  # dropped = Z o P / (1 - rate): what multiplies v; d dropped / d P = Z / (1 - rate).
+  keep_scale = 1.0
+  if dropout_keep is not None:
+    keep_scale = np.asarray(dropout_keep, np.float64) / (1.0 - dropout_rate)
+  dropped = probs * keep_scale
+  out = dropped @ vh                                             # [B, H, T, D]
   do = d_out.transpose(0, 2, 1, 3)
   dl = np.where(np.isfinite(lse), d_lse, 0.0)
-  dv = probs.transpose(0, 1, 3, 2) @ do
-  dp = do @ vh.transpose(0, 1, 3, 2)
+  dv = dropped.transpose(0, 1, 3, 2) @ do
+  dp = (do @ vh.transpose(0, 1, 3, 2)) * keep_scale
   ds = probs * (dp - (do * out).sum(-1, keepdims=True) + dl[..., None]) * slope
   dq = scale * ds @ kh
   dk = scale * ds.transpose(0, 1, 3, 2) @ qh
@@ -85,9 +92,11 @@ def oracle(q, k, v, d_out, d_lse, *, causal=False, softmax_scale=None, window_si
           (dq.transpose(0, 2, 1, 3), per_kv_head(dk), per_kv_head(dv)))
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "window_size", "softcap"))
+@functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "window_size", "softcap",
+                                             "dropout_rate"))
 def naive_same_dtype(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                     softcap=0.0, alibi_slopes=None, segment_ids=None):
+                     softcap=0.0, alibi_slopes=None, segment_ids=None, dropout_keep=None,
+                     dropout_rate=0.0):
   """(out, lse) computed entirely in the inputs' dtype, as a plain implementation would."""
   dtype = q.dtype
   batch, seqlen_q, num_heads, head_dim = q.shape
@@ -113,6 +122,8 @@ def naive_same_dtype(q, k, v, *, causal=False, softmax_scale=None, window_size=(
   scores = jnp.where(mask, scores, jnp.asarray(-jnp.inf, dtype))
   lse = jax.nn.logsumexp(scores, axis=-1)
   probs = jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0)[..., None])
+  if dropout_keep is not None:
+    probs = jnp.where(dropout_keep, probs * jnp.asarray(1 / (1 - dropout_rate), dtype), 0)
   out = jnp.einsum("bhts,bshd->bthd", probs.astype(dtype), vr, preferred_element_type=dtype)
   return out, lse
 

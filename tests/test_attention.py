@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ON_GPU, attention_fn, random_inputs, supports
+from conftest import attention_fn, random_inputs, supports
 from oracle import assert_close_to_oracle, naive_same_dtype, oracle
 
 DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
@@ -44,12 +44,9 @@ def _case_id(case):
   return f"b{b}-t{t}-s{s}-h{h}k{k}-d{d}" + ("-causal" if c else "")
 
 
-def _skip_unsupported(backend, dtype, options):
+def _skip_unsupported(backend, dtype):
   if not supports(backend, dtype):
     pytest.skip(f"{backend} does not serve {jnp.dtype(dtype).name} here")
-  for name in ("softcap", "alibi", "segments"):
-    if options.get(name) and backend == "kernel" and ON_GPU:
-      pytest.skip(f"{name} is not in the CUDA kernels yet")
 
 
 def _segment_ids(rng, kind, batch, length, num_ids):
@@ -92,7 +89,7 @@ def _split_arrays(options):
 
 def _check_forward(backend, case, dtype, rng, options=None):
   options = dict(options or {})
-  _skip_unsupported(backend, dtype, options)
+  _skip_unsupported(backend, dtype)
   b, t, s, h, hk, d, causal = case
   options = _materialize(options, case, rng)
   options["causal"] = causal
@@ -113,7 +110,7 @@ def _check_forward(backend, case, dtype, rng, options=None):
 
 def _check_gradients(backend, case, dtype, rng, with_lse_cotangent, options=None):
   options = dict(options or {})
-  _skip_unsupported(backend, dtype, options)
+  _skip_unsupported(backend, dtype)
   b, t, s, h, hk, d, causal = case
   options = _materialize(options, case, rng)
   options["causal"] = causal

@@ -263,3 +263,18 @@ def test_jvp_holds_no_t_by_s_array(rng):
   rows, _ = _forward_ad.block_rows(batch, num_heads, seqlen_q, seqlen_k)
   assert max(sizes) == batch * num_heads * rows * seqlen_k
   assert max(sizes) < batch * num_heads * seqlen_q * seqlen_k / 2
+
+
+def test_jvp_with_dropout_raises_and_grad_still_runs(rng):
+  """Forward mode with dropout is not implemented (NotImplementedError, named);
+  reverse mode with dropout still transposes into the backward kernel."""
+  q, k, v = random_inputs(rng, 1, 17, 19, 2, 1, 8, _dtype("kernel"))
+  f = lambda q, k, v: jax_flash2.flash_attention(q, k, v, dropout_rate=0.25,
+                                                 dropout_rng=jax.random.key(3))
+  with pytest.raises(NotImplementedError, match="dropout_rate"):
+    jax.jvp(f, (q, k, v), (q, k, v))
+  loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  assert all(np.all(np.isfinite(np.asarray(g, np.float32))) for g in grads)
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+  assert _custom_calls(hlo) == {_ext.FORWARD_TARGET: 1, _ext.BACKWARD_TARGET: 1}

@@ -1,5 +1,11 @@
-"""examples/train_lm.py: a few steps of a tiny model; the loss falls, and
---compare finds the flash and jax.nn loss curves in agreement."""
+"""examples/train_lm.py: a few steps of a tiny model; the loss falls, the
+flash kernels run in the model's dtype, the loss curve keeps to the oracle rule
+against jax.nn.dot_product_attention, and --compare finds the flash and jax.nn
+loss curves in agreement.
+
+The model computes in MODEL_DTYPE (conftest): float32 on CPU, bfloat16 on the
+GPU (the CUDA kernels take 16-bit inputs; parameters stay float32).
+"""
 
 from __future__ import annotations
 
@@ -9,17 +15,16 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 pytest.importorskip("flax")
 pytest.importorskip("optax")
 
 import jax_flash2  # noqa: E402
-
-# These compare float32 models with plain Flax / jax.nn; the CUDA kernels take
-# float16/bfloat16 only (float32 on the GPU raises NotImplementedError).
-pytestmark = pytest.mark.skipif(
-    __import__("jax").default_backend() == "gpu", reason="float32 models; CUDA kernels are fp16/bf16")
+from conftest import MODEL_DTYPE  # noqa: E402
+from oracle import ABS_SLACK  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_lm.py"
@@ -34,12 +39,35 @@ def load_example():
   return module
 
 
+DTYPE = ["--dtype", MODEL_DTYPE.name]
+HLO_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[MODEL_DTYPE.name]
+
+
 def test_loss_falls():
-  result = load_example().main(["--steps", "8", "--dtype", "float32", *TINY])
+  result = load_example().main(["--steps", "8", *DTYPE, *TINY])
   losses = result["losses"]
   assert len(losses) == 8
   assert losses[-1] < losses[0] - 0.5, losses
   assert result["tokens_per_s"] > 0 and result["peak_memory_bytes"] > 0
+  # The Flax module hands the kernels its compute dtype.
+  assert result["flash_kernel_dtypes"] == [HLO_DTYPE], result["flash_kernel_dtypes"]
+
+
+def test_loss_curve_oracle_rule():
+  """Flash training in MODEL_DTYPE against the float32 jax.nn run: at each step
+  its loss is off by at most 2x the jax.nn run's in MODEL_DTYPE, plus the slack."""
+  example = load_example()
+
+  def losses(attention, dtype):
+    cfg = example.parse_args(["--steps", "6", "--dtype", dtype, *TINY])
+    return np.asarray(example.train(cfg, attention, log=lambda _: None)["losses"])
+
+  ours, plain = losses("flash", MODEL_DTYPE.name), losses("xla", MODEL_DTYPE.name)
+  with jax.default_matmul_precision("highest"):
+    expected = losses("xla", "float32")
+  err, base = np.abs(ours - expected), np.abs(plain - expected)
+  bound = 2 * base + ABS_SLACK[MODEL_DTYPE] * np.max(np.abs(expected))
+  assert np.all(err <= bound), (ours, plain, expected)
 
 
 def test_compare_agrees():
@@ -47,7 +75,7 @@ def test_compare_agrees():
   root = str(pathlib.Path(jax_flash2.__file__).parent.parent)
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
   proc = subprocess.run(
-      [sys.executable, str(EXAMPLE), "--steps", "4", "--dtype", "float32", "--compare", *TINY],
+      [sys.executable, str(EXAMPLE), "--steps", "4", *DTYPE, "--compare", *TINY],
       env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-4000:]
   assert "loss curves agree" in proc.stdout, proc.stdout

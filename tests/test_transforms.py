@@ -104,13 +104,28 @@ def test_alibi_slopes_get_zero_gradient(backend, rng):
 
 @pytest.mark.skipif(_ext.cuda_ext is None, reason="needs the CUDA extension to lower for CUDA")
 @pytest.mark.parametrize("option", ["alibi_slopes", "segment_ids", "softcap"])
-def test_cuda_lowering_refuses_cpu_only_options(option):
+def test_cuda_lowering_passes_score_options(option):
+  """The CUDA kernels serve softcap, ALiBi and segment ids: forward and
+  backward lower for CUDA with the option's attribute on."""
   q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
-  kwargs = {"alibi_slopes": {"alibi_slopes": jnp.ones((2,), jnp.float32)},
-            "segment_ids": {"segment_ids": (jnp.zeros((1, 8), jnp.int32),) * 2},
-            "softcap": {"softcap": 1.0}}[option]
-  f = jax.jit(lambda q, k, v: jax_flash2.flash_attention(q, k, v, **kwargs))
-  with pytest.raises(NotImplementedError, match=f"{option} is not in the CUDA kernels yet"):
+  kwargs, attribute = {
+      "alibi_slopes": ({"alibi_slopes": jnp.ones((2,), jnp.float32)}, "has_alibi = true"),
+      "segment_ids": ({"segment_ids": (jnp.zeros((1, 8), jnp.int32),) * 2},
+                      "has_segment_ids = true"),
+      "softcap": ({"softcap": 1.0}, "softcap = 1.0"),
+  }[option]
+  grad = jax.jit(jax.grad(lambda q: jnp.sum(
+      jax_flash2.flash_attention(q, q, q, **kwargs).astype(jnp.float32))))
+  ir = grad.trace(q).lower(lowering_platforms=("cuda",)).as_text()
+  assert ir.count(attribute) == 2  # the forward and the backward call
+
+
+@pytest.mark.skipif(_ext.cuda_ext is None, reason="needs the CUDA extension to lower for CUDA")
+def test_cuda_lowering_refuses_dropout():
+  q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
+  f = jax.jit(lambda q, k, v: jax_flash2.flash_attention(
+      q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0)))
+  with pytest.raises(NotImplementedError, match="dropout_rate > 0 is not in the CUDA kernels yet"):
     f.trace(q, q, q).lower(lowering_platforms=("cuda",))
 
 
@@ -248,30 +263,34 @@ def test_traced_softmax_scale_is_rejected():
 
 
 def test_deterministic_backward_is_bit_identical(rng):
-  """Three runs of the CPU backward on many workers' worth of tasks give the
-  same bits (dQ partials are summed in a fixed order)."""
-  q, k, v = random_inputs(rng, 1, 300, 700, 4, 1, 32, jnp.float32)
+  """Three runs of the backward give the same bits. CPU: many workers' worth
+  of tasks (dQ partials summed in a fixed order). CUDA: enough (b, kv head)
+  pairs that each CTA walks several key blocks into its dQ slice."""
+  if jax.default_backend() == "cpu":
+    q, k, v = random_inputs(rng, 1, 300, 700, 4, 1, 32, jnp.float32)
+  else:
+    q, k, v = random_inputs(rng, 4, 300, 1500, 32, 16, 64, jnp.bfloat16)
   loss = jax.jit(jax.grad(
-      lambda q, k, v: jnp.sum(jnp.sin(jax_flash2.flash_attention(q, k, v, causal=True,
-                                                                 deterministic=True))),
+      lambda q, k, v: jnp.sum(jnp.sin(jax_flash2.flash_attention(
+          q, k, v, causal=True, deterministic=True).astype(jnp.float32))),
       argnums=(0, 1, 2)))
   runs = [jax.device_get(loss(q, k, v)) for _ in range(3)]
-  if jax.default_backend() != "cpu":
-    pytest.skip("the CUDA backward is not deterministic yet")
   for other in runs[1:]:
     for a, b in zip(runs[0], other):
       assert np.array_equal(a, b)
 
 
 @pytest.mark.skipif(_ext.cuda_ext is None, reason="needs the CUDA extension to lower for CUDA")
-def test_cuda_lowering_refuses_deterministic_backward():
+def test_cuda_lowering_passes_deterministic_to_the_backward():
   q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
-  fwd = jax.jit(lambda q: jax_flash2.flash_attention(q, q, q, deterministic=True))
-  fwd.trace(q).lower(lowering_platforms=("cuda",))  # the forward is deterministic
-  grad = jax.jit(jax.grad(lambda q: jnp.sum(
-      jax_flash2.flash_attention(q, q, q, deterministic=True).astype(jnp.float32))))
-  with pytest.raises(NotImplementedError, match="deterministic is not in the CUDA kernels yet"):
-    grad.trace(q).lower(lowering_platforms=("cuda",))
+
+  def grad_ir(deterministic):
+    grad = jax.jit(jax.grad(lambda q: jnp.sum(jax_flash2.flash_attention(
+        q, q, q, deterministic=deterministic).astype(jnp.float32))))
+    return grad.trace(q).lower(lowering_platforms=("cuda",)).as_text()
+
+  assert "deterministic = true" in grad_ir(True)
+  assert "deterministic = false" in grad_ir(False)
 
 
 def test_traced_softcap_is_rejected():

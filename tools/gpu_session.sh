@@ -1,35 +1,67 @@
 #!/usr/bin/env bash
 # Everything worth checking on the GPU machine, in one device call:
 #   bash tools/gpu_session.sh            (logs and tables under $OUT)
-# 1. install with CUDA for sm_90a (the H200; ~20 s on 16 cores)
-# 2. the pytest suite on the GPU, in parallel processes sharing the GPU
+# 1. install with CUDA for sm_90a (the H200; ~30 s on 16 cores)
+# 2. the pytest suite on GPU $TEST_GPU, in parallel processes sharing it
 # 3. the quickstart
-# 4. optional: BENCH=1 runs the benchmark grid; SM90=1 the Hopper self-test.
+# Optional jobs, run on GPU $AUX_GPU: beside the tests when it differs from
+# $TEST_GPU (a 2-GPU host), after them otherwise, so timings never share a GPU:
+#   SELFTEST=1  the standalone sm80 forward and backward self-tests + sanitizers
+#   SM90=1      the Hopper forward self-test + sanitizers
+#   BENCH=1     the benchmark grid and the variant table
 set -u
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
+TEST_GPU=${TEST_GPU:-0}
+AUX_GPU=${AUX_GPU:-$TEST_GPU}
 
 SECONDS=0
-JAX_FLASH2_CUDA=on JAX_FLASH2_CUDA_ARCHS=${ARCHS:-90a} CMAKE_BUILD_PARALLEL_LEVEL=16 \
+JAX_FLASH2_CUDA=on JAX_FLASH2_CUDA_ARCHS=${ARCHS:-90a} CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
   python3 -m pip install --no-build-isolation --no-deps . > "$OUT/pip.log" 2>&1 \
   || { echo "pip install failed"; tail -30 "$OUT/pip.log"; exit 1; }
 echo "== installed in ${SECONDS}s"
 
-# Several pytest workers share the GPU: no preallocation, or the second one
-# finds the memory taken. Run from tests/ so the installed package is imported.
-SECONDS=0
-(cd tests && XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-420}" \
-  python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-6}" ${TESTS:-.} 2>&1 | tee "$OUT/pytest.log" | tail -25)
-echo "== tests in ${SECONDS}s"
+aux_jobs() {
+  export CUDA_VISIBLE_DEVICES=$AUX_GPU
+  if [ "${SELFTEST:-0}" = 1 ]; then
+    echo "== sm80 forward self-test"
+    OUT=/tmp/fwd_selftest timeout 300 bash tests/cuda/run_fwd_selftest.sh 2>&1 | grep -v "^PASS"
+    echo "== sm80 backward self-test"
+    timeout 300 bash tests/cuda/run_bwd_selftest.sh 2>&1 | grep -v "^PASS\|^ok"
+  fi
+  if [ "${SM90:-0}" = 1 ]; then
+    echo "== sm90 forward self-test"
+    OUT=/tmp/sm90_selftest timeout 300 bash tests/cuda/run_sm90_fwd_selftest.sh 2>&1 | grep -v "^PASS"
+  fi
+  if [ "${BENCH:-0}" = 1 ]; then
+    (cd benchmarks && timeout 420 python3 gpu_bench.py --xla-max-seqlen 2048 --out "$OUT/h200.md" \
+      2>&1 | grep -v "^{" | tail -45)
+    (cd benchmarks && timeout 200 python3 variant_bench.py --out "$OUT/h200_variants.md" 2>&1 | tail -20)
+  fi
+}
 
-timeout 120 python3 examples/quickstart.py 2>&1 | tee "$OUT/quickstart.log"
+run_tests() {
+  # Several pytest workers share the GPU: no preallocation, or the second one
+  # finds the memory taken. Run from tests/ so the installed package is imported.
+  SECONDS=0
+  (cd tests && CUDA_VISIBLE_DEVICES=$TEST_GPU XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -rfE -p no:cacheprovider \
+    -n "${WORKERS:-8}" ${TESTS:-.} > "$OUT/pytest.log" 2>&1)
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -30
+  echo "== tests in ${SECONDS}s"
+  CUDA_VISIBLE_DEVICES=$TEST_GPU timeout 120 python3 examples/quickstart.py 2>&1 \
+    | tee "$OUT/quickstart.log"
+}
 
-if [ "${SM90:-0}" = 1 ]; then
-  OUT="$OUT" timeout 300 bash tests/cuda/run_sm90_fwd_selftest.sh 2>&1 | tail -40
-fi
-if [ "${BENCH:-0}" = 1 ]; then
-  timeout 400 python3 benchmarks/gpu_bench.py --xla-max-seqlen 2048 --out "$OUT/h200.md" 2>&1 \
-    | grep -v "^{" | tail -45
+if [ "$AUX_GPU" != "$TEST_GPU" ]; then
+  aux_jobs > "$OUT/aux.log" 2>&1 &
+  aux_pid=$!
+  run_tests
+  wait $aux_pid
+  cat "$OUT/aux.log"
+else
+  run_tests
+  aux_jobs 2>&1 | tee "$OUT/aux.log"
 fi

@@ -47,6 +47,11 @@ class MultiHeadAttention(nnx.Module):
     softmax_scale: logit scale (default 1 / sqrt(D)).
     window_size: (left, right) local attention, as in flash_attention.
     softcap: Gemma-2 score capping, as in flash_attention (0 = off).
+    dropout_rate: dropout on the attention weights, as in flash_attention
+      (0 = off), active unless `deterministic`; the masks come from the
+      `dropout` stream of the rngs passed to the call.
+    deterministic: default for the call's `deterministic` (needed when
+      dropout_rate > 0: one of the two must be given).
     dtype: computation dtype (default: inferred from inputs and params).
     param_dtype: parameter dtype.
     kernel_init, bias_init, use_bias: as in flax.nnx.LinearGeneral.
@@ -66,6 +71,8 @@ class MultiHeadAttention(nnx.Module):
       softmax_scale: float | None = None,
       window_size: tuple[int, int] = (-1, -1),
       softcap: float = 0.0,
+      dropout_rate: float = 0.0,
+      deterministic: bool | None = None,
       dtype=None,
       param_dtype=jnp.float32,
       kernel_init=nnx.initializers.lecun_normal(),
@@ -85,6 +92,8 @@ class MultiHeadAttention(nnx.Module):
     self.softmax_scale = softmax_scale
     self.window_size = tuple(window_size)
     self.softcap = softcap
+    self.dropout_rate = dropout_rate
+    self.deterministic = deterministic
     self.dtype = dtype
 
     def linear(in_features, out_features, **kw):
@@ -97,17 +106,32 @@ class MultiHeadAttention(nnx.Module):
     self.value = linear(in_kv_features, (num_kv_heads, self.head_dim))
     self.out = linear((num_heads, self.head_dim), out_features, axis=(-2, -1))
 
-  def __call__(self, inputs_q, inputs_kv=None):
+  def __call__(self, inputs_q, inputs_kv=None, *, deterministic: bool | None = None,
+               rngs: nnx.Rngs | None = None):
     """inputs_q [..., T, in_features] -> [..., T, out_features].
 
     Self-attention when inputs_kv is None, else cross-attention on inputs_kv
-    [..., S, in_kv_features].
+    [..., S, in_kv_features]. With dropout_rate > 0 and deterministic False,
+    rngs (an nnx.Rngs with a `dropout` stream, or an nnx.RngStream) gives the
+    dropout key.
     """
     inputs_kv = inputs_q if inputs_kv is None else inputs_kv
+    dropout_rate, dropout_rng = 0.0, None
+    if self.dropout_rate > 0:
+      deterministic = self.deterministic if deterministic is None else deterministic
+      if deterministic is None:
+        raise ValueError("MultiHeadAttention: dropout_rate > 0 needs deterministic, as a "
+                         "constructor or call argument; got None for both")
+      if not deterministic:
+        if rngs is None:
+          raise ValueError("MultiHeadAttention: dropout (dropout_rate > 0, deterministic=False) "
+                           "needs rngs with a 'dropout' stream in the call; got None")
+        dropout_rate = self.dropout_rate
+        dropout_rng = rngs.dropout() if isinstance(rngs, nnx.Rngs) else rngs()
     x = attend(
         self.query(inputs_q), self.key(inputs_kv), self.value(inputs_kv),
         causal=self.causal, softmax_scale=self.softmax_scale, window_size=self.window_size,
-        softcap=self.softcap)
+        softcap=self.softcap, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
     return self.out(x)
 
 

@@ -14,11 +14,13 @@ from jax_flash2 import api
 
 
 def attend(query, key, value, *, causal: bool, softmax_scale=None, dtype=None,
-           window_size=(-1, -1), softcap: float = 0.0):
+           window_size=(-1, -1), softcap: float = 0.0, dropout_rate: float = 0.0,
+           dropout_rng=None):
   """flash_attention on Flax's layout: query [..., T, H, D], key, value [..., S, K, D].
 
   dtype, when given, is the computation dtype (as in Flax); otherwise the three
-  are promoted to a common dtype.
+  are promoted to a common dtype. dropout_rate > 0 drops attention weights with
+  masks drawn from dropout_rng (see flash_attention).
   """
   dtype = jnp.dtype(dtype) if dtype is not None else jnp.result_type(query, key, value)
   query, key, value = (x.astype(dtype) for x in (query, key, value))
@@ -33,7 +35,8 @@ def attend(query, key, value, *, causal: bool, softmax_scale=None, dtype=None,
 
   out = api.flash_attention(
       merged(query), merged(key), merged(value), causal=causal, softmax_scale=softmax_scale,
-      window_size=window_size, softcap=softcap)
+      window_size=window_size, softcap=softcap, dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng)
   return out.reshape(batch + out.shape[1:])
 
 
@@ -60,12 +63,17 @@ def dot_product_attention(
   Takes their layout (query [..., T, H, D], key and value [..., S, K, D], K
   dividing H) and their keyword arguments. It serves the calls the kernels can:
   no `bias`, no `mask` (causal masking through `is_causal`, or the `causal`
-  flag of jax_flash2.flax.MultiHeadAttention), no active dropout, no sown
-  weights; any other call raises a ValueError that names the argument.
+  flag of jax_flash2.flax.MultiHeadAttention), no sown weights; any other call
+  raises a ValueError that names the argument.
+  Dropout (`dropout_rate` > 0 and not `deterministic`) runs in the kernels,
+  with masks drawn from `dropout_rng`. They are independent per batch entry
+  and head whatever `broadcast_dropout` says (Flax's default True shares one
+  mask across them): each weight is still kept with probability
+  1 - dropout_rate, but the masks are not Flax's.
   `precision` is accepted and ignored: the kernels multiply in the input dtype
   and accumulate in float32. `force_fp32_for_softmax` holds by construction.
   """
-  del broadcast_dropout, dropout_rng, precision, promote_dtype, force_fp32_for_softmax
+  del broadcast_dropout, precision, promote_dtype, force_fp32_for_softmax
   if bias is not None:
     raise ValueError(
         "jax_flash2.flax.dot_product_attention: bias is not supported (the kernels "
@@ -78,15 +86,17 @@ def dot_product_attention(
         "jax_flash2.flax.MultiHeadAttention(causal=True) / "
         "jax_flash2.flax.linen.MultiHeadAttention(causal=True), and for other masks "
         "use flax's own dot_product_attention")
-  if dropout_rate > 0.0 and not deterministic:
+  if deterministic:
+    dropout_rate = 0.0
+  elif dropout_rate > 0.0 and dropout_rng is None:
     raise ValueError(
         f"jax_flash2.flax.dot_product_attention: dropout_rate={dropout_rate} with "
-        "deterministic=False is not supported (no dropout on the attention weights); "
-        "set dropout_rate=0.0 or deterministic=True, or use flax's own "
-        "dot_product_attention")
+        "deterministic=False needs dropout_rng (Flax passes it from the 'dropout' "
+        "rng stream); got None")
   if module is not None:
     raise ValueError(
         "jax_flash2.flax.dot_product_attention: module (sow_weights=True) is not "
         "supported, the attention weights are never materialized; call with "
         "sow_weights=False or use flax's own dot_product_attention")
-  return attend(query, key, value, causal=is_causal, dtype=dtype)
+  return attend(query, key, value, causal=is_causal, dtype=dtype, dropout_rate=dropout_rate,
+                dropout_rng=dropout_rng)

@@ -17,7 +17,8 @@ class MultiHeadAttention(nn.Module):
   """Multi-head attention (flax.linen) computed by the flash kernels.
 
   The Linen twin of jax_flash2.flax.MultiHeadAttention (see there for the
-  arguments). Parameters are named as in flax.linen.MultiHeadDotProductAttention
+  arguments; the dropout key comes from the 'dropout' rng collection).
+  Parameters are named as in flax.linen.MultiHeadDotProductAttention
   (query, key, value, out; kernel, bias) with key and value projecting to
   `num_kv_heads` heads only.
   """
@@ -30,6 +31,8 @@ class MultiHeadAttention(nn.Module):
   softmax_scale: float | None = None
   window_size: tuple[int, int] = (-1, -1)
   softcap: float = 0.0
+  dropout_rate: float = 0.0
+  deterministic: bool | None = None
   dtype: Any = None
   param_dtype: Any = jnp.float32
   kernel_init: Callable = nn.initializers.lecun_normal()
@@ -37,10 +40,15 @@ class MultiHeadAttention(nn.Module):
   use_bias: bool = True
 
   @nn.compact
-  def __call__(self, inputs_q, inputs_kv=None):
+  def __call__(self, inputs_q, inputs_kv=None, deterministic: bool | None = None):
     """inputs_q [..., T, F] -> [..., T, out_features]; cross-attention on
-    inputs_kv [..., S, F_kv] when given."""
+    inputs_kv [..., S, F_kv] when given. deterministic (here or as a field)
+    is needed when dropout_rate > 0."""
     inputs_kv = inputs_q if inputs_kv is None else inputs_kv
+    dropout_rate, dropout_rng = 0.0, None
+    if self.dropout_rate > 0 and not nn.merge_param("deterministic", self.deterministic,
+                                                    deterministic):
+      dropout_rate, dropout_rng = self.dropout_rate, self.make_rng("dropout")
     num_kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
     qkv_features = self.qkv_features or inputs_q.shape[-1]
     out_features = self.out_features or inputs_q.shape[-1]
@@ -58,5 +66,5 @@ class MultiHeadAttention(nn.Module):
         dense((num_kv_heads, head_dim), "key")(inputs_kv),
         dense((num_kv_heads, head_dim), "value")(inputs_kv),
         causal=self.causal, softmax_scale=self.softmax_scale, window_size=self.window_size,
-        softcap=self.softcap)
+        softcap=self.softcap, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
     return dense(out_features, "out", axis=(-2, -1))(x)

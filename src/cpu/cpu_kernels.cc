@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 
+#include "../flash_dropout.h"
 #include "../flash_mask.h"
 #include "convert.h"
 #include "cpu_kernels.h"
@@ -113,6 +114,36 @@ void Gemm(float* c, int64_t ldc, const float* a, int64_t a_row, int64_t a_k, con
 
 inline int64_t RoundUp(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
+typedef uint32_t UVec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint64_t U64Vec __attribute__((vector_size(kLanes * sizeof(uint64_t))));
+
+// Philox's 32 x 32 -> 64-bit products, one per lane.
+struct MulHiLoVec {
+  void operator()(UVec a, uint32_t b, UVec* hi, UVec* lo) const {
+    const U64Vec product = __builtin_convertvector(a, U64Vec) * static_cast<uint64_t>(b);
+    *hi = __builtin_convertvector(product >> 32, UVec);
+    *lo = __builtin_convertvector(product, UVec);
+  }
+};
+
+// Philox words of keys n0 .. n0 + kBlockN - 1 of query row i (words[j]: key
+// n0 + j; kept iff >= the threshold), flash_dropout.h's mask with one Philox
+// counter per vector lane. n0 is a multiple of kBlockN, so of 4: the tile
+// covers whole Philox calls. The callers then select without branches.
+static_assert(kBlockN % (4 * kLanes) == 0, "whole vectors of Philox counters");
+void DropoutWords(const DropoutMask& dropout, int64_t i, int64_t n0, uint32_t* words) {
+  for (int64_t g0 = 0; g0 < kBlockN / 4; g0 += kLanes) {
+    UVec c[4];
+    for (int l = 0; l < kLanes; ++l) c[0][l] = static_cast<uint32_t>((n0 >> 2) + g0 + l);
+    c[1] = UVec{} + static_cast<uint32_t>(i);
+    c[2] = UVec{};
+    c[3] = UVec{};
+    PhiloxRounds(c, dropout.seed_lo, dropout.seed_hi, MulHiLoVec{});
+    for (int t = 0; t < 4; ++t)
+      for (int l = 0; l < kLanes; ++l) words[4 * (g0 + l) + t] = c[t][l];
+  }
+}
+
 // S <- softcap * tanh(S / softcap) * out_scale for the first `rows` rows of a
 // [kBlockM, kBlockN] tile (S already times the softmax scale); the derivative
 // 1 - tanh^2 goes to `slope` when the backward needs it.
@@ -160,6 +191,10 @@ void ForwardBlock(const FlashParams& p, float* ws, int64_t b, int64_t h, int64_t
   // ALiBi slope in log2 units, the units S is kept in here (0 when off).
   const bool has_alibi = p.alibi_slopes != nullptr;
   const float alibi_log2 = has_alibi ? p.alibi_slopes[b * p.num_heads_q + h] * kLog2e : 0.0f;
+  // Dropout zeroes entries of P after the row sum (the LSE is of the undropped
+  // softmax); the 1 / (1 - rate) goes into the final division.
+  const bool has_dropout = p.dropout_seeds != nullptr;
+  const DropoutMask dropout = has_dropout ? MakeDropoutMask(p, b, h) : DropoutMask{};
 
   float* q = ws;                   // [kBlockM, dp], pre-scaled by scale * log2(e)
   float* o = q + kBlockM * dp;     // [kBlockM, dp], unscaled until the end
@@ -234,18 +269,25 @@ void ForwardBlock(const FlashParams& p, float* ws, int64_t b, int64_t h, int64_t
         float* o_row = o + r * dp;
         for (int64_t c = 0; c < dp; ++c) o_row[c] *= alpha;
       }
+      if (has_dropout) {  // P <- Z o P
+        uint32_t words[kBlockN];
+        DropoutWords(dropout, m0 + r, n0, words);
+        for (int64_t j = 0; j < kBlockN; ++j)
+          s_row[j] = words[j] >= dropout.threshold ? s_row[j] : 0.0f;
+      }
     }
-    // O += P V
+    // O += (Z o P) V, Z the keep mask (all ones without dropout)
     Gemm(o, dp, s, kBlockN, 1, v, dp, m_rows, dp, keys);
   }
 
-  // O /= l once; LSE = m ln 2 + ln l. A row that saw no key keeps O = 0, LSE = -inf.
+  // O *= 1 / (l (1 - rate)) once; LSE = m ln 2 + ln l. A row that saw no key
+  // keeps O = 0, LSE = -inf.
   const int64_t o_offset = b * p.o_batch_stride + m0 * p.o_row_stride + h * p.o_head_stride;
   float* lse = p.lse + (b * p.num_heads_q + h) * p.seqlen_q + m0;
   for (int64_t r = 0; r < rows; ++r) {
     float* o_row = o + r * dp;
     if (row_sum[r] > 0.0f) {
-      const float inv = 1.0f / row_sum[r];
+      const float inv = p.dropout_scale / row_sum[r];
       for (int64_t c = 0; c < d; ++c) o_row[c] *= inv;
       lse[r] = row_max[r] * kLn2 + std::log(row_sum[r]);
     } else {
@@ -265,6 +307,7 @@ void BackwardBlocks(const FlashParams& p, float* ws, const float* dvec, float* d
   // P = exp2(S' * multiplier - LSE * log2 e), S' the (capped) scaled scores.
   const float exp_multiplier = capped ? kLog2e : p.softmax_scale_log2;
   const bool has_alibi = p.alibi_slopes != nullptr;
+  const bool has_dropout = p.dropout_seeds != nullptr;
 
   float* kmat = ws;                  // [kBlockN, dp]
   float* kt = kmat + kBlockN * dp;   // [dp, kBlockN]
@@ -300,6 +343,7 @@ void BackwardBlocks(const FlashParams& p, float* ws, const float* dvec, float* d
       // slope * distance in natural units, and S' * multiplier is in log2 units.
       const float alibi_pre =
           has_alibi ? p.alibi_slopes[b * p.num_heads_q + h] * kLog2e / exp_multiplier : 0.0f;
+      const DropoutMask dropout = has_dropout ? MakeDropoutMask(p, b, h) : DropoutMask{};
       for (int64_t m0 = q_begin / kBlockM * kBlockM; m0 < q_end; m0 += kBlockM) {
         const int64_t rows = std::min(kBlockM, p.seqlen_q - m0);
         // No shared segment between these queries and keys: P = 0, nothing to add.
@@ -346,21 +390,34 @@ void BackwardBlocks(const FlashParams& p, float* ws, const float* dvec, float* d
             Store(p_row + j, Exp2(Load(p_row + j) * exp_multiplier - lse2[r]));
         }
 
-        // dV += P^T dO
-        Gemm(dv, dp, pm, 1, kBlockN, d_o, dp, kBlockN, dp, rows);
-        // dP = dO V^T; dS = P (dP - D)
+        // dP' = dO V^T, the cotangent of the dropped, rescaled P' = Z o P / (1 - rate).
         std::fill(ds, ds + kBlockM * kBlockN, 0.0f);
         Gemm(ds, kBlockN, d_o, dp, 1, vt, kBlockN, m_rows, kBlockN, dp);
         for (int64_t r = 0; r < rows; ++r) {
           float* ds_row = ds + r * kBlockN;
-          const float* p_row = pm + r * kBlockN;
-          for (int64_t j = 0; j < kBlockN; ++j) ds_row[j] = p_row[j] * (ds_row[j] - row_d[r]);
+          float* p_row = pm + r * kBlockN;
+          if (has_dropout) {
+            // dS = P (Z o dP' / (1 - rate) - D); P becomes Z o P for dV, whose
+            // 1 / (1 - rate) is applied once at the end.
+            uint32_t words[kBlockN];
+            DropoutWords(dropout, m0 + r, n0, words);
+            for (int64_t j = 0; j < kBlockN; ++j) {
+              const bool kept = words[j] >= dropout.threshold;
+              ds_row[j] = p_row[j] * ((kept ? ds_row[j] * p.dropout_scale : 0.0f) - row_d[r]);
+              p_row[j] = kept ? p_row[j] : 0.0f;
+            }
+          } else {
+            // dS = P (dP - D)
+            for (int64_t j = 0; j < kBlockN; ++j) ds_row[j] = p_row[j] * (ds_row[j] - row_d[r]);
+          }
           if (capped) {  // chain rule through the cap
             const float* slope_row = slope + r * kBlockN;
             for (int64_t j = 0; j < kBlockN; ++j) ds_row[j] *= slope_row[j];
           }
         }
         for (int64_t r = rows; r < kBlockM; ++r) std::fill(ds + r * kBlockN, ds + (r + 1) * kBlockN, 0.0f);
+        // dV += (Z o P)^T dO
+        Gemm(dv, dp, pm, 1, kBlockN, d_o, dp, kBlockN, dp, rows);
         // dK += dS^T Q (scaled once at the end)
         Gemm(dk, dp, ds, 1, kBlockN, q, dp, kBlockN, dp, rows);
         // dQ += dS K, added into the float32 accumulator of this chunk.
@@ -378,7 +435,10 @@ void BackwardBlocks(const FlashParams& p, float* ws, const float* dvec, float* d
       float* dk_row = dk + j * dp;
       for (int64_t c = 0; c < d; ++c) dk_row[c] *= p.softmax_scale;
       StoreRow(dk_row, d, p.dk, p.dtype, k_offset + j * p.k_row_stride);
-      StoreRow(dv + j * dp, d, p.dv, p.dtype, v_offset + j * p.v_row_stride);
+      float* dv_row = dv + j * dp;
+      if (has_dropout)
+        for (int64_t c = 0; c < d; ++c) dv_row[c] *= p.dropout_scale;
+      StoreRow(dv_row, d, p.dv, p.dtype, v_offset + j * p.v_row_stride);
     }
   }
 }

@@ -17,13 +17,16 @@ SharedLoopRunner MakeRunner(ffi::ThreadPool& pool) {
 
 ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer q_segment_ids,
-                       ffi::AnyBuffer kv_segment_ids, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer dropout_seeds,
+                       ffi::Result<ffi::AnyBuffer> out,
                        ffi::Result<ffi::AnyBuffer> lse, float softmax_scale, int64_t window_left,
-                       int64_t window_right, float softcap, bool has_alibi, bool has_segment_ids) {
+                       int64_t window_right, float softcap, bool has_alibi, bool has_segment_ids,
+                       float dropout_rate) {
   FlashParams p;
   JF2_RETURN_IF_ERROR(ForwardParams(
-      q, k, v, {alibi_slopes, q_segment_ids, kv_segment_ids}, *out, *lse,
-      {softmax_scale, window_left, window_right, softcap, has_alibi, has_segment_ids}, &p));
+      q, k, v, {alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds}, *out, *lse,
+      {softmax_scale, window_left, window_right, softcap, has_alibi, has_segment_ids,
+       dropout_rate}, &p));
   SharedLoopRunner runner = MakeRunner(pool);
   ForwardCpu(p, runner);
   return ffi::Error::Success();
@@ -33,14 +36,17 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
                         ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer d_out,
                         ffi::AnyBuffer d_lse, ffi::AnyBuffer alibi_slopes,
                         ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                        ffi::Result<ffi::AnyBuffer> dv, float softmax_scale, int64_t window_left,
+                        ffi::AnyBuffer dropout_seeds, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float softmax_scale, int64_t window_left,
                         int64_t window_right, float softcap, bool has_alibi,
-                        bool has_segment_ids) {
+                        bool has_segment_ids, float dropout_rate) {
   FlashParams p;
   JF2_RETURN_IF_ERROR(BackwardParams(
-      q, k, v, out, lse, d_out, d_lse, {alibi_slopes, q_segment_ids, kv_segment_ids}, *dq, *dk,
-      *dv, {softmax_scale, window_left, window_right, softcap, has_alibi, has_segment_ids}, &p));
+      q, k, v, out, lse, d_out, d_lse,
+      {alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds}, *dq, *dk, *dv,
+      {softmax_scale, window_left, window_right, softcap, has_alibi, has_segment_ids,
+       dropout_rate},
+      &p));
   SharedLoopRunner runner = MakeRunner(pool);
   BackwardCpu(p, runner);
   return ffi::Error::Success();
@@ -58,6 +64,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()  // alibi_slopes: [B, H] float32, read if has_alibi
         .Arg<ffi::AnyBuffer>()  // q_segment_ids: [B, T] int32, read if has_segment_ids
         .Arg<ffi::AnyBuffer>()  // kv_segment_ids: [B, S] int32, read if has_segment_ids
+        .Arg<ffi::AnyBuffer>()  // dropout_seeds: [B, H, 2] uint32, read if dropout_rate > 0
         .Ret<ffi::AnyBuffer>()  // out: [B, T, H, D]
         .Ret<ffi::AnyBuffer>()  // lse: [B, H, T] float32
         .Attr<float>("softmax_scale")
@@ -65,7 +72,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("window_right")  // -1: unbounded; 0: causal
         .Attr<float>("softcap")         // 0: off
         .Attr<bool>("has_alibi")        // false: alibi_slopes is ignored
-        .Attr<bool>("has_segment_ids"));  // false: the segment ids are ignored
+        .Attr<bool>("has_segment_ids")  // false: the segment ids are ignored
+        .Attr<float>("dropout_rate"));  // in [0, 1); 0: off, the seeds are ignored
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFlash2CpuBackward, BackwardImpl,
@@ -81,6 +89,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()  // alibi_slopes: [B, H] float32, read if has_alibi
         .Arg<ffi::AnyBuffer>()  // q_segment_ids: [B, T] int32, read if has_segment_ids
         .Arg<ffi::AnyBuffer>()  // kv_segment_ids: [B, S] int32, read if has_segment_ids
+        .Arg<ffi::AnyBuffer>()  // dropout_seeds: [B, H, 2] uint32, the forward's
         .Ret<ffi::AnyBuffer>()  // dq: [B, T, H, D]
         .Ret<ffi::AnyBuffer>()  // dk: [B, S, K, D], summed over each head group
         .Ret<ffi::AnyBuffer>()  // dv: [B, S, K, D], summed over each head group
@@ -89,6 +98,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("window_right")
         .Attr<float>("softcap")
         .Attr<bool>("has_alibi")
-        .Attr<bool>("has_segment_ids"));
+        .Attr<bool>("has_segment_ids")
+        .Attr<float>("dropout_rate"));
 
 }  // namespace jax_flash2::cpu

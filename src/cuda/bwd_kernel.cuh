@@ -14,6 +14,15 @@
 //        dQ += dS K                   (fp32 atomics into dq_acc; times scale in 3.)
 //   3. BwdConvertKernel: dq = dq_acc * scale in the input dtype.
 //
+// Deterministic backward (p.deterministic): the atomics' order across key
+// blocks is what varies run to run. There the grid has only `splits` CTAs per
+// (b, kv head) (BwdDqSplits); CTA i walks key blocks i, i + splits, ... in
+// order and adds into its own dQ slice, so every element of a slice is summed
+// in one fixed order, and the convert kernel adds the slices in index order.
+// Cost: splits * B * T * H * D * 4 bytes of scratch (capped at 1 GiB), a grid
+// of about one CTA per multiprocessor (less tolerance of causal load
+// imbalance), and the convert kernel reading `splits` slices.
+//
 // GQA/MQA: dK and dV of a K/V head are sums over its group of query heads. The
 // CTA loops over the group itself, so the sum is formed in registers and no
 // [B, S, H, D] dK/dV (nor a reduction launch) is needed; the price is that a
@@ -29,6 +38,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -46,6 +56,8 @@ struct BwdScratchPtrs {
   float* dvec;
   float* dq_acc;
   int64_t t_pad;
+  int dq_splits;             // dQ slices (BwdDqSplits); 1 unless deterministic
+  int64_t dq_slice_stride;   // elements between slices (B * T * H * D); 0 unless deterministic
 };
 
 // a.lo * b.lo + a.hi * b.hi in fp32, a and b each two packed Elems.
@@ -100,9 +112,10 @@ __global__ void __launch_bounds__(256) BwdPreprocessKernel(const FlashParams p, 
 }
 
 // ---------------------------------------------------------------------------
-// 3. Convert: dq = dq_acc * scale, 8 elements (16 bytes of dq) per thread.
+// 3. Convert: dq = (sum of the dq_acc slices, in order) * scale, 8 elements
+// (16 bytes of dq) per thread.
 template <typename Elem>
-__global__ void __launch_bounds__(256) BwdConvertKernel(const FlashParams p, const float* dq_acc) {
+__global__ void __launch_bounds__(256) BwdConvertKernel(const FlashParams p, BwdScratchPtrs s) {
   const int64_t chunks_per_row = p.head_dim / 8;
   const int64_t chunks = p.batch * p.seqlen_q * p.num_heads_q * chunks_per_row;
   for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < chunks;
@@ -112,8 +125,14 @@ __global__ void __launch_bounds__(256) BwdConvertKernel(const FlashParams p, con
     const int64_t h = row % p.num_heads_q;
     const int64_t t = (row / p.num_heads_q) % p.seqlen_q;
     const int64_t b = row / (p.num_heads_q * p.seqlen_q);
-    const float4* src = reinterpret_cast<const float4*>(dq_acc + row * p.head_dim + d);
-    const float4 lo = src[0], hi = src[1];
+    const float4* src = reinterpret_cast<const float4*>(s.dq_acc + row * p.head_dim + d);
+    float4 lo = src[0], hi = src[1];
+    for (int i = 1; i < s.dq_splits; ++i) {
+      const float4* part = src + i * s.dq_slice_stride / 4;
+      const float4 a = part[0], b4 = part[1];
+      lo = make_float4(lo.x + a.x, lo.y + a.y, lo.z + a.z, lo.w + a.w);
+      hi = make_float4(hi.x + b4.x, hi.y + b4.y, hi.z + b4.z, hi.w + b4.w);
+    }
     const float sc = p.softmax_scale;
     uint4 out;
     out.x = PackFloat2<Elem>(lo.x * sc, lo.y * sc);
@@ -146,8 +165,10 @@ __device__ __forceinline__ void LoadTileAsync(Elem* smem, const Elem* gmem, cons
   }
 }
 
+// Key block n_block of (b, kv head) = (blockIdx.y, blockIdx.z); dQ into dq_acc.
 template <typename Elem, typename Tr>
-__device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScratchPtrs& s) {
+__device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScratchPtrs& s,
+                                            int64_t n_block, float* dq_acc) {
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim;
   constexpr int kStride = Tr::kStride, kPStride = Tr::kPStride;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -167,7 +188,7 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
   const int64_t seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, head_dim = p.head_dim;
   const WindowMask mask = MakeWindowMask(p);
 
-  const int64_t n_begin = static_cast<int64_t>(blockIdx.x) * kN;
+  const int64_t n_begin = n_block * kN;
   const int64_t n_end = min(n_begin + kN, seqlen_k);
   int64_t q_begin, q_end;
   mask.QueryRange(n_begin, n_end, seqlen_q, &q_begin, &q_end);
@@ -266,23 +287,74 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
     // P^T = exp2(S^T * scale_log2 - lse2), dS^T = P^T o (dP^T - Dvec), into smem.
     // The per-element mask only where the block is not fully visible (diagonal
     // and ragged tails); rows past T have lse2 = +inf, hence P = 0.
-    const bool full = mask.BlockFullyVisible(m_begin, m_begin + kM, n_begin, n_begin + kN);
+    if (!HasScoreVariants(p)) {
+      const bool full = mask.BlockFullyVisible(m_begin, m_begin + kM, n_begin, n_begin + kN);
 #pragma unroll
-    for (int nt = 0; nt < kSTiles; ++nt) {
+      for (int nt = 0; nt < kSTiles; ++nt) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = wn * 16 + g + half * 8;  // key row in the block
-        const int c = m0 + nt * 8 + 2 * tq;    // query column in the block
-        float pv[2], ds[2];
+        for (int half = 0; half < 2; ++half) {
+          const int r = wn * 16 + g + half * 8;  // key row in the block
+          const int c = m0 + nt * 8 + 2 * tq;    // query column in the block
+          float pv[2], ds[2];
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float x = FastExp2(acc_s[nt][2 * half + e] * p.softmax_scale_log2 - slse2[c + e]);
-          if (!full && !mask.Allowed(m_begin + c + e, n_begin + r)) x = 0.f;
-          pv[e] = x;
-          ds[e] = x * (acc_dp[nt][2 * half + e] - sdvec[c + e]);
+          for (int e = 0; e < 2; ++e) {
+            float x = FastExp2(acc_s[nt][2 * half + e] * p.softmax_scale_log2 - slse2[c + e]);
+            if (!full && !mask.Allowed(m_begin + c + e, n_begin + r)) x = 0.f;
+            pv[e] = x;
+            ds[e] = x * (acc_dp[nt][2 * half + e] - sdvec[c + e]);
+          }
+          *reinterpret_cast<uint32_t*>(s_pt + r * kPStride + c) = PackFloat2<Elem>(pv[0], pv[1]);
+          *reinterpret_cast<uint32_t*>(s_dst + r * kPStride + c) = PackFloat2<Elem>(ds[0], ds[1]);
         }
-        *reinterpret_cast<uint32_t*>(s_pt + r * kPStride + c) = PackFloat2<Elem>(pv[0], pv[1]);
-        *reinterpret_cast<uint32_t*>(s_dst + r * kPStride + c) = PackFloat2<Elem>(ds[0], ds[1]);
+      }
+    } else {
+      // softcap, ALiBi, segments: the forward's transform of the scores,
+      //   x = scale * S;  x = softcap * tanh(x / softcap);  x -= slope * |q + S - T - key|
+      //   P = exp2(x * log2(e) - lse2), 0 where the window or the segments hide the pair
+      //   dS = P o (dP - Dvec) o (1 - tanh^2)   (the cap's derivative; dK, dQ get
+      //                                          the scale in their epilogues)
+      // Indices through Opaque: the plain path has no register to spare.
+      const int64_t bb = Opaque(static_cast<int>(b));
+      const int64_t nb = Opaque(static_cast<int>(n_begin));
+      const int64_t mb = Opaque(static_cast<int>(m_begin));
+      const float slope = p.alibi_slopes != nullptr
+                              ? p.alibi_slopes[bb * p.num_heads_q + Opaque(static_cast<int>(h))]
+                              : 0.f;
+      const SegmentMask segments = MakeSegmentMask(p, bb);
+      const float cap = p.softcap;
+#pragma unroll
+      for (int nt = 0; nt < kSTiles; ++nt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = wn * 16 + g + half * 8;  // key row in the block
+          const int c = m0 + nt * 8 + 2 * tq;    // query column in the block
+          const int64_t key = nb + r;
+          float pv[2], ds[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int64_t query = mb + c + e;
+            float x = acc_s[nt][2 * half + e] * p.softmax_scale;
+            float slope_cap = 1.f;
+            if (cap > 0.f) {
+              const float th = FastTanh(__fdividef(x, cap));
+              x = cap * th;
+              slope_cap = 1.f - th * th;
+            }
+            x -= slope * AlibiDistance(query, key, mask.offset);
+            float y = FastExp2(x * 1.4426950408889634f - slse2[c + e]);
+            // mask.Allowed first: it rejects keys past S before their ids are
+            // read; queries past T have lse2 = +inf (y = 0) and no id.
+            if (!mask.Allowed(query, key) ||
+                (segments.Active() &&
+                 (query >= p.seqlen_q || !segments.Allowed(query, key)))) {
+              y = 0.f;
+            }
+            pv[e] = y;
+            ds[e] = y * (acc_dp[nt][2 * half + e] - sdvec[c + e]) * slope_cap;
+          }
+          *reinterpret_cast<uint32_t*>(s_pt + r * kPStride + c) = PackFloat2<Elem>(pv[0], pv[1]);
+          *reinterpret_cast<uint32_t*>(s_dst + r * kPStride + c) = PackFloat2<Elem>(ds[0], ds[1]);
+        }
       }
     }
     __syncthreads();
@@ -341,7 +413,7 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
       for (int half = 0; half < 2; ++half) {
         const int64_t t = m_begin + wq_m * 16 + g + half * 8;
         if (t >= seqlen_q) continue;
-        float* dst = s.dq_acc + ((b * seqlen_q + t) * p.num_heads_q + h) * head_dim;
+        float* dst = dq_acc + ((b * seqlen_q + t) * p.num_heads_q + h) * head_dim;
 #pragma unroll
         for (int dt = 0; dt < kQTiles; ++dt) {
           const int d = dq0 + dt * 8 + 2 * tq;  // even, and head_dim % 8 == 0: d + 1 valid too
@@ -382,15 +454,27 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
   }
 }
 
+// One key block per CTA (grid.x = key blocks), or, deterministic, key blocks
+// blockIdx.x, + gridDim.x, ... in order into dQ slice blockIdx.x.
+template <typename Elem, typename Tr>
+__device__ __forceinline__ void BwdMainLoop(const FlashParams& p, const BwdScratchPtrs& s) {
+  const int64_t num_n_blocks = (p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN;
+  float* dq_acc = s.dq_acc + blockIdx.x * s.dq_slice_stride;
+  for (int64_t n_block = blockIdx.x; n_block < num_n_blocks; n_block += gridDim.x) {
+    if (n_block != blockIdx.x) __syncthreads();  // every warp is done with the last K, V, dS
+    BwdMainBody<Elem, Tr>(p, s, n_block, dq_acc);
+  }
+}
+
 template <typename Elem, typename Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     BwdMainKernel(const FlashParams p, const BwdScratchPtrs s) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   // The large-smem tiles need more than the 163 KB that pre-sm90 parts offer,
   // so LaunchBwdMain never picks them there: compile no body for them.
-  if constexpr (!Tr::kLargeSmem) BwdMainBody<Elem, Tr>(p, s);
+  if constexpr (!Tr::kLargeSmem) BwdMainLoop<Elem, Tr>(p, s);
 #else
-  BwdMainBody<Elem, Tr>(p, s);
+  BwdMainLoop<Elem, Tr>(p, s);
 #endif
 }
 
@@ -404,8 +488,11 @@ cudaError_t LaunchBwdMainTiles(const FlashParams& p, const BwdScratchPtrs& s,
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (err != cudaSuccess) return err;
   }
-  const dim3 grid(static_cast<unsigned>((p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN),
-                  static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_heads_kv));
+  const int64_t num_n_blocks = (p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN;
+  const int64_t columns =
+      p.deterministic ? std::min<int64_t>(s.dq_splits, num_n_blocks) : num_n_blocks;
+  const dim3 grid(static_cast<unsigned>(columns), static_cast<unsigned>(p.batch),
+                  static_cast<unsigned>(p.num_heads_kv));
   kernel<<<grid, Tr::kThreads, kSmem, stream>>>(p, s);
   return cudaGetLastError();
 }

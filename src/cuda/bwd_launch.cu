@@ -77,30 +77,36 @@ cudaError_t RunBackwardTyped(const FlashParams& p, const BwdScratchPtrs& s, size
     const int64_t chunks = p.batch * p.seqlen_q * p.num_heads_q * (p.head_dim / 8);
     const int64_t max_blocks = static_cast<int64_t>(dev.sm_count > 0 ? dev.sm_count : 128) * 16;
     const int64_t blocks = std::min<int64_t>((chunks + 255) / 256, max_blocks);
-    BwdConvertKernel<Elem><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p, s.dq_acc);
+    BwdConvertKernel<Elem><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p, s);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   return cudaSuccess;
 }
 
+BwdScratchLayout ScratchLayout(const FlashParams& p, const DeviceInfo& dev) {
+  const int splits = BwdDqSplits(p.deterministic, p.batch, p.seqlen_q, p.seqlen_k, p.num_heads_q,
+                                 p.num_heads_kv, p.head_dim, dev.sm_count);
+  return MakeBwdScratchLayout(p.batch, p.seqlen_q, p.num_heads_q, p.head_dim, splits);
+}
+
 }  // namespace
 
 size_t BackwardScratchBytes(const FlashParams& p, const DeviceInfo& dev) {
-  (void)dev;
-  return MakeBwdScratchLayout(p.batch, p.seqlen_q, p.num_heads_q, p.head_dim).total_bytes;
+  return ScratchLayout(p, dev).total_bytes;
 }
 
 cudaError_t RunBackward(const FlashParams& p, void* scratch, const DeviceInfo& dev,
                         cudaStream_t stream) {
   if (!BackwardSupported(p, dev)) return cudaErrorInvalidValue;
   if (p.batch == 0 || p.seqlen_k == 0 || p.num_heads_q == 0) return cudaSuccess;
-  const BwdScratchLayout layout =
-      MakeBwdScratchLayout(p.batch, p.seqlen_q, p.num_heads_q, p.head_dim);
+  const BwdScratchLayout layout = ScratchLayout(p, dev);
   if (scratch == nullptr || !Aligned16(scratch)) return cudaErrorInvalidValue;
   char* base = static_cast<char*>(scratch);
   const BwdScratchPtrs s{reinterpret_cast<float*>(base + layout.lse2_offset),
                          reinterpret_cast<float*>(base + layout.dvec_offset),
-                         reinterpret_cast<float*>(base + layout.dq_acc_offset), layout.t_pad};
+                         reinterpret_cast<float*>(base + layout.dq_acc_offset), layout.t_pad,
+                         layout.dq_splits,
+                         p.deterministic ? static_cast<int64_t>(layout.dq_split_elems) : 0};
   const size_t dq_acc_bytes = layout.total_bytes - layout.dq_acc_offset;
   if (p.dtype == DType::kFloat16) return RunBackwardTyped<__half>(p, s, dq_acc_bytes, dev, stream);
   return RunBackwardTyped<__nv_bfloat16>(p, s, dq_acc_bytes, dev, stream);

@@ -104,9 +104,13 @@ struct BwdTraits {
 //   lse2  [B, H, T_pad] fp32: LSE * log2(e), +inf for rows with LSE = -inf and
 //                             for the padding rows T..T_pad (P = exp2(s - inf) = 0)
 //   dvec  [B, H, T_pad] fp32: rowsum(dO * O) - dLSE, 0 on padding rows
-//   dq_acc [B, T, H, D] fp32: dQ / scale, summed over key blocks by atomics
+//   dq_acc [splits, B, T, H, D] fp32: dQ / scale, summed over key blocks by
+//                             atomics; splits > 1 only for the deterministic
+//                             backward (one slice per CTA, summed in order)
 struct BwdScratchLayout {
   int64_t t_pad = 0;
+  int dq_splits = 1;
+  size_t dq_split_elems = 0;  // B * T * H * D
   size_t lse2_offset = 0;
   size_t dvec_offset = 0;
   size_t dq_acc_offset = 0;
@@ -114,17 +118,42 @@ struct BwdScratchLayout {
 };
 
 inline BwdScratchLayout MakeBwdScratchLayout(int64_t batch, int64_t seqlen_q, int64_t heads_q,
-                                             int64_t head_dim) {
+                                             int64_t head_dim, int dq_splits) {
   auto align = [](size_t x) { return (x + 255) / 256 * 256; };
   BwdScratchLayout s;
   s.t_pad = (seqlen_q + kBwdRowPad - 1) / kBwdRowPad * kBwdRowPad;
+  s.dq_splits = dq_splits;
+  s.dq_split_elems = static_cast<size_t>(batch * seqlen_q * heads_q * head_dim);
   const size_t row_bytes = static_cast<size_t>(batch * heads_q * s.t_pad) * sizeof(float);
   s.lse2_offset = 0;
   s.dvec_offset = align(row_bytes);
   s.dq_acc_offset = s.dvec_offset + align(row_bytes);
-  s.total_bytes =
-      s.dq_acc_offset + align(static_cast<size_t>(batch * seqlen_q * heads_q * head_dim) * 4);
+  s.total_bytes = s.dq_acc_offset + align(dq_splits * s.dq_split_elems * 4);
   return s;
+}
+
+// Scratch cap of the deterministic backward's dQ slices: more splits buy
+// parallelism (grid = splits * B * K CTAs) at B * T * H * D * 4 bytes each.
+inline constexpr size_t kDeterministicDqBytes = size_t{1} << 30;
+
+// dQ slices of a backward call: 1 (atomics from every key block into one
+// accumulator, order varies) unless deterministic. Then CTA i of each
+// (b, kv head) walks key blocks i, i + splits, ... in order into slice i, and
+// the convert kernel adds the slices in order: enough CTAs to fill sm_count
+// multiprocessors, at most one per key block, within kDeterministicDqBytes.
+inline int BwdDqSplits(bool deterministic, int64_t batch, int64_t seqlen_q, int64_t seqlen_k,
+                       int64_t heads_q, int64_t heads_kv, int64_t head_dim, int sm_count) {
+  if (!deterministic) return 1;
+  const int64_t block_n = 16 * BwdTileFor(head_dim).warps_n;
+  const int64_t n_blocks = block_n > 0 ? (seqlen_k + block_n - 1) / block_n : 1;
+  const int64_t ctas = batch * heads_kv > 0 ? batch * heads_kv : 1;
+  int64_t splits = (sm_count + ctas - 1) / ctas;
+  const size_t slice = static_cast<size_t>(batch * seqlen_q * heads_q * head_dim) * 4;
+  if (slice > 0 && splits * slice > kDeterministicDqBytes) {
+    splits = static_cast<int64_t>(kDeterministicDqBytes / slice);
+  }
+  if (splits > n_blocks) splits = n_blocks;
+  return splits < 1 ? 1 : static_cast<int>(splits);
 }
 
 }  // namespace jax_flash2::cuda

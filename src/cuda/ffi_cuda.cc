@@ -28,17 +28,10 @@ ffi::Error Prepare(const FlashParams& p, ffi::AnyBuffer& workspace, int64_t plan
   if (std::string why = Unsupported(p, *dev); !why.empty()) {
     return ffi::Error::InvalidArgument("jax_flash2: " + why);
   }
-  // Options the CUDA kernels do not implement yet: refuse rather than ignore.
-  if (p.softcap != 0.0f) {
-    return ffi::Error::InvalidArgument("jax_flash2: softcap is not implemented by the CUDA kernels");
-  }
-  if (p.alibi_slopes != nullptr) {
+  // Dropout is not in the CUDA kernels yet: refuse rather than ignore.
+  if (p.dropout_seeds != nullptr) {
     return ffi::Error::InvalidArgument(
-        "jax_flash2: alibi_slopes is not implemented by the CUDA kernels");
-  }
-  if (p.q_segment_ids != nullptr) {
-    return ffi::Error::InvalidArgument(
-        "jax_flash2: segment_ids is not implemented by the CUDA kernels");
+        "jax_flash2: dropout_rate > 0 is not implemented by the CUDA kernels");
   }
   if (plan_sm_count > 0) dev->sm_count = static_cast<int>(plan_sm_count);
   const size_t bytes = bytes_for(p, *dev);
@@ -52,14 +45,17 @@ ffi::Error Prepare(const FlashParams& p, ffi::AnyBuffer& workspace, int64_t plan
 
 ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer q_segment_ids,
-                       ffi::AnyBuffer kv_segment_ids, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer dropout_seeds,
+                       ffi::Result<ffi::AnyBuffer> out,
                        ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> workspace,
                        float softmax_scale, int64_t window_left, int64_t window_right,
-                       float softcap, bool has_alibi, bool has_segment_ids, int64_t sm_count) {
+                       float softcap, bool has_alibi, bool has_segment_ids, float dropout_rate,
+                       int64_t sm_count) {
   FlashParams p;
   JF2_RETURN_IF_ERROR(ForwardParams(
-      q, k, v, {alibi_slopes, q_segment_ids, kv_segment_ids}, *out, *lse,
-      {softmax_scale, window_left, window_right, softcap, has_alibi, has_segment_ids}, &p));
+      q, k, v, {alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds}, *out, *lse,
+      {softmax_scale, window_left, window_right, softcap, has_alibi, has_segment_ids,
+       dropout_rate}, &p));
   DeviceInfo dev;
   if (ffi::Error err = Prepare(p, *workspace, sm_count, &ForwardScratchBytes, &dev);
       err.failure()) {
@@ -75,14 +71,19 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer d_out,
                         ffi::AnyBuffer d_lse, ffi::AnyBuffer alibi_slopes,
                         ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                        ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> workspace,
+                        ffi::AnyBuffer dropout_seeds, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> workspace,
                         float softmax_scale, int64_t window_left, int64_t window_right,
-                        float softcap, bool has_alibi, bool has_segment_ids, int64_t sm_count) {
+                        float softcap, bool has_alibi, bool has_segment_ids, float dropout_rate,
+                        int64_t sm_count, bool deterministic) {
   FlashParams p;
   JF2_RETURN_IF_ERROR(BackwardParams(
-      q, k, v, out, lse, d_out, d_lse, {alibi_slopes, q_segment_ids, kv_segment_ids}, *dq, *dk,
-      *dv, {softmax_scale, window_left, window_right, softcap, has_alibi, has_segment_ids}, &p));
+      q, k, v, out, lse, d_out, d_lse,
+      {alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds}, *dq, *dk, *dv,
+      {softmax_scale, window_left, window_right, softcap, has_alibi, has_segment_ids,
+       dropout_rate},
+      &p));
+  p.deterministic = deterministic;
   DeviceInfo dev;
   if (ffi::Error err = Prepare(p, *workspace, sm_count, &BackwardScratchBytes, &dev);
       err.failure()) {
@@ -103,18 +104,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()  // q: [B, T, H, D]
         .Arg<ffi::AnyBuffer>()  // k: [B, S, K, D]
         .Arg<ffi::AnyBuffer>()  // v: [B, S, K, D]
-        .Arg<ffi::AnyBuffer>()  // alibi_slopes: [B, H] float32; must be unused (has_alibi false)
-        .Arg<ffi::AnyBuffer>()  // q_segment_ids: [B, T] int32; must be unused
-        .Arg<ffi::AnyBuffer>()  // kv_segment_ids: [B, S] int32; must be unused
+        .Arg<ffi::AnyBuffer>()  // alibi_slopes: [B, H] float32, read if has_alibi
+        .Arg<ffi::AnyBuffer>()  // q_segment_ids: [B, T] int32, read if has_segment_ids
+        .Arg<ffi::AnyBuffer>()  // kv_segment_ids: [B, S] int32, read if has_segment_ids
+        .Arg<ffi::AnyBuffer>()  // dropout_seeds: [B, H, 2] uint32; must be unused (rate 0)
         .Ret<ffi::AnyBuffer>()  // out: [B, T, H, D]
         .Ret<ffi::AnyBuffer>()  // lse: [B, H, T] float32
         .Ret<ffi::AnyBuffer>()  // workspace: uint8, split-KV partial O and LSE
         .Attr<float>("softmax_scale")
         .Attr<int64_t>("window_left")   // -1: unbounded
         .Attr<int64_t>("window_right")  // -1: unbounded; 0: causal
-        .Attr<float>("softcap")         // 0: off; not in the CUDA kernels yet
-        .Attr<bool>("has_alibi")        // must be false: not in the CUDA kernels yet
-        .Attr<bool>("has_segment_ids")  // must be false: not in the CUDA kernels yet
+        .Attr<float>("softcap")         // 0: off
+        .Attr<bool>("has_alibi")        // false: alibi_slopes is ignored
+        .Attr<bool>("has_segment_ids")  // false: the segment ids are ignored
+        .Attr<float>("dropout_rate")    // must be 0: not in the CUDA kernels yet
         .Attr<int64_t>("sm_count"));    // multiprocessors the workspace was sized for
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -128,9 +131,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()  // lse: [B, H, T] float32, the forward's LSE
         .Arg<ffi::AnyBuffer>()  // d_out: [B, T, H, D]
         .Arg<ffi::AnyBuffer>()  // d_lse: [B, H, T] float32
-        .Arg<ffi::AnyBuffer>()  // alibi_slopes: [B, H] float32; must be unused
-        .Arg<ffi::AnyBuffer>()  // q_segment_ids: [B, T] int32; must be unused
-        .Arg<ffi::AnyBuffer>()  // kv_segment_ids: [B, S] int32; must be unused
+        .Arg<ffi::AnyBuffer>()  // alibi_slopes: [B, H] float32, read if has_alibi
+        .Arg<ffi::AnyBuffer>()  // q_segment_ids: [B, T] int32, read if has_segment_ids
+        .Arg<ffi::AnyBuffer>()  // kv_segment_ids: [B, S] int32, read if has_segment_ids
+        .Arg<ffi::AnyBuffer>()  // dropout_seeds: [B, H, 2] uint32; must be unused (rate 0)
         .Ret<ffi::AnyBuffer>()  // dq: [B, T, H, D]
         .Ret<ffi::AnyBuffer>()  // dk: [B, S, K, D], summed over each head group
         .Ret<ffi::AnyBuffer>()  // dv: [B, S, K, D], summed over each head group
@@ -141,6 +145,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("softcap")
         .Attr<bool>("has_alibi")
         .Attr<bool>("has_segment_ids")
-        .Attr<int64_t>("sm_count"));
+        .Attr<float>("dropout_rate")
+        .Attr<int64_t>("sm_count")
+        .Attr<bool>("deterministic"));  // dQ summed in a fixed order (more workspace)
 
 }  // namespace jax_flash2::cuda

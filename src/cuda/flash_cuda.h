@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "../flash_params.h"
@@ -34,6 +35,22 @@ std::string Unsupported(const FlashParams& p, const DeviceInfo& dev);
 size_t ForwardScratchBytes(const FlashParams& p, const DeviceInfo& dev);
 cudaError_t RunForward(const FlashParams& p, void* scratch, const DeviceInfo& dev,
                        cudaStream_t stream);
+
+// Forward calls run so far in this process by the sm80 and the Hopper (sm90)
+// kernels: lets tests assert which path served a call.
+struct ForwardCallCounts {
+  int64_t sm80 = 0;
+  int64_t sm90 = 0;
+};
+ForwardCallCounts GetForwardCallCounts();
+
+// True when this build includes the Hopper forward (sm_90a in the archs).
+constexpr bool kHaveSm90 =
+#if JF2_HAVE_SM90
+    true;
+#else
+    false;
+#endif
 
 // Backward. Scratch holds D = rowsum(dO * O) - dLSE and the fp32 dQ (and, for
 // GQA, dK/dV) accumulators.

@@ -199,6 +199,78 @@ __device__ __forceinline__ void AccumulatePV(const float (&s)[Tr::kMTiles][Tr::k
   }
 }
 
+// The forward's score transform in the kernel's units: S holds unscaled Q K^T
+// and the softmax multiplies by scale * log2(e), so a transformed natural-unit
+// score x is stored back as x / scale:
+//   x = scale * S;  x = softcap * tanh(x / softcap)  (softcap > 0)
+//   x -= slope[b, head] * |t + S - T - key|           (ALiBi, after the cap)
+//   S = x / scale, or -inf where q_segment_ids[t] != kv_segment_ids[key].
+// Only the element (row, key) pairs of this lane: rows row0 + mt * 16 + g (+8)
+// (packed: query row / pack of head z * pack + row % pack), keys key0 + nt * 8
+// + 2 * t4 (+1). Rows past T (never written) and keys past S (hidden by the
+// window mask) read the ids of the last query / key.
+template <class Tr>
+__device__ __forceinline__ void ApplyScoreVariants(float (&s)[Tr::kMTiles][Tr::kNTiles][4],
+                                                   const FlashParams& p, int b, int z, int pack,
+                                                   int row0, int key0, int g, int t4) {
+  // The plain path has no register to spare (d128: 255): see Opaque.
+  b = Opaque(b);
+  z = Opaque(z);
+  row0 = Opaque(row0);
+  key0 = Opaque(key0);
+  const int seqlen_q = static_cast<int>(p.seqlen_q);
+  const int seqlen_k = static_cast<int>(p.seqlen_k);
+  // Query of each of the lane's rows.
+  int t[Tr::kMTiles][2];
+#pragma unroll
+  for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) t[mt][h] = min((row0 + mt * 16 + g + 8 * h) / pack, seqlen_q - 1);
+  }
+  if (p.softcap > 0.f || p.alibi_slopes != nullptr) {
+#pragma unroll
+    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int head = z * pack + (row0 + mt * 16 + g + 8 * h) % pack;
+        const float slope =
+            p.alibi_slopes != nullptr ? p.alibi_slopes[b * p.num_heads_q + head] : 0.f;
+        const int diag = t[mt][h] + seqlen_k - seqlen_q;  // |t + S - T - key| = |diag - key|
+#pragma unroll
+        for (int nt = 0; nt < Tr::kNTiles; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int key = key0 + nt * 8 + 2 * t4 + e;
+            float x = s[mt][nt][2 * h + e] * p.softmax_scale;
+            if (p.softcap > 0.f) x = p.softcap * FastTanh(__fdividef(x, p.softcap));
+            x -= slope * static_cast<float>(abs(diag - key));
+            s[mt][nt][2 * h + e] = __fdividef(x, p.softmax_scale);
+          }
+        }
+      }
+    }
+  }
+  if (p.q_segment_ids != nullptr) {
+    // Column by column: one key id live at a time.
+    const int32_t* kv_ids = p.kv_segment_ids + static_cast<int64_t>(b) * seqlen_k;
+    const int32_t* q_ids = p.q_segment_ids + static_cast<int64_t>(b) * seqlen_q;
+#pragma unroll
+    for (int nt = 0; nt < Tr::kNTiles; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int32_t kv_id = kv_ids[min(key0 + nt * 8 + 2 * t4 + e, seqlen_k - 1)];
+#pragma unroll
+        for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            if (q_ids[t[mt][h]] != kv_id) s[mt][nt][2 * h + e] = -INFINITY;
+          }
+        }
+      }
+    }
+  }
+}
+
 template <typename Elem, int kHeadDim>
 __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, 1)
     FwdKernel(const __grid_constant__ FwdArgs args) {
@@ -315,6 +387,9 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, 1)
 
   // Mask, online softmax (S becomes P in place), O += P V_n.
   auto softmax_pv = [&](float (&s)[kMT][kNT][4], int key0, uint32_t v_tile, bool all) {
+    if (HasScoreVariants(p)) {  // runtime options, off the plain path
+      ApplyScoreVariants<Tr>(s, p, b, z, pack, row_begin + warp_row0, key0, g, t4);
+    }
     // Per-element mask only where some (query, key) pair of the block is
     // hidden: the diagonal band, window edges and the ragged last key block.
     if (key0 < full_begin || key0 + kBlockN > full_end) {  // !BlockFullyVisible

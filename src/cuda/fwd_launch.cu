@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <mutex>
@@ -15,6 +16,9 @@
 #include "fwd_launch.h"
 #include "kernel_traits.h"
 #include "primitives.cuh"
+#if JF2_HAVE_SM90
+#include "sm90/fwd_sm90.h"
+#endif
 
 namespace jax_flash2::cuda {
 namespace {
@@ -264,11 +268,39 @@ size_t ForwardScratchBytes(const FlashParams& p, const DeviceInfo& dev) {
   return ScratchBytes(p, MakeFwdPlan(p, dev));
 }
 
+namespace {
+
+// Calls served by each forward kernel in this process, for tests and
+// kernel_info: which path ran is otherwise invisible to the caller.
+std::atomic<int64_t> forward_calls[2];
+
+#if JF2_HAVE_SM90
+// The Hopper kernel serves cc 9.0 calls it supports that the sm80 plan would
+// run as one plain grid; split-KV and GQA-packed decode stay on the sm80
+// kernels, which implement them.
+bool UseSm90Forward(const FlashParams& p, const DeviceInfo& dev, const FwdPlan& plan) {
+  return dev.cc_major == 9 && plan.num_splits == 1 && plan.pack == 1 && Sm90ForwardSupports(p);
+}
+#endif
+
+}  // namespace
+
+ForwardCallCounts GetForwardCallCounts() {
+  return {forward_calls[0].load(), forward_calls[1].load()};
+}
+
 cudaError_t RunForward(const FlashParams& p, void* scratch, const DeviceInfo& dev,
                        cudaStream_t stream) {
   if (!Unsupported(p, dev).empty()) return cudaErrorInvalidValue;
   if (p.batch * p.seqlen_q * p.num_heads_q == 0) return cudaSuccess;  // nothing to write
   const FwdPlan plan = MakeFwdPlan(p, dev);
+#if JF2_HAVE_SM90
+  if (UseSm90Forward(p, dev, plan)) {
+    ++forward_calls[1];
+    return RunForwardSm90(p, dev, stream);
+  }
+#endif
+  ++forward_calls[0];
   FwdArgs args;
   args.p = p;
   args.pack = plan.pack;

@@ -17,7 +17,7 @@ nb::capsule Capsule(XLA_FFI_Error* (*handler)(XLA_FFI_CallFrame*)) {
 // Bytes of workspace a call needs, for the lowering to allocate as an output.
 size_t WorkspaceBytes(bool backward, int64_t batch, int64_t seqlen_q, int64_t seqlen_k,
                       int64_t heads_q, int64_t heads_kv, int64_t head_dim, int64_t window_left,
-                      int64_t window_right, int sm_count) {
+                      int64_t window_right, int sm_count, bool deterministic) {
   jax_flash2::FlashParams p;
   p.batch = batch;
   p.seqlen_q = seqlen_q;
@@ -28,6 +28,7 @@ size_t WorkspaceBytes(bool backward, int64_t batch, int64_t seqlen_q, int64_t se
   p.head_dim = head_dim;
   p.window_left = window_left;
   p.window_right = window_right;
+  p.deterministic = deterministic;
   p.dtype = jax_flash2::DType::kBFloat16;
   jax_flash2::SetDenseStrides(p);
   jax_flash2::cuda::DeviceInfo dev;
@@ -47,8 +48,16 @@ NB_MODULE(_cuda_ext, m) {
     targets["jax_flash2_attention_bwd"] = Capsule(jax_flash2::cuda::JaxFlash2CudaBackward);
     return targets;
   });
+  m.def("forward_call_counts", [] {
+    const auto counts = jax_flash2::cuda::GetForwardCallCounts();
+    nb::dict d;
+    d["sm80"] = counts.sm80;
+    d["sm90"] = counts.sm90;
+    return d;
+  });
+  m.def("has_sm90", [] { return jax_flash2::cuda::kHaveSm90; });
   m.def("workspace_bytes", &WorkspaceBytes, nb::arg("backward"), nb::arg("batch"),
         nb::arg("seqlen_q"), nb::arg("seqlen_k"), nb::arg("heads_q"), nb::arg("heads_kv"),
         nb::arg("head_dim"), nb::arg("window_left"), nb::arg("window_right"),
-        nb::arg("sm_count"));
+        nb::arg("sm_count"), nb::arg("deterministic") = false);
 }

@@ -122,4 +122,21 @@ __device__ __forceinline__ float FastExp2(float x) {
   return y;
 }
 
+// x, opaque to the optimiser: code that uses it cannot move above this point.
+// The runtime-option branches (softcap, ALiBi, segments) pass their indices
+// through it so that their address arithmetic is not hoisted out of the main
+// loops, where it would hold registers (and spill) for calls that never take
+// the branch.
+__device__ __forceinline__ int Opaque(int x) {
+  asm volatile("mov.b32 %0, %0;" : "+r"(x));
+  return x;
+}
+
+// tanh(x) = 1 - 2 / (e^(2x) + 1), branch-free: absolute error ~1e-7 (tanhf is
+// a long branchy routine, and MUFU.TANH's 2^-11 relative error is fp16's own
+// rounding). e^(2x) = inf gives 1, e^(2x) = 0 gives -1; never NaN.
+__device__ __forceinline__ float FastTanh(float x) {
+  return 1.f - __fdividef(2.f, FastExp2(x * 2.8853900817779268f) + 1.f);
+}
+
 }  // namespace jax_flash2::cuda

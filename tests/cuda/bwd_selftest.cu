@@ -35,8 +35,14 @@
 #include "src/cuda/flash_cuda.h"
 #include "src/flash_mask.h"
 #include "src/flash_params.h"
+#include "tests/cuda/selftest_util.h"
+
+// This test reports a CUDA error as a failed case rather than exiting.
+#undef CHECK_CUDA
 
 using jax_flash2::DType;
+using jax_flash2::selftest::HostVariants;
+using jax_flash2::selftest::VariantScore;
 using jax_flash2::FlashParams;
 using jax_flash2::cuda::DeviceInfo;
 
@@ -98,6 +104,10 @@ struct Case {
   int64_t B, T, S, H, K, D;
   int64_t window_left, window_right;  // (-1, -1) full, (-1, 0) causal
   bool dlse;                          // nonzero dLSE
+  float softcap = 0.f;                // score options (MakeHostVariants)
+  bool alibi = false;
+  int segments = 0;                   // 0 none, 1 packed runs, 2 random (empty rows)
+  bool deterministic = false;         // also: a second run gives the same bits
 };
 
 struct Tensor {  // host copy: dtype bits and the exact double values of them
@@ -164,10 +174,13 @@ bool RunCase(const Case& c, const std::vector<DevVariant>& variants, int* failed
   p.window_left = c.window_left;
   p.window_right = c.window_right;
   jax_flash2::SetDenseStrides(p);
-  const jax_flash2::WindowMask mask = jax_flash2::MakeWindowMask(p);
+  p.softcap = c.softcap;
+  p.deterministic = c.deterministic;
   const double scale = p.softmax_scale;
 
   std::mt19937_64 rng(0x5eed + T * 131 + S * 7 + D + H * 1000003 + static_cast<int>(dt));
+  HostVariants var;
+  jax_flash2::selftest::MakeHostVariants(p, c.softcap, c.alibi, c.segments, rng, &var);
   const size_t nq = B * T * H * D, nk = B * S * K * D, nl = B * H * T;
   Tensor q = RandomTensor(nq, dt, rng), k = RandomTensor(nk, dt, rng),
          v = RandomTensor(nk, dt, rng), d_o = RandomTensor(nq, dt, rng);
@@ -193,13 +206,9 @@ bool RunCase(const Case& c, const std::vector<DevVariant>& variants, int* failed
       for (int64_t t = 0; t < T; ++t) {
         double m = -INFINITY;
         for (int64_t s = 0; s < S; ++s) {
-          if (!mask.Allowed(t, s)) {
-            sc[s] = -INFINITY;
-            continue;
-          }
           double dot = 0;
           for (int64_t d = 0; d < D; ++d) dot += q.val[qi(b, t, h) + d] * k.val[ki(b, s, kh) + d];
-          sc[s] = dot * scale;
+          sc[s] = VariantScore(p, var, b, t, h, s, dot * scale);
           m = std::max(m, sc[s]);
         }
         std::fill(acc.begin(), acc.end(), 0.0);
@@ -238,16 +247,15 @@ bool RunCase(const Case& c, const std::vector<DevVariant>& variants, int* failed
           double Di = -d_lse[li(b, h, t)];
           for (int64_t d = 0; d < D; ++d) Di += dor[d] * o.val[qi(b, t, h) + d];
           for (int64_t s = 0; s < S; ++s) {
-            pr[s] = 0;
-            ds[s] = 0;
-            if (!mask.Allowed(t, s)) continue;
             double dot = 0, dp = 0;
             for (int64_t d = 0; d < D; ++d) {
               dot += qr[d] * k.val[ki(b, s, kh) + d];
               dp += dor[d] * v.val[ki(b, s, kh) + d];
             }
-            pr[s] = std::exp(dot * scale - L);
-            ds[s] = pr[s] * (dp - Di);
+            double dcap;
+            const double score = VariantScore(p, var, b, t, h, s, dot * scale, &dcap);
+            pr[s] = score == -INFINITY ? 0.0 : std::exp(score - L);
+            ds[s] = pr[s] * (dp - Di) * dcap;  // through the cap: d score / d(scale q.k)
           }
           for (int64_t s = 0; s < S; ++s) {
             if (pr[s] == 0 && ds[s] == 0) continue;
@@ -268,8 +276,8 @@ bool RunCase(const Case& c, const std::vector<DevVariant>& variants, int* failed
   }
 
   // Device run, once per variant.
-  for (const DevVariant& var : variants) {
-    const DeviceInfo& dev = var.dev;
+  for (const DevVariant& dv_variant : variants) {
+    const DeviceInfo& dev = dv_variant.dev;
     const size_t eb = 2;
     void *d_q, *d_k, *d_v, *d_out, *d_dout, *d_dq, *d_dk, *d_dv, *d_scratch = nullptr;
     float *d_lse_buf, *d_dlse_buf;
@@ -304,31 +312,66 @@ bool RunCase(const Case& c, const std::vector<DevVariant>& variants, int* failed
     p.dq = d_dq;
     p.dk = d_dk;
     p.dv = d_dv;
+    void *d_alibi = nullptr, *d_q_ids = nullptr, *d_kv_ids = nullptr;
+    if (!var.alibi.empty()) {
+      CHECK_CUDA(cudaMalloc(&d_alibi, var.alibi.size() * 4));
+      CHECK_CUDA(cudaMemcpy(d_alibi, var.alibi.data(), var.alibi.size() * 4,
+                            cudaMemcpyHostToDevice));
+      p.alibi_slopes = static_cast<const float*>(d_alibi);
+    }
+    if (!var.q_ids.empty()) {
+      CHECK_CUDA(cudaMalloc(&d_q_ids, var.q_ids.size() * 4));
+      CHECK_CUDA(cudaMalloc(&d_kv_ids, var.kv_ids.size() * 4));
+      CHECK_CUDA(cudaMemcpy(d_q_ids, var.q_ids.data(), var.q_ids.size() * 4,
+                            cudaMemcpyHostToDevice));
+      CHECK_CUDA(cudaMemcpy(d_kv_ids, var.kv_ids.data(), var.kv_ids.size() * 4,
+                            cudaMemcpyHostToDevice));
+      p.q_segment_ids = static_cast<const int32_t*>(d_q_ids);
+      p.kv_segment_ids = static_cast<const int32_t*>(d_kv_ids);
+    }
     const size_t scratch_bytes = jax_flash2::cuda::BackwardScratchBytes(p, dev);
     CHECK_CUDA(cudaMalloc(&d_scratch, scratch_bytes));
-    CHECK_CUDA(cudaMemset(d_scratch, 0xff, scratch_bytes));
-    CHECK_CUDA(jax_flash2::cuda::RunBackward(p, d_scratch, dev, nullptr));
-    CHECK_CUDA(cudaDeviceSynchronize());
+    // Deterministic cases run twice, from freshly poisoned outputs and scratch.
     std::vector<uint16_t> out_dq(nq), out_dk(nk), out_dv(nk);
-    CHECK_CUDA(cudaMemcpy(out_dq.data(), d_dq, nq * eb, cudaMemcpyDeviceToHost));
-    CHECK_CUDA(cudaMemcpy(out_dk.data(), d_dk, nk * eb, cudaMemcpyDeviceToHost));
-    CHECK_CUDA(cudaMemcpy(out_dv.data(), d_dv, nk * eb, cudaMemcpyDeviceToHost));
-    for (void* ptr : {d_q, d_k, d_v, d_out, d_dout, d_dq, d_dk, d_dv, d_scratch,
-                      static_cast<void*>(d_lse_buf), static_cast<void*>(d_dlse_buf)}) {
-      CHECK_CUDA(cudaFree(ptr));
+    bool identical = true;
+    for (int run = 0; run < (c.deterministic ? 2 : 1); ++run) {
+      CHECK_CUDA(cudaMemset(d_dq, 0xff, nq * eb));
+      CHECK_CUDA(cudaMemset(d_dk, 0xff, nk * eb));
+      CHECK_CUDA(cudaMemset(d_dv, 0xff, nk * eb));
+      CHECK_CUDA(cudaMemset(d_scratch, 0xff, scratch_bytes));
+      CHECK_CUDA(jax_flash2::cuda::RunBackward(p, d_scratch, dev, nullptr));
+      CHECK_CUDA(cudaDeviceSynchronize());
+      std::vector<uint16_t> run_dq(nq), run_dk(nk), run_dv(nk);
+      CHECK_CUDA(cudaMemcpy(run_dq.data(), d_dq, nq * eb, cudaMemcpyDeviceToHost));
+      CHECK_CUDA(cudaMemcpy(run_dk.data(), d_dk, nk * eb, cudaMemcpyDeviceToHost));
+      CHECK_CUDA(cudaMemcpy(run_dv.data(), d_dv, nk * eb, cudaMemcpyDeviceToHost));
+      if (run > 0) {
+        identical = identical && run_dq == out_dq && run_dk == out_dk && run_dv == out_dv;
+      }
+      out_dq.swap(run_dq);
+      out_dk.swap(run_dk);
+      out_dv.swap(run_dv);
     }
+    for (void* ptr : {d_q, d_k, d_v, d_out, d_dout, d_dq, d_dk, d_dv, d_scratch,
+                      static_cast<void*>(d_lse_buf), static_cast<void*>(d_dlse_buf), d_alibi,
+                      d_q_ids, d_kv_ids}) {
+      if (ptr != nullptr) CHECK_CUDA(cudaFree(ptr));
+    }
+    p.alibi_slopes = nullptr;
+    p.q_segment_ids = p.kv_segment_ids = nullptr;
 
     const ErrStats eq = Compare(out_dq, dq, dqn, dt), ek = Compare(out_dk, dk, dkn, dt),
                    ev = Compare(out_dv, dv, dvn, dt);
     auto ok = [](const ErrStats& e) { return e.finite && e.rel <= 3 * e.naive_rel + 1e-4; };
-    const bool pass = ok(eq) && ok(ek) && ok(ev);
+    const bool pass = ok(eq) && ok(ek) && ok(ev) && identical;
     *failed += pass ? 0 : 1;
     std::printf(
-        "%s %-40s%s dq %.2e (naive %.2e)%s  dk %.2e (naive %.2e)%s  dv %.2e (naive %.2e)%s\n",
-        pass ? "PASS" : "FAIL", c.name.c_str(), var.label, eq.rel, eq.naive_rel,
+        "%s %-40s%s dq %.2e (naive %.2e)%s  dk %.2e (naive %.2e)%s  dv %.2e (naive %.2e)%s%s\n",
+        pass ? "PASS" : "FAIL", c.name.c_str(), dv_variant.label, eq.rel, eq.naive_rel,
         eq.finite ? "" : " NaN",
         ek.rel, ek.naive_rel, ek.finite ? "" : " NaN", ev.rel, ev.naive_rel,
-        ev.finite ? "" : " NaN");
+        ev.finite ? "" : " NaN",
+        c.deterministic ? (identical ? "  2 runs bit-identical" : "  2 runs DIFFER") : "");
   }
   return true;
 }
@@ -463,6 +506,10 @@ int main(int argc, char** argv) {
         {"bf16 d64 T33 S47 causal gqa2", bf, 1, 33, 47, 4, 2, 64, -1, 0, true},
         {"fp16 d256 T17 S70 full mqa", hf, 1, 17, 70, 2, 1, 256, -1, -1, false},
         {"bf16 d128 T70 S130 causal", bf, 1, 70, 130, 1, 1, 128, -1, 0, false},
+        {"bf16 d64 T70 S150 softcap alibi rand-seg", bf, 1, 70, 150, 2, 1, 64, -1, -1, true, 4.f,
+         true, 2},
+        {"fp16 d32 T40 S300 determ gqa2", hf, 2, 40, 300, 4, 2, 32, -1, 0, false, 0.f, false, 0,
+         true},
     };
   } else {
     cases = {
@@ -481,6 +528,26 @@ int main(int argc, char** argv) {
         {"fp16 d256 T257 S1000 causal gqa4", hf, 1, 257, 1000, 4, 1, 256, -1, 0, false},
         {"bf16 d256 T1000 S17 full", bf, 1, 1000, 17, 2, 2, 256, -1, -1, false},
         {"bf16 d200 T257 S257 causal mqa", bf, 1, 257, 257, 2, 1, 200, -1, 0, false},
+        // Score options, alone and with causal / window / GQA; random segment
+        // ids leave queries with no key (their gradients are 0).
+        {"bf16 d64 T150 S170 softcap5", bf, 1, 150, 170, 2, 2, 64, -1, -1, false, 5.f},
+        {"fp16 d128 T130 S97 causal alibi gqa2 dlse", hf, 2, 130, 97, 4, 2, 128, -1, 0, true, 0.f,
+         true},
+        {"bf16 d32 T200 S200 causal packed-seg mqa", bf, 2, 200, 200, 2, 1, 32, -1, 0, false, 0.f,
+         false, 1},
+        {"fp16 d64 T140 S200 rand-seg (empty rows)", hf, 1, 140, 200, 4, 4, 64, -1, -1, true, 0.f,
+         false, 2},
+        {"bf16 d128 T257 S257 win(80,0) all gqa2", bf, 2, 257, 257, 4, 2, 128, 80, 0, true, 5.f,
+         true, 1},
+        {"bf16 d256 T200 S260 softcap3 alibi seg", bf, 1, 200, 260, 2, 1, 256, -1, -1, false, 3.f,
+         true, 1},
+        {"bf16 d40 T97 S97 win(30,-1) softcap2", bf, 2, 97, 97, 4, 2, 40, 30, -1, true, 2.f},
+        // Deterministic: several key blocks per CTA into one dQ slice (B * K
+        // CTAs per split, splits ~ SMs / (B * K)), twice, bit-identical.
+        {"bf16 d64 T700 S700 causal determ", bf, 4, 700, 700, 16, 16, 64, -1, 0, true, 0.f, false,
+         0, true},
+        {"fp16 d128 T300 S1500 determ gqa2 seg", hf, 2, 300, 1500, 8, 4, 128, -1, -1, false, 0.f,
+         false, 1, true},
     };
   }
   // Every case runs with the device as it is and, where that device has more,

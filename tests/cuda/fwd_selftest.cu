@@ -41,6 +41,9 @@ struct Case {
   int64_t B, T, S, H, K, D;
   int64_t wl, wr;       // window; causal = (-1, 0)
   bool bhtd = false;    // [B, H, T, D] layout through strides
+  float softcap = 0.f;  // score options (MakeHostVariants)
+  bool alibi = false;
+  int segments = 0;     // 0 none, 1 packed runs, 2 random (some queries see no key)
 };
 
 
@@ -98,6 +101,8 @@ bool RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
   for (int64_t i = 0; i < nq; ++i) { hq[i] = ToBits(c.dtype, normal(rng)); fq[i] = FromBits(c.dtype, hq[i]); }
   for (int64_t i = 0; i < nk; ++i) { hk[i] = ToBits(c.dtype, normal(rng)); fk[i] = FromBits(c.dtype, hk[i]); }
   for (int64_t i = 0; i < nk; ++i) { hv[i] = ToBits(c.dtype, normal(rng)); fv[i] = FromBits(c.dtype, hv[i]); }
+  HostVariants var;
+  MakeHostVariants(p0, c.softcap, c.alibi, c.segments, rng, &var);
 
   void *dq, *dk, *dv, *d_o, *dscratch = nullptr;
   float* dlse;
@@ -114,6 +119,21 @@ bool RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
   CHECK_CUDA(cudaMemset(dlse, 0xFF, c.B * c.H * c.T * sizeof(float)));
 
   FlashParams p = p0;
+  p.softcap = var.softcap;
+  std::vector<void*> option_bufs;
+  auto upload = [&](const auto& host) {
+    void* ptr = nullptr;
+    const size_t bytes = host.size() * sizeof(host[0]);
+    CHECK_CUDA(cudaMalloc(&ptr, bytes));
+    CHECK_CUDA(cudaMemcpy(ptr, host.data(), bytes, cudaMemcpyHostToDevice));
+    option_bufs.push_back(ptr);
+    return ptr;
+  };
+  if (!var.alibi.empty()) p.alibi_slopes = static_cast<const float*>(upload(var.alibi));
+  if (!var.q_ids.empty()) {
+    p.q_segment_ids = static_cast<const int32_t*>(upload(var.q_ids));
+    p.kv_segment_ids = static_cast<const int32_t*>(upload(var.kv_ids));
+  }
   p.q = dq;
   p.k = dk;
   p.v = dv;
@@ -140,6 +160,7 @@ bool RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
   CHECK_CUDA(cudaFree(d_o));
   CHECK_CUDA(cudaFree(dlse));
   if (dscratch) CHECK_CUDA(cudaFree(dscratch));
+  for (void* ptr : option_bufs) CHECK_CUDA(cudaFree(ptr));
 
   // Oracle (float64) and naive same-dtype attention (S and P rounded to the
   // dtype, fp32 accumulation, as a framework's plain attention computes it).
@@ -150,7 +171,7 @@ bool RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
     const int64_t b = bh / c.H, h = bh % c.H;
     ReferenceRowScratch row;
     for (int64_t t = 0; t < c.T; ++t) {
-      const double row_lse = ReferenceRow(p, c.dtype, fq.data(), fk.data(), fv.data(), b, t, h, row);
+      const double row_lse = ReferenceRow(p, c.dtype, fq.data(), fk.data(), fv.data(), b, t, h, row, var);
       const std::vector<double>& o = row.o;
       const std::vector<float>& of = row.of;
       const double lse_ref = row_lse;
@@ -288,8 +309,28 @@ int main(int argc, char** argv) {
       {"T1 S2000 D128 MHA decode bf16", bf, 2, 1, 2000, 4, 4, 128, -1, -1},
       {"T5 S3000 D64 causal GQA8 fp16", fp, 1, 5, 3000, 16, 2, 64, -1, 0},
   };
-  if (tiny) {  // one of each path: causal + empty rows, window, packed GQA split
-    cases = {cases[1], cases[2], cases[5], cases[9]};
+  // Score options: softcap, ALiBi, segment ids (packed, and random ids that
+  // leave queries with no key: O = 0, LSE = -inf), alone and with causal,
+  // window, GQA, odd lengths, and the split-KV / packed-decode path.
+  const std::vector<Case> options = {
+      {"T77 S77 D64 softcap5 bf16", bf, 2, 77, 77, 4, 4, 64, -1, -1, false, 5.f},
+      {"T130 S97 D128 causal alibi GQA2 fp16", fp, 2, 130, 97, 4, 2, 128, -1, 0, false, 0.f, true},
+      {"T200 S200 D32 causal packed-seg bf16", bf, 2, 200, 200, 2, 1, 32, -1, 0, false, 0.f, false,
+       1},
+      {"T140 S200 D64 random-seg (empty rows) fp16", fp, 1, 140, 200, 4, 4, 64, -1, -1, false, 0.f,
+       false, 2},
+      {"T257 S257 D128 win(80,0) all options GQA2 bf16", bf, 2, 257, 257, 4, 2, 128, 80, 0, false,
+       5.f, true, 1},
+      {"T200 S260 D40 softcap3 alibi seg bf16", bf, 1, 200, 260, 2, 1, 40, -1, -1, false, 3.f, true,
+       1},
+      {"decode T1 S3000 GQA8 D128 alibi seg bf16", bf, 1, 1, 3000, 16, 2, 128, -1, -1, false, 0.f,
+       true, 2},
+      {"decode T5 S2000 GQA4 D64 causal softcap fp16", fp, 2, 5, 2000, 8, 2, 64, -1, 0, false, 4.f,
+       true, 1},
+  };
+  cases.insert(cases.end(), options.begin(), options.end());
+  if (tiny) {  // one of each path: causal + empty rows, window, packed GQA split, options
+    cases = {cases[1], cases[2], cases[5], cases[9], options[3], options[6]};
   }
   if (!small) {
     std::vector<Case> big = {
@@ -307,6 +348,8 @@ int main(int argc, char** argv) {
         {"decode T1 S32768 H32 K4 D128 bf16", bf, 1, 1, 32768, 32, 4, 128, -1, 0},
         {"decode T16 S8000 H32 K4 D128 causal fp16", fp, 2, 16, 8000, 32, 4, 128, -1, 0},
         {"decode T3 S4096 win(100,0) K8 D64 bf16", bf, 1, 3, 4096, 8, 1, 64, 100, 0},
+        {"T1000 S1000 D256 causal softcap alibi bf16", bf, 1, 1000, 1000, 2, 2, 256, -1, 0, false,
+         10.f, true},
     };
     cases.insert(cases.end(), big.begin(), big.end());
   }

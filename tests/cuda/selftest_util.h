@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <random>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -81,6 +82,74 @@ inline int64_t Off(int64_t bs, int64_t rs, int64_t hs, int64_t b, int64_t t, int
 }
 
 
+// The score options on the host: softcap, ALiBi slopes [B, H] and segment ids
+// [B, T], [B, S] (empty when off). The kernels get device copies through p.
+struct HostVariants {
+  float softcap = 0.f;
+  std::vector<float> alibi;
+  std::vector<int32_t> q_ids, kv_ids;
+};
+
+// Score of query t and key j of (b, h) from the scaled dot product
+// x = scale * q.k, in double: x = softcap * tanh(x / softcap), then
+// x -= slope * |t + S - T - j|; -inf where the window or the segments hide
+// the pair. *dcap (if given) gets d score / dx = 1 - tanh^2 (1 without cap).
+inline double VariantScore(const FlashParams& p, const HostVariants& var, int64_t b, int64_t t,
+                           int64_t h, int64_t j, double x, double* dcap = nullptr) {
+  if (dcap) *dcap = 1.0;
+  if (!MakeWindowMask(p).Allowed(t, j)) return -INFINITY;
+  if (!var.q_ids.empty() &&
+      var.q_ids[b * p.seqlen_q + t] != var.kv_ids[b * p.seqlen_k + j]) {
+    return -INFINITY;
+  }
+  if (var.softcap > 0.f) {
+    const double th = std::tanh(x / var.softcap);
+    x = var.softcap * th;
+    if (dcap) *dcap = 1.0 - th * th;
+  }
+  if (!var.alibi.empty()) {
+    x -= var.alibi[b * p.num_heads_q + h] * std::abs(double(t + p.seqlen_k - p.seqlen_q - j));
+  }
+  return x;
+}
+
+// Fills var for a case: softcap as given; alibi slopes in [0.01, 0.3] when
+// `alibi`; segments 0 none, 1 packed (sorted runs of 3 ids, the same cuts for
+// q and k/v when T == S), 2 random (q ids in [0, 4), k/v ids in [0, 3): queries
+// with id 3 see no key).
+template <class Rng>
+void MakeHostVariants(const FlashParams& p, float softcap, bool alibi, int segments, Rng& rng,
+                      HostVariants* var) {
+  var->softcap = softcap;
+  var->alibi.clear();
+  var->q_ids.clear();
+  var->kv_ids.clear();
+  std::uniform_real_distribution<float> slope(0.01f, 0.3f);
+  if (alibi) {
+    for (int64_t i = 0; i < p.batch * p.num_heads_q; ++i) var->alibi.push_back(slope(rng));
+  }
+  auto packed = [&](int64_t length, std::vector<int32_t>& ids) {
+    std::uniform_int_distribution<int64_t> cut(1, std::max<int64_t>(1, length - 1));
+    for (int64_t b = 0; b < p.batch; ++b) {
+      int64_t c0 = cut(rng), c1 = cut(rng);
+      if (c0 > c1) std::swap(c0, c1);
+      for (int64_t i = 0; i < length; ++i) ids.push_back(i < c0 ? 0 : i < c1 ? 1 : 2);
+    }
+  };
+  if (segments == 1) {
+    packed(p.seqlen_q, var->q_ids);
+    if (p.seqlen_q == p.seqlen_k) {
+      var->kv_ids = var->q_ids;
+    } else {
+      packed(p.seqlen_k, var->kv_ids);
+    }
+  } else if (segments == 2) {
+    std::uniform_int_distribution<int32_t> q_id(0, 3), kv_id(0, 2);
+    for (int64_t i = 0; i < p.batch * p.seqlen_q; ++i) var->q_ids.push_back(q_id(rng));
+    for (int64_t i = 0; i < p.batch * p.seqlen_k; ++i) var->kv_ids.push_back(kv_id(rng));
+  }
+}
+
 // Query row (b, t, h) of attention under p, twice: in float64 (the oracle, into
 // row.o, returning the LSE; -inf when no key is visible) and as a plain
 // same-dtype attention computes it (S and P rounded to the dtype, fp32 sums,
@@ -92,7 +161,7 @@ struct ReferenceRowScratch {
 
 inline double ReferenceRow(const FlashParams& p, DType dtype, const float* fq, const float* fk,
                            const float* fv, int64_t b, int64_t t, int64_t h,
-                           ReferenceRowScratch& row) {
+                           ReferenceRowScratch& row, const HostVariants& var = HostVariants()) {
   const WindowMask mask = MakeWindowMask(p);
   const double scale = p.softmax_scale;
   const int64_t kh = h / p.group_size;
@@ -113,8 +182,9 @@ inline double ReferenceRow(const FlashParams& p, DType dtype, const float* fq, c
     double acc = 0;
     float accf = 0;
     for (int64_t d = 0; d < p.head_dim; ++d) { acc += double(qr[d]) * kr[d]; accf += qr[d] * kr[d]; }
-    s[j] = acc * scale;
-    sf[j] = RoundTo(dtype, accf * p.softmax_scale);
+    s[j] = VariantScore(p, var, b, t, h, j, acc * scale);
+    sf[j] = RoundTo(dtype, static_cast<float>(
+                               VariantScore(p, var, b, t, h, j, accf * p.softmax_scale)));
     mx = std::max(mx, s[j]);
     mxf = std::max(mxf, sf[j]);
   }

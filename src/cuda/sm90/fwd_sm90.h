@@ -1,10 +1,8 @@
 // Hopper (sm_90a) forward: host interface, tile table and the kernel's
-// argument block. Not part of the package build yet (CMake globs only
-// src/cuda/*.cu); tests/cuda/run_sm90_fwd_selftest.sh builds and checks it.
-//
-// The dispatcher is meant to call RunForwardSm90 when the device is cc 9.0 and
-// Sm90ForwardSupports(p) holds, and fall back to the sm80 RunForward
-// otherwise.
+// argument block. Built as its own library for sm_90a only (CMakeLists.txt);
+// RunForward (fwd_launch.cu) calls it on cc 9.0 devices when
+// Sm90ForwardSupports(p) holds and the call needs neither split-KV nor GQA
+// packing, and runs the sm80 kernels otherwise.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (type only)
