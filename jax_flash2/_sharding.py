@@ -268,7 +268,7 @@ def _result_types(outs, avals, backward: bool):
       batch and head sharding `partition` gives them, so that jit does not
       gather them back to a replicated type;
     * manual axes (shard_map with check_vma): results vary over the axes the
-      operands vary over; custom_vjp and shard_map compare these types.
+      operands vary over; custom_jvp and shard_map compare these types.
   """
   q, k = avals[0], avals[1]
   mesh = getattr(getattr(q, "sharding", None), "mesh", None)

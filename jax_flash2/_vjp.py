@@ -1,11 +1,17 @@
-"""The custom_vjp: residuals are q, k, v, out and lse only (nothing T x S),
-plus the small non-differentiated operands (ALiBi slopes, segment ids,
-dropout seeds).
+"""attention as a custom_jvp whose tangent map transposes into the backward kernel.
 
-The backward recomputes P from the LSE, as FlashAttention-2 does. The LSE output
-is differentiable too: its cotangent enters the backward's preprocess as
-D = rowsum(dO * O) - dLSE. The ALiBi slopes, segment ids and dropout seeds
-get no cotangent (None: zero): the slopes are treated as constants, the ids
+Forward mode (jax.jvp, jax.jacfwd): the forward kernel gives (out, lse), and
+_forward_ad.jvp gives their tangents in plain JAX, blockwise over query rows
+(not with dropout: NotImplementedError).
+
+Reverse mode (jax.grad, jax.vjp): JAX linearizes the jvp rule and transposes
+the tangent primitive, whose transpose is the backward kernel. The residuals
+are q, k, v, out and lse only (nothing T x S), plus the small
+non-differentiated operands (ALiBi slopes, segment ids, dropout seeds), and
+the backward recomputes P from the LSE, as FlashAttention-2 does. The LSE
+output is differentiable too: its cotangent enters the backward's preprocess
+as D = rowsum(dO * O) - dLSE. The ALiBi slopes, segment ids and dropout seeds
+get no tangent and no cotangent: the slopes are treated as constants, the ids
 and seeds are integers. The dropout mask is regenerated from the seeds in the
 backward, never saved.
 """
@@ -16,10 +22,10 @@ import functools
 
 import jax
 
-from jax_flash2 import _sharding
+from jax_flash2 import _forward_ad, _sharding
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(7,))
 def attention(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds, config):
   """(out [B, T, H, D], lse [B, H, T] float32) for the kernels of the platform.
 
@@ -31,18 +37,12 @@ def attention(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seed
                            config)
 
 
-def _attention_fwd(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds, config):
-  extras = (alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds)
-  out, lse = _sharding.forward(q, k, v, *extras, config)
-  return (out, lse), (q, k, v, out, lse, extras)
-
-
-def _attention_bwd(config, residuals, cotangents):
-  q, k, v, out, lse, extras = residuals
-  d_out, d_lse = cotangents
-  dq, dk, dv = _sharding.backward(q, k, v, out, lse, d_out.astype(out.dtype), d_lse, *extras,
-                                  config)
-  return dq, dk, dv, None, None, None, None
-
-
-attention.defvjp(_attention_fwd, _attention_bwd)
+@attention.defjvp
+def _attention_jvp(config, primals, tangents):
+  q, k, v, *extras = primals
+  tq, tk, tv = tangents[:3]
+  # Calling attention itself (not the kernel) keeps the primal differentiable
+  # by an outer jvp: nested forward mode sees this custom_jvp again.
+  out, lse = attention(*primals, config)
+  t_out, t_lse = _forward_ad.jvp(q, k, v, out, lse, tq, tk, tv, *extras, config)
+  return (out, lse), (t_out, t_lse)

@@ -25,7 +25,7 @@ IMPLEMENTATIONS = ("kernel", "reference")
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-  """Everything about a call that is not an array; the custom_vjp's static argument.
+  """Everything about a call that is not an array; the custom_jvp's static argument.
 
   The window is relative to the bottom-right-aligned diagonal: query i sees key j
   iff i + S - T - window_left <= j <= i + S - T + window_right (-1 = unbounded).

@@ -12,23 +12,72 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def visible(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int):
-  """[T, S] bool: query i sees key j (window around the bottom-right diagonal)."""
-  i = jnp.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)
-  j = jnp.arange(seqlen_k)[None, :]
-  ok = jnp.ones((seqlen_q, seqlen_k), bool)
+def _distance(seqlen_q: int, seqlen_k: int, rows=None):
+  """[R, S] int: i + S - T - j for query rows i (default: all T) and keys j,
+  the offset from the bottom-right-aligned diagonal."""
+  if rows is None:
+    rows = jnp.arange(seqlen_q)
+  return rows[:, None] + (seqlen_k - seqlen_q) - jnp.arange(seqlen_k)[None, :]
+
+
+def visible(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int, rows=None):
+  """[T, S] bool (or [R, S] for query rows `rows`): query i sees key j (window
+  around the bottom-right diagonal)."""
+  distance = _distance(seqlen_q, seqlen_k, rows)
+  ok = jnp.ones(distance.shape, bool)
   if window_left >= 0:
-    ok &= j >= i - window_left
+    ok &= distance <= window_left  # j >= i + S - T - left
   if window_right >= 0:
-    ok &= j <= i + window_right
+    ok &= distance >= -window_right  # j <= i + S - T + right
   return ok
 
 
-def alibi_bias(slopes, seqlen_q: int, seqlen_k: int):
-  """[B, H, T, S]: -slope * |i + S - T - j| for slopes [B, H]."""
-  i = jnp.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)
-  j = jnp.arange(seqlen_k)[None, :]
-  return -slopes[:, :, None, None] * jnp.abs(i - j).astype(slopes.dtype)
+def alibi_bias(slopes, seqlen_q: int, seqlen_k: int, rows=None):
+  """[B, H, T, S] (or [B, H, R, S]): -slope * |i + S - T - j| for slopes [B, H]."""
+  distance = jnp.abs(_distance(seqlen_q, seqlen_k, rows)).astype(slopes.dtype)
+  return -slopes[:, :, None, None] * distance
+
+
+def masked_scores(q, k, alibi_slopes, q_segment_ids, kv_segment_ids, config, *,
+                  seqlen_q: int | None = None, rows=None):
+  """The scores the forward normalizes, in q's compute dtype, and their slope.
+
+  q [B, R, H, D] holds query rows `rows` (default: all T = R rows) of a query
+  sequence of length seqlen_q; q_segment_ids [B, R] are those rows' ids.
+  Returns (scores [B, K, G, R, S] with -inf where a key is not visible,
+  cap_slope): cap_slope is d scores / d (scale q k^T), the softcap's
+  1 - tanh^2 as [B, K, G, R, S], or None when softcap is off (slope 1).
+  The ALiBi bias is a constant and the mask does not move with q and k, so
+  neither enters the slope.
+  """
+  compute = jnp.promote_types(q.dtype, jnp.float32)
+  batch, num_rows, num_heads, head_dim = q.shape
+  seqlen_q = num_rows if seqlen_q is None else seqlen_q
+  seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
+  group = num_heads // num_kv_heads
+  qg = q.astype(compute).reshape(batch, num_rows, num_kv_heads, group, head_dim)
+  # scores: [B, K, G, R, S]
+  # HIGHEST: a float32 reference must not silently run in TF32 on GPUs.
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(compute),
+                      precision=jax.lax.Precision.HIGHEST) * config.softmax_scale
+  cap_slope = None
+  if config.softcap > 0:
+    capped = jnp.tanh(scores / config.softcap)
+    cap_slope = 1.0 - capped * capped
+    scores = config.softcap * capped
+  if config.has_alibi:
+    # After the cap, as FlashAttention-2 does (flash_fwd_kernel.h calls
+    # apply_softcap, then mask.apply_mask, which adds slope / scale_softmax with
+    # scale_softmax = softcap, i.e. the slope in final score units). The slopes
+    # are constants: the kernels give them no gradient, so neither does this.
+    slopes = jax.lax.stop_gradient(alibi_slopes).astype(compute)
+    bias = alibi_bias(slopes, seqlen_q, seqlen_k, rows)  # [B, H, R, S]
+    scores = scores + bias.reshape(batch, num_kv_heads, group, num_rows, seqlen_k)
+  mask = visible(seqlen_q, seqlen_k, config.window_left, config.window_right, rows)
+  if config.has_segment_ids:
+    same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]  # [B, R, S]
+    mask = mask & same[:, None, None]
+  return jnp.where(mask, scores, -jnp.inf), cap_slope
 
 
 # Philox4x32 constants (Salmon et al., SC'11), as in src/flash_dropout.h.
@@ -90,44 +139,27 @@ def forward_from_config(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, dr
   """
   compute = jnp.promote_types(q.dtype, jnp.float32)
   batch, seqlen_q, num_heads, head_dim = q.shape
-  seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
-  group = num_heads // num_kv_heads
-  qg = q.astype(compute).reshape(batch, seqlen_q, num_kv_heads, group, head_dim)
-  # scores: [B, K, G, T, S]
-  # HIGHEST: a float32 reference must not silently run in TF32 on GPUs.
-  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(compute),
-                      precision=jax.lax.Precision.HIGHEST) * config.softmax_scale
-  if config.softcap > 0:
-    scores = config.softcap * jnp.tanh(scores / config.softcap)
-  if config.has_alibi:
-    # After the cap, as FlashAttention-2 does (flash_fwd_kernel.h calls
-    # apply_softcap, then mask.apply_mask, which adds slope / scale_softmax with
-    # scale_softmax = softcap, i.e. the slope in final score units). The slopes
-    # are constants: the kernels give them no gradient, so neither does this.
-    slopes = jax.lax.stop_gradient(alibi_slopes).astype(compute)
-    bias = alibi_bias(slopes, seqlen_q, seqlen_k)  # [B, H, T, S]
-    scores = scores + bias.reshape(batch, num_kv_heads, group, seqlen_q, seqlen_k)
-  mask = visible(seqlen_q, seqlen_k, config.window_left, config.window_right)
-  if config.has_segment_ids:
-    same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]  # [B, T, S]
-    mask = mask & same[:, None, None]
-  scores = jnp.where(mask, scores, -jnp.inf)
+  scores, _ = masked_scores(q, k, alibi_slopes, q_segment_ids, kv_segment_ids, config)
   row_max = jnp.max(scores, axis=-1, keepdims=True)
   # Rows that see no key: keep them finite (exp(-inf) = 0) and report LSE -inf.
   safe_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
   weights = jnp.exp(scores - safe_max)
   row_sum = jnp.sum(weights, axis=-1, keepdims=True)
-  probs = weights / jnp.where(row_sum > 0, row_sum, 1.0)
+  seen = row_sum > 0
+  probs = weights / jnp.where(seen, row_sum, 1.0)
   if config.dropout_rate > 0:
     # After the LSE's row sum: the LSE is of the undropped softmax. The scale
     # is the kernels' float32 1 / (1 - rate).
+    seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
     keep = dropout_keep(dropout_seeds, seqlen_q, seqlen_k, config.dropout_rate)
     scale = np.float32(1) / (np.float32(1) - np.float32(config.dropout_rate))
-    keep = keep.reshape(batch, num_kv_heads, group, seqlen_q, seqlen_k)
+    keep = keep.reshape(batch, num_kv_heads, num_heads // num_kv_heads, seqlen_q, seqlen_k)
     probs = jnp.where(keep, probs * scale.astype(compute), 0.0)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(compute),
                    precision=jax.lax.Precision.HIGHEST)
-  lse = (safe_max + jnp.log(row_sum))[..., 0]  # [B, K, G, T]; log(0) = -inf for empty rows
+  # [B, K, G, T]; -inf for empty rows, set by a select rather than log(0) so
+  # that their LSE tangent is 0, not 0 / 0.
+  lse = jnp.where(seen, safe_max + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)[..., 0]
   out = out.reshape(batch, seqlen_q, num_heads, head_dim).astype(q.dtype)
   return out, lse.reshape(batch, num_heads, seqlen_q)
 

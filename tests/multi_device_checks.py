@@ -361,6 +361,23 @@ def explicit_mesh_axes(data, model):
 
 
 @check
+def explicit_mesh_forward_ad(data, model):
+  # Sharding in types: the tangent primitive types its results like (out, lse).
+  m = mesh(data, model, jax.sharding.AxisType.Explicit)
+  q, k, v = qkv(4)
+  spec = P("data", None, "model", None)
+  args = [jax.device_put(x, NamedSharding(m, spec)) for x in (q, k, v)]
+  f = lambda q, k, v: jax_flash2.flash_attention(q, k, v, causal=True, return_lse=True)
+  jvp = jax.jit(lambda q, k, v: jax.jvp(f, (q, k, v), (jnp.sin(q), k, v))[1])
+  t_out, t_lse = jvp(*args)
+  # Equivalence, not spec equality: jax drops mesh axes of size 1 from the spec.
+  assert t_out.sharding.is_equivalent_to(NamedSharding(m, spec), t_out.ndim), t_out.sharding
+  lse_sharding = NamedSharding(m, P("data", "model", None))
+  assert t_lse.sharding.is_equivalent_to(lse_sharding, t_lse.ndim), t_lse.sharding
+  assert_close((t_out, t_lse), jvp(q, k, v), GRAD_TOL)
+
+
+@check
 def shard_map_with_checks(data, model):
   m = mesh(data, model)
   q, k, v = qkv(4)
@@ -373,6 +390,51 @@ def shard_map_with_checks(data, model):
     return jax.lax.psum(value, ("data", "model")), grads
 
   assert_close(per_device(q, k, v), value_and_grads(q, k, v), GRAD_TOL)
+
+
+def jvp_of_packed(q, k, v, slopes, q_ids, kv_ids):
+  """Tangents of (out, lse) with segment ids and slopes, for tangents
+  (sin q, cos k, v)."""
+  f = lambda q, k, v: jax_flash2.flash_attention(
+      q, k, v, causal=True, return_lse=True, alibi_slopes=slopes, segment_ids=(q_ids, kv_ids))
+  return jax.jvp(f, (q, k, v), (jnp.sin(q), jnp.cos(k), v))[1]
+
+
+def packed_args():
+  q, k, v = qkv(4)
+  q_ids = jnp.broadcast_to(jnp.arange(T) // 10, (B, T)).astype(jnp.int32)
+  kv_ids = jnp.broadcast_to(jnp.arange(S) // 15, (B, S)).astype(jnp.int32)
+  return q, k, v, jnp.linspace(0.1, 0.8, H, dtype=jnp.float32), q_ids, kv_ids
+
+
+@check
+def shard_map_forward_ad(data, model):
+  # jax.jvp per device with vma checks: the replicated slopes and ids vary
+  # like q inside the tangent primitive too.
+  m = mesh(data, model)
+  args = packed_args()
+  spec = P("data", None, "model", None)
+
+  @jax.jit
+  @jax.shard_map(mesh=m, in_specs=(spec,) * 3 + (P("model"), P("data"), P("data")),
+                 out_specs=(spec, P("data", "model", None)))
+  def per_device(*args):
+    return jvp_of_packed(*args)
+
+  assert_close(per_device(*args), jvp_of_packed(*args), GRAD_TOL)
+
+
+@check
+def sharded_jit_forward_ad(data, model):
+  # jit over a mesh: the forward kernel is partitioned along batch and heads,
+  # and the plain-JAX tangents follow without gathering q, k, v.
+  args = packed_args()
+  spec = P("data", None, "model", None)
+  specs = (spec,) * 3 + (P("model"), P("data"), P("data"))
+  tangents, hlo = sharded_run(mesh(data, model), jvp_of_packed, args, specs)
+  assert_close(tangents, jvp_of_packed(*args), GRAD_TOL)
+  assert not collectives(hlo), collectives(hlo)
+  return f"per-device kernel shapes {kernel_operand_shapes(hlo)}"
 
 
 @check

@@ -73,8 +73,7 @@ def test_export_serialize_run_and_grad():
 
 @pytest.mark.skipif(ON_GPU, reason="the CUDA lowering needs static shapes (workspace size)")
 def test_export_training_step_and_symbolic_batch():
-  # A gradient computation exported as such, with a symbolic batch size (its
-  # own VJP would be a second derivative, which the kernels do not have).
+  # A gradient computation exported as such, with a symbolic batch size.
   def step(q, k, v):
     return jax.grad(lambda q: jnp.sum(attention(q, k, v).astype(jnp.float32)))(q)
 
@@ -86,3 +85,21 @@ def test_export_training_step_and_symbolic_batch():
   for batch in (1, 3):
     args = qkv(batch)
     close(restored.call(*args), step(*args))
+
+
+def test_export_forward_ad_with_symbolic_batch():
+  # The tangents are plain JAX (no custom call of their own): exported like
+  # any function, here with a symbolic batch size.
+  def tangents(q, k, v):
+    f = lambda q, k, v: jax_flash2.flash_attention(q, k, v, causal=True, return_lse=True)
+    return jax.jvp(f, (q, k, v), (jnp.sin(q), k, v))[1]
+
+  b, = export.symbolic_shape("b")
+  q, k, v = qkv()
+  specs = [jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype) for x in (q, k, v)]
+  restored = roundtrip(export.export(
+      jax.jit(tangents), disabled_checks=jax_flash2.export.disabled_checks())(*specs))
+  for batch in (1, 3):
+    args = qkv(batch)
+    for got, want in zip(restored.call(*args), tangents(*args)):
+      close(got, want)

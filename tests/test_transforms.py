@@ -156,7 +156,7 @@ def test_grad_of_jit_and_checkpoint(backend, rng):
 
 
 def test_residuals_hold_nothing_quadratic(rng):
-  """The custom_vjp saves q, k, v, out and lse only: no [.., T, S] array."""
+  """Reverse mode saves q, k, v, out and lse only: no [.., T, S] array."""
   q, k, v = random_inputs(rng, 1, 256, 384, 2, 2, 8, _dtype("kernel"))
   f = lambda q, k, v: jax_flash2.flash_attention(q, k, v, causal=True)
   _, vjp_fn = jax.vjp(f, q, k, v)
