@@ -1,9 +1,6 @@
 // Standalone check of the Hopper backward (RunBackwardSm90, between the
 // preprocess and convert kernels of bwd_kernel.cuh, as RunBackward runs it)
 // against a float64 CPU oracle, then timings beside the sm80 RunBackward.
-// Every case runs both dQ variants (Sm90BwdDq: atomic, bulk) on the same
-// inputs: if only one fails, the bug is in its dQ reduction; if both do, in
-// what they share (TMA, descriptors, fragments, masking).
 //
 // Per case: random q, k, v, dO (and dLSE where asked) in the dtype; O and LSE
 // from a float64 CPU forward (O rounded to the dtype, LSE to fp32, as the
@@ -25,7 +22,6 @@
 //   sm90_bwd_selftest --filter STR  only the cases whose name contains STR
 //   sm90_bwd_selftest --no-time     skip timings
 //   sm90_bwd_selftest --time-only   timings only
-//   sm90_bwd_selftest --dq atomic|bulk  one dQ variant only (default both)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -53,15 +49,10 @@ using namespace jax_flash2;
 using namespace jax_flash2::selftest;
 using jax_flash2::cuda::BwdScratchPtrs;
 using jax_flash2::cuda::DeviceInfo;
-using jax_flash2::cuda::sm90::Sm90BwdDq;
 
 namespace {
 
 constexpr double kHangSeconds = 20.0;
-
-std::vector<Sm90BwdDq> g_variants = {Sm90BwdDq::kAtomic, Sm90BwdDq::kBulkReduce};
-
-const char* VariantName(Sm90BwdDq v) { return v == Sm90BwdDq::kAtomic ? "atomic" : "bulk"; }
 
 struct Case {
   std::string name;
@@ -139,8 +130,7 @@ cudaError_t SyncWithWatchdog(const std::string& what) {
 
 // What RunBackward does on the sm90 path: preprocess, RunBackwardSm90, convert.
 template <typename Elem>
-cudaError_t RunSm90Typed(const FlashParams& p, void* scratch, const DeviceInfo& dev,
-                         Sm90BwdDq dq) {
+cudaError_t RunSm90Typed(const FlashParams& p, void* scratch, const DeviceInfo& dev) {
   // One dQ slice: the Hopper backward never serves deterministic calls.
   const cuda::BwdScratchLayout layout =
       cuda::MakeBwdScratchLayout(p.batch, p.seqlen_q, p.num_heads_q, p.head_dim, 1);
@@ -156,7 +146,7 @@ cudaError_t RunSm90Typed(const FlashParams& p, void* scratch, const DeviceInfo& 
     cuda::BwdPreprocessKernel<Elem><<<static_cast<unsigned>((rows + 7) / 8), 256>>>(p, s);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
-  if ((err = cuda::sm90::RunBackwardSm90Dq(p, s, dev, 0, dq)) != cudaSuccess) return err;
+  if ((err = cuda::RunBackwardSm90(p, s, dev, 0)) != cudaSuccess) return err;
   const int64_t chunks = p.batch * p.seqlen_q * p.num_heads_q * (p.head_dim / 8);
   if (chunks > 0) {
     const int64_t blocks = std::min<int64_t>((chunks + 255) / 256, dev.sm_count * 16);
@@ -166,9 +156,9 @@ cudaError_t RunSm90Typed(const FlashParams& p, void* scratch, const DeviceInfo& 
   return err;
 }
 
-cudaError_t RunSm90(const FlashParams& p, void* scratch, const DeviceInfo& dev, Sm90BwdDq dq) {
-  if (p.dtype == DType::kFloat16) return RunSm90Typed<__half>(p, scratch, dev, dq);
-  return RunSm90Typed<__nv_bfloat16>(p, scratch, dev, dq);
+cudaError_t RunSm90(const FlashParams& p, void* scratch, const DeviceInfo& dev) {
+  if (p.dtype == DType::kFloat16) return RunSm90Typed<__half>(p, scratch, dev);
+  return RunSm90Typed<__nv_bfloat16>(p, scratch, dev);
 }
 
 struct ErrStats {
@@ -204,8 +194,7 @@ ErrStats Compare(DType dt, const std::vector<uint16_t>& out, const std::vector<d
 
 bool Ok(const ErrStats& e) { return e.finite && e.rel <= 3 * e.naive_rel + 1e-4; }
 
-// Runs one case under each dQ variant; one PASS/FAIL line each. Returns the
-// number of failures.
+// Runs one case; one PASS/FAIL line. Returns 1 when it fails, else 0.
 int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
   FlashParams p = MakeParams(c);
   const DType dt = c.dtype;
@@ -323,7 +312,7 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
 
   if (!cuda::Sm90BackwardSupports(p)) {
     std::printf("FAIL %-57s Sm90BackwardSupports is false\n", c.name.c_str());
-    return static_cast<int>(g_variants.size());
+    return 1;
   }
   void *d_q, *d_k, *d_v, *d_out, *d_dout, *d_dq, *d_dk, *d_dv, *d_scratch;
   float *d_lse_buf, *d_dlse_buf;
@@ -356,71 +345,69 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
   p.dv = d_dv;
   const size_t scratch_bytes = cuda::BackwardScratchBytes(p, dev);
   CHECK_CUDA(cudaMalloc(&d_scratch, scratch_bytes));
-  int failed = 0;
-  for (Sm90BwdDq variant : g_variants) {
-    const std::string what = c.name + " [" + VariantName(variant) + "]";
-    // Poison: 0xffff is NaN in fp16 and bf16; 0xffffffff is NaN in fp32.
-    CHECK_CUDA(cudaMemset(d_dq, 0xff, nq * 2));
-    CHECK_CUDA(cudaMemset(d_dk, 0xff, nk * 2));
-    CHECK_CUDA(cudaMemset(d_dv, 0xff, nk * 2));
-    CHECK_CUDA(cudaMemset(d_scratch, 0xff, scratch_bytes));
-    CHECK_CUDA(cudaDeviceSynchronize());
-    cudaError_t err = RunSm90(p, d_scratch, dev, variant);
-    if (err == cudaSuccess) err = SyncWithWatchdog(what);
-    if (err != cudaSuccess) {
-      std::printf("FAIL %-57s %s\n", what.c_str(), cudaGetErrorString(err));
-      if (err != cudaErrorInvalidValue && err != cudaErrorNotSupported) {
-        std::printf("(sticky device error: stopping)\n");
-        std::fflush(stdout);
-        std::_Exit(1);
-      }
-      ++failed;
-      continue;
+  auto free_all = [&] {
+    for (void* ptr : {d_q, d_k, d_v, d_out, d_dout, d_dq, d_dk, d_dv, d_scratch,
+                      static_cast<void*>(d_lse_buf), static_cast<void*>(d_dlse_buf)}) {
+      CHECK_CUDA(cudaFree(ptr));
     }
-    std::vector<uint16_t> out_dq(nq), out_dk(nk), out_dv(nk);
-    CHECK_CUDA(cudaMemcpy(out_dq.data(), d_dq, nq * 2, cudaMemcpyDeviceToHost));
-    CHECK_CUDA(cudaMemcpy(out_dk.data(), d_dk, nk * 2, cudaMemcpyDeviceToHost));
-    CHECK_CUDA(cudaMemcpy(out_dv.data(), d_dv, nk * 2, cudaMemcpyDeviceToHost));
+  };
+  // Poison: 0xffff is NaN in fp16 and bf16; 0xffffffff is NaN in fp32.
+  CHECK_CUDA(cudaMemset(d_dq, 0xff, nq * 2));
+  CHECK_CUDA(cudaMemset(d_dk, 0xff, nk * 2));
+  CHECK_CUDA(cudaMemset(d_dv, 0xff, nk * 2));
+  CHECK_CUDA(cudaMemset(d_scratch, 0xff, scratch_bytes));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  cudaError_t err = RunSm90(p, d_scratch, dev);
+  if (err == cudaSuccess) err = SyncWithWatchdog(c.name);
+  if (err != cudaSuccess) {
+    std::printf("FAIL %-57s %s\n", c.name.c_str(), cudaGetErrorString(err));
+    if (err != cudaErrorInvalidValue && err != cudaErrorNotSupported) {
+      std::printf("(sticky device error: stopping)\n");
+      std::fflush(stdout);
+      std::_Exit(1);
+    }
+    free_all();
+    return 1;
+  }
+  std::vector<uint16_t> out_dq(nq), out_dk(nk), out_dv(nk);
+  CHECK_CUDA(cudaMemcpy(out_dq.data(), d_dq, nq * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(out_dk.data(), d_dk, nk * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(out_dv.data(), d_dv, nk * 2, cudaMemcpyDeviceToHost));
 
-    const ErrStats eq = Compare(dt, out_dq, dq, dqn), ek = Compare(dt, out_dk, dk, dkn),
-                   ev = Compare(dt, out_dv, dv, dvn);
-    const bool pass = Ok(eq) && Ok(ek) && Ok(ev);
-    failed += pass ? 0 : 1;
-    std::printf(
-        "%s %-57s dq %.2e (naive %.2e)%s  dk %.2e (naive %.2e)%s  dv %.2e (naive %.2e)%s\n",
-        pass ? "PASS" : "FAIL", what.c_str(), eq.rel, eq.naive_rel, eq.finite ? "" : " NaN",
-        ek.rel, ek.naive_rel, ek.finite ? "" : " NaN", ev.rel, ev.naive_rel,
-        ev.finite ? "" : " NaN");
-    if (!pass) {
-      // Worst element of each output, decoded by its strides (q's for dq, k's
-      // for dk and dv): (b, row, head, d).
-      auto show = [&](const char* name, const ErrStats& e, const std::vector<uint16_t>& out,
-                      const std::vector<double>& ref, int64_t bs, int64_t rs, int64_t hs) {
-        const int64_t i = static_cast<int64_t>(e.worst);
-        std::printf("     %s worst at b=%lld row=%lld head=%lld d=%lld: got %.5g want %.5g\n",
-                    name, (long long)(i / bs), (long long)((i % bs) / rs),
-                    (long long)((i % rs) / hs), (long long)(i % hs), FromBits(dt, out[i]),
-                    ref[i]);
-      };
-      if (c.bhtd) {
-        // Row and head strides are swapped; decode b, head, row, d instead.
-        std::printf("     (bhtd layout: 'row' and 'head' below are head and row)\n");
-        show("dq", eq, out_dq, dq, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
-        show("dk", ek, out_dk, dk, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
-        show("dv", ev, out_dv, dv, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
-      } else {
-        show("dq", eq, out_dq, dq, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
-        show("dk", ek, out_dk, dk, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
-        show("dv", ev, out_dv, dv, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
-      }
+  const ErrStats eq = Compare(dt, out_dq, dq, dqn), ek = Compare(dt, out_dk, dk, dkn),
+                 ev = Compare(dt, out_dv, dv, dvn);
+  const bool pass = Ok(eq) && Ok(ek) && Ok(ev);
+  std::printf(
+      "%s %-57s dq %.2e (naive %.2e)%s  dk %.2e (naive %.2e)%s  dv %.2e (naive %.2e)%s\n",
+      pass ? "PASS" : "FAIL", c.name.c_str(), eq.rel, eq.naive_rel, eq.finite ? "" : " NaN",
+      ek.rel, ek.naive_rel, ek.finite ? "" : " NaN", ev.rel, ev.naive_rel,
+      ev.finite ? "" : " NaN");
+  if (!pass) {
+    // Worst element of each output, decoded by its strides (q's for dq, k's
+    // for dk and dv): (b, row, head, d).
+    auto show = [&](const char* name, const ErrStats& e, const std::vector<uint16_t>& out,
+                    const std::vector<double>& ref, int64_t bs, int64_t rs, int64_t hs) {
+      const int64_t i = static_cast<int64_t>(e.worst);
+      std::printf("     %s worst at b=%lld row=%lld head=%lld d=%lld: got %.5g want %.5g\n",
+                  name, (long long)(i / bs), (long long)((i % bs) / rs),
+                  (long long)((i % rs) / hs), (long long)(i % hs), FromBits(dt, out[i]),
+                  ref[i]);
+    };
+    if (c.bhtd) {
+      // Row and head strides are swapped; decode b, head, row, d instead.
+      std::printf("     (bhtd layout: 'row' and 'head' below are head and row)\n");
+      show("dq", eq, out_dq, dq, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
+      show("dk", ek, out_dk, dk, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+      show("dv", ev, out_dv, dv, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+    } else {
+      show("dq", eq, out_dq, dq, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
+      show("dk", ek, out_dk, dk, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
+      show("dv", ev, out_dv, dv, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
     }
-    std::fflush(stdout);
   }
-  for (void* ptr : {d_q, d_k, d_v, d_out, d_dout, d_dq, d_dk, d_dv, d_scratch,
-                    static_cast<void*>(d_lse_buf), static_cast<void*>(d_dlse_buf)}) {
-    CHECK_CUDA(cudaFree(ptr));
-  }
-  return failed;
+  std::fflush(stdout);
+  free_all();
+  return pass ? 0 : 1;
 }
 
 // Fills n dtype elements with hashed pseudo-random values in about [-2, 2].
@@ -512,10 +499,7 @@ void TimeCase(const Case& c, const DeviceInfo& dev) {
     std::fflush(stdout);
   };
   time("sm80", [&] { return cuda::RunBackward(p, scratch, dev, 0); });
-  for (Sm90BwdDq variant : g_variants) {
-    const std::string impl = std::string("sm90 ") + VariantName(variant);
-    time(impl.c_str(), [&] { return RunSm90(p, scratch, dev, variant); });
-  }
+  time("sm90", [&] { return RunSm90(p, scratch, dev); });
   CHECK_CUDA(cudaEventDestroy(e0));
   CHECK_CUDA(cudaEventDestroy(e1));
   for (void* ptr : bufs) CHECK_CUDA(cudaFree(ptr));
@@ -537,9 +521,6 @@ int main(int argc, char** argv) {
       no_time = true;
     } else if (a == "--time-only") {
       time_only = true;
-    } else if (a == "--dq" && i + 1 < argc) {
-      const std::string v = argv[++i];
-      g_variants = {v == "bulk" ? Sm90BwdDq::kBulkReduce : Sm90BwdDq::kAtomic};
     } else {
       mode = a;
     }
@@ -598,10 +579,10 @@ int main(int argc, char** argv) {
   for (const Case& c : cases) {
     if (!filter.empty() && c.name.find(filter) == std::string::npos) continue;
     failed += RunCase(c, dev, seed++);
-    run += static_cast<int>(g_variants.size());
+    ++run;
   }
   if (run > 0) {
-    std::printf("%s: %d failure(s) of %d runs (cases x dQ variants)\n",
+    std::printf("%s: %d failure(s) of %d cases\n",
                 failed ? "FAILED" : "ALL PASSED", failed, run);
   }
   if (!tiny && !no_time) {

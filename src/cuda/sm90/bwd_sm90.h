@@ -28,8 +28,10 @@ bool Sm90BackwardEnabled();
 
 // The main backward kernel (dK, dV, and dQ / scale accumulated into
 // s.dq_acc), on the current device (must be cc 9.0); the caller runs the
-// preprocess before and the convert after, as for the sm80 kernel. dQ goes
-// through atomics (Sm90BwdDq::kAtomic below) until the bulk variant is timed.
+// preprocess before and the convert after, as for the sm80 kernel.
+// dQ goes into dq_acc by float2 atomics: a per-row cp.reduce.async.bulk variant
+// measured slower on the H200 (244 vs 335 TFLOP/s at B4 T=S=4096 H16 D128, 142
+// vs 206 at D64; racecheck also flagged it), so it was removed.
 // Returns cudaErrorInvalidValue when !Sm90BackwardSupports(p) or s has more
 // than one dQ slice.
 cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const DeviceInfo& dev,
@@ -37,31 +39,13 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
 
 namespace sm90 {
 
-// How the kernel adds its dQ tile (64 queries x 64 columns per consumer
-// warpgroup and query block, fp32) into dq_acc (a kernel template argument):
-//   kAtomic:      straight from the accumulator registers, one float2 atomic
-//                 (red.global.add) per register pair: 16 per thread.
-//   kBulkReduce:  the tile goes to shared memory, then warp 0 of the
-//                 warpgroup issues one cp.reduce.async.bulk add per query row
-//                 (256 bytes), so the LSU issues 64 bulk operations instead of
-//                 2048 atomics (FlashAttention-3 reduces whole tiles the same
-//                 way). To be timed against kAtomic on the H200 before it
-//                 becomes the default.
-enum class Sm90BwdDq : int { kAtomic = 0, kBulkReduce = 1 };
-
-// RunBackwardSm90 with an explicit dQ variant (for the self-test).
-cudaError_t RunBackwardSm90Dq(const FlashParams& p, const BwdScratchPtrs& s,
-                              const DeviceInfo& dev, cudaStream_t stream, Sm90BwdDq dq);
-
 // One row per head dim. A CTA owns kBlockN = 128 keys of one (batch, K/V
 // head), 64 per consumer warpgroup, and loops over block_m = 64 query rows at
 // a time (of every query head of its group). Shared memory, 2-byte elements:
 //   K, V (block_n x D each), `stages` x (Q, dO) (block_m x D each), two dS^T
-//   buffers (block_n x block_m), a dQ tile per consumer warpgroup (block_m x
-//   64 fp32, rows padded by 16 bytes; used by kBulkReduce only), `stages` x
-//   (lse2, Dvec) (block_m fp32 each):
-//   D = 64:  32 KB + 2 x 16 KB + 32 KB + 34 KB = 130 KB
-//   D = 128: 64 KB + 2 x 32 KB + 32 KB + 34 KB = 194 KB
+//   buffers (block_n x block_m), `stages` x (lse2, Dvec) (block_m fp32 each):
+//   D = 64:  32 KB + 2 x 16 KB + 32 KB + 1 KB = 97 KB
+//   D = 128: 64 KB + 2 x 32 KB + 32 KB + 1 KB = 161 KB
 // Registers per consumer thread: dK, dV (D / 2 fp32 each), S^T and dP^T (32
 // fp32 each), dQ (32 fp32), P^T and dS^T as A fragments (16 b32 each): about
 // 230 at D = 128 at the peak (S^T, dP^T live beside dK, dV).
@@ -93,19 +77,13 @@ inline constexpr int kBwdSm90Threads = 128 * (1 + kBwdConsumerWarpgroups);
 inline constexpr int kBwdProducerRegs = 24;
 inline constexpr int kBwdConsumerRegs = 240;
 
-// A row of the kBulkReduce dQ tile: 64 fp32 + 16 bytes of padding, so that
-// the 8 rows a warp writes at once spread over the banks (2-way conflicts at
-// most) while each row stays a 16-byte aligned bulk-copy source.
-inline constexpr int kBwdDqRowBytes = 64 * 4 + 16;
-
 constexpr int BwdSm90SmemBytes(const BwdSm90Tile& t) {
   const int kv = 2 * t.block_n * t.head_dim * 2;
   const int q_do = t.stages * 2 * t.block_m * t.head_dim * 2;
   const int ds = 2 * t.block_n * t.block_m * 2;
-  const int dq = kBwdConsumerWarpgroups * t.block_m * kBwdDqRowBytes;
   const int rows = t.stages * 2 * t.block_m * 4;
   const int barriers = (1 + 2 * t.stages) * 8;  // kv_full; q_full, q_empty per stage
-  return kv + q_do + ds + dq + rows + barriers + 1024;  // 1 KB: alignment slack
+  return kv + q_do + ds + rows + barriers + 1024;  // 1 KB: alignment slack
 }
 
 // The kernel's by-value argument block (__grid_constant__, so the tensor maps

@@ -19,8 +19,8 @@
 //   dV  += P^T dO                     wgmma RS: P^T from registers, dO MN-major
 //   dK  += dS^T Q                     wgmma RS: dS^T from registers, Q MN-major
 //   dQ   = dS K                       wgmma SS from the dS^T tile in smem (both
-//                                     operands MN-major), then added into dq_acc:
-//                                     fp32 atomics or bulk reductions (Sm90BwdDq)
+//                                     operands MN-major), then added into dq_acc
+//                                     with float2 atomics
 // P^T and dS^T come out of the S^T and dP^T accumulators in the register
 // A-fragment layout of the next products (the forward's P V trick), which is
 // why the kernel computes the transposed products, keys as the M dimension.
@@ -69,8 +69,6 @@ struct BwdSm90Traits {
   static constexpr int kKvPanelBytes = kBlockN * 128;
   static constexpr int kQPanelBytes = kBlockM * 128;
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;  // dS^T: [key][query], 128-byte rows
-  static constexpr int kDqStride = kBwdDqRowBytes / 4;     // dQ tile row (floats)
-  static constexpr int kDqBytes = kBlockM * kBwdDqRowBytes;  // one warpgroup's dQ tile
   static constexpr int kRowBytes = kBlockM * 4;            // lse2 or Dvec of one query block
   static constexpr int kAcc = kHeadDim / 2;                // fp32 dK (or dV) accumulators
   static constexpr int kConsumerWarps = 4 * kBwdConsumerWarpgroups;
@@ -90,16 +88,14 @@ struct BwdSm90Smem {
   static constexpr int kQ = kV + Tr::kKvBytes;
   static constexpr int kDo = kQ + Tr::kStages * Tr::kQBytes;
   static constexpr int kDs = kDo + Tr::kStages * Tr::kQBytes;
-  static constexpr int kDq = kDs + 2 * Tr::kDsBytes;
-  static constexpr int kLse2 = kDq + kBwdConsumerWarpgroups * Tr::kDqBytes;
+  static constexpr int kLse2 = kDs + 2 * Tr::kDsBytes;
   static constexpr int kDvec = kLse2 + Tr::kStages * Tr::kRowBytes;
   static constexpr int kBars = kDvec + Tr::kStages * Tr::kRowBytes;
   static_assert(kV % 1024 == 0 && kQ % 1024 == 0 && kDo % 1024 == 0 && kDs % 1024 == 0);
   static_assert(Tr::kQBytes % 1024 == 0 && Tr::kDsBytes % 1024 == 0 && kBars % 8 == 0);
-  static_assert(Tr::kDqBytes % 16 == 0 && kBwdDqRowBytes % 16 == 0);
 };
 
-template <typename Elem, int kHeadDim, Sm90BwdDq kDq>
+template <typename Elem, int kHeadDim>
 __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     BwdSm90Kernel(const __grid_constant__ BwdSm90Args args) {
   using Tr = BwdSm90Traits<kHeadDim>;
@@ -120,7 +116,6 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   unsigned char* s_ds = smem + Smem::kDs;
   float* s_lse2 = reinterpret_cast<float*>(smem + Smem::kLse2);
   float* s_dvec = reinterpret_cast<float*>(smem + Smem::kDvec);
-  float* s_dq = reinterpret_cast<float*>(smem + Smem::kDq);
   // kv_full: K and V landed (once). q_full[s]: Q, dO, lse2, Dvec of stage s
   // landed; q_empty[s]: every consumer warp is done with them.
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem + Smem::kBars);
@@ -345,12 +340,6 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       }
     }
     FenceProxyAsync();
-    // kBulkReduce: the previous block's dQ reductions have finished reading
-    // this warpgroup's dQ tile (warp 0 issued them) before the barrier below
-    // lets any thread rewrite it.
-    if constexpr (kDq == Sm90BwdDq::kBulkReduce) {
-      if (warp == 0) BulkWaitRead<0>();
-    }
 
     // dV += P^T dO, dK += dS^T Q: issued before the barrier, so they run
     // while the warpgroups meet there.
@@ -411,49 +400,17 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     const int64_t dq_row0 =
         (static_cast<int64_t>(b) * seqlen_q + m_begin) * p.num_heads_q + h;  // row m_begin
     const int64_t dq_row_stride = p.num_heads_q * kHeadDim;  // floats between query rows
-    if constexpr (kDq == Sm90BwdDq::kAtomic) {
 #pragma unroll
-      for (int rh = 0; rh < 2; ++rh) {
-        const int r = 16 * warp + g + 8 * rh;
-        if (m_begin + r >= seqlen_q) continue;
-        float* dst = args.dq_acc + dq_row0 * kHeadDim + r * dq_row_stride + dq_col0 + 2 * t4;
+    for (int rh = 0; rh < 2; ++rh) {
+      const int r = 16 * warp + g + 8 * rh;
+      if (m_begin + r >= seqlen_q) continue;
+      float* dst = args.dq_acc + dq_row0 * kHeadDim + r * dq_row_stride + dq_col0 + 2 * t4;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          atomicAdd(reinterpret_cast<float2*>(dst + 8 * j),
-                    make_float2(dq[4 * j + 2 * rh], dq[4 * j + 2 * rh + 1]));
-        }
-      }
-    } else {
-      // The tile into this warpgroup's dQ buffer (free: see above), then one
-      // bulk add per valid query row, issued by warp 0, lane l: rows l, l + 32.
-      float* dq_tile = s_dq + cg * (Tr::kDqBytes / 4);
-#pragma unroll
-      for (int rh = 0; rh < 2; ++rh) {
-        const int r = 16 * warp + g + 8 * rh;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          *reinterpret_cast<float2*>(dq_tile + r * Tr::kDqStride + 8 * j + 2 * t4) =
-              make_float2(dq[4 * j + 2 * rh], dq[4 * j + 2 * rh + 1]);
-        }
-      }
-      FenceProxyAsync();
-      NamedBarrierSync(3 + cg, 128);
-      if (warp == 0) {
-#pragma unroll
-        for (int r = lane; r < kBlockM; r += 32) {
-          if (m_begin + r < seqlen_q) {
-            BulkReduceAddF32(args.dq_acc + dq_row0 * kHeadDim + r * dq_row_stride + dq_col0,
-                             dq_tile + r * Tr::kDqStride, 64 * 4);
-          }
-        }
-        BulkCommit();
+      for (int j = 0; j < 8; ++j) {
+        atomicAdd(reinterpret_cast<float2*>(dst + 8 * j),
+                  make_float2(dq[4 * j + 2 * rh], dq[4 * j + 2 * rh + 1]));
       }
     }
-  }
-  // The last reductions must have read their tile before the block exits
-  // (and written dq_acc before the convert kernel reads it).
-  if constexpr (kDq == Sm90BwdDq::kBulkReduce) {
-    if (warp == 0) BulkWait<0>();
   }
 
   // Epilogue: dK = scale * acc_dk, dV = acc_dv into [B, S, K, D] (dk and dv

@@ -21,13 +21,12 @@ namespace {
 
 using sm90::BwdSm90Args;
 using sm90::BwdSm90Tile;
-using sm90::Sm90BwdDq;
 
-template <typename Elem, int kHeadDim, Sm90BwdDq kDq>
+template <typename Elem, int kHeadDim>
 cudaError_t LaunchBwdSm90(const BwdSm90Args& args, cudaStream_t stream) {
   constexpr BwdSm90Tile tile = sm90::BwdSm90TileFor(kHeadDim);
   constexpr int smem_bytes = sm90::BwdSm90SmemBytes(tile);
-  const auto kernel = &sm90::BwdSm90Kernel<Elem, kHeadDim, kDq>;
+  const auto kernel = &sm90::BwdSm90Kernel<Elem, kHeadDim>;
   // Opt in once per device (the limit is a per-device function attribute).
   static std::atomic<uint64_t> opted_in{0};
   int device = 0;
@@ -45,21 +44,11 @@ cudaError_t LaunchBwdSm90(const BwdSm90Args& args, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <typename Elem, Sm90BwdDq kDq>
+template <typename Elem>
 cudaError_t LaunchForHeadDim(const BwdSm90Args& args, cudaStream_t stream) {
   switch (args.p.head_dim) {
-    case 64: return LaunchBwdSm90<Elem, 64, kDq>(args, stream);
-    case 128: return LaunchBwdSm90<Elem, 128, kDq>(args, stream);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
-template <typename Elem>
-cudaError_t LaunchForDq(const BwdSm90Args& args, Sm90BwdDq dq, cudaStream_t stream) {
-  switch (dq) {
-    case Sm90BwdDq::kAtomic: return LaunchForHeadDim<Elem, Sm90BwdDq::kAtomic>(args, stream);
-    case Sm90BwdDq::kBulkReduce:
-      return LaunchForHeadDim<Elem, Sm90BwdDq::kBulkReduce>(args, stream);
+    case 64: return LaunchBwdSm90<Elem, 64>(args, stream);
+    case 128: return LaunchBwdSm90<Elem, 128>(args, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -111,11 +100,6 @@ bool Sm90BackwardEnabled() {
 
 cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const DeviceInfo& dev,
                             cudaStream_t stream) {
-  return sm90::RunBackwardSm90Dq(p, s, dev, stream, Sm90BwdDq::kAtomic);
-}
-
-cudaError_t sm90::RunBackwardSm90Dq(const FlashParams& p, const BwdScratchPtrs& s,
-                                    const DeviceInfo& dev, cudaStream_t stream, Sm90BwdDq dq) {
   // One dQ accumulator (dq_splits == 1): deterministic calls are not served.
   if (!Sm90BackwardSupports(p) || dev.cc_major != 9 || s.dq_splits != 1) {
     return cudaErrorInvalidValue;
@@ -161,8 +145,8 @@ cudaError_t sm90::RunBackwardSm90Dq(const FlashParams& p, const BwdScratchPtrs& 
   }
   if (err != cudaSuccess) return err;
   switch (p.dtype) {
-    case DType::kFloat16: return LaunchForDq<__half>(args, dq, stream);
-    case DType::kBFloat16: return LaunchForDq<__nv_bfloat16>(args, dq, stream);
+    case DType::kFloat16: return LaunchForHeadDim<__half>(args, stream);
+    case DType::kBFloat16: return LaunchForHeadDim<__nv_bfloat16>(args, stream);
     default: return cudaErrorInvalidValue;
   }
 }

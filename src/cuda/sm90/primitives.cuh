@@ -100,32 +100,6 @@ __device__ __forceinline__ void BulkLoad(void* smem_dst, const void* gmem_src, u
       : "memory");
 }
 
-// Bulk reduction global[dst, +bytes) += shared[src, +bytes) in fp32 (each
-// element added atomically), tracked per issuing thread as a bulk async-group:
-// BulkCommit closes the group; BulkWaitRead<N> returns once at most N of this
-// thread's groups still read shared memory (the source may be rewritten),
-// BulkWait<N> once at most N are incomplete (the global writes done too).
-__device__ __forceinline__ void BulkReduceAddF32(float* gmem_dst, const float* smem_src,
-                                                 uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-               ::"l"(reinterpret_cast<uint64_t>(gmem_dst)), "r"(SmemAddr(smem_src)), "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void BulkCommit() {
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-}
-
-template <int kPending>
-__device__ __forceinline__ void BulkWaitRead() {
-  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
-}
-
-template <int kPending>
-__device__ __forceinline__ void BulkWait() {
-  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
 // Orders this thread's ordinary shared-memory stores before later reads of
 // the same bytes by the async proxy (wgmma operands, TMA stores). Each writing
 // thread executes it before the barrier that hands the tile to the readers.
