@@ -15,7 +15,7 @@ mkdir -p "$OUT" build/sm90_obj
 # -gencode (HOPPER.md: the -arch=sm_90a shorthand also ran a plain sm_90 pass
 # that rejects them on some nvcc versions).
 ARCH=-gencode=arch=compute_90a,code=sm_90a
-FLAGS="-std=c++17 -O3 -I. --expt-relaxed-constexpr $ARCH"
+FLAGS="-std=c++17 -O3 -I. --expt-relaxed-constexpr $ARCH -DJF2_SM90_ALL_SCHEDULES=1"
 BIN=build/sm90_fwd_selftest
 
 build() {
