@@ -77,12 +77,25 @@ inline constexpr int kBwdSm90Threads = 128 * (1 + kBwdConsumerWarpgroups);
 inline constexpr int kBwdProducerRegs = 24;
 inline constexpr int kBwdConsumerRegs = 240;
 
+// dQ = dS K is split between the consumer warpgroups by keys at D = 64 and
+// by columns at D = 128 (bwd_sm90_kernel.cuh says why). The key split has no
+// barrier between the warpgroups, so each releases a Q/dO stage on an empty
+// mbarrier of its own (see the kernel's q_empty).
+constexpr bool BwdSm90DqSplitKeys(int head_dim) { return head_dim == 64; }
+
+// q_empty mbarriers per ring stage: one per consumer warpgroup with the key
+// split, one for both otherwise.
+constexpr int BwdSm90EmptyBarriers(int head_dim) {
+  return BwdSm90DqSplitKeys(head_dim) ? kBwdConsumerWarpgroups : 1;
+}
+
 constexpr int BwdSm90SmemBytes(const BwdSm90Tile& t) {
   const int kv = 2 * t.block_n * t.head_dim * 2;
   const int q_do = t.stages * 2 * t.block_m * t.head_dim * 2;
   const int ds = 2 * t.block_n * t.block_m * 2;
   const int rows = t.stages * 2 * t.block_m * 4;
-  const int barriers = (1 + 2 * t.stages) * 8;  // kv_full; q_full, q_empty per stage
+  // kv_full; q_full and the q_empty barriers per stage
+  const int barriers = (1 + (1 + BwdSm90EmptyBarriers(t.head_dim)) * t.stages) * 8;
   return kv + q_do + ds + rows + barriers + 1024;  // 1 KB: alignment slack
 }
 

@@ -31,7 +31,12 @@
 // two dS^T buffers so one warpgroup may write the next block's while the other
 // still reads this one's. At D = 64 each warpgroup computes dQ over its own 64
 // keys (N = 64 = D) and both add into dq_acc: twice the atomics, but no
-// barrier between the warpgroups.
+// barrier between the warpgroups. That is also why D = 64 releases a Q/dO
+// stage per warpgroup (q_empty below): the stage's lse2 and Dvec are the only
+// TMA-written bytes read by plain loads, and with one q_empty for both
+// warpgroups the producer's refill was ordered after the other warpgroup's
+// reads only through that barrier's other arrivals, which racecheck flagged
+// (NOTES.md, Hopper backward).
 //
 // Masking as in the sm80 backward: query blocks outside the key block's
 // window are skipped (QueryRange), and only blocks not fully visible to a
@@ -74,7 +79,10 @@ struct BwdSm90Traits {
   static constexpr int kConsumerWarps = 4 * kBwdConsumerWarpgroups;
   // dQ: split over keys at D = 64, over columns at D = 128 (see above); 64
   // columns per warpgroup either way.
-  static constexpr bool kDqSplitKeys = kHeadDim == 64;
+  static constexpr bool kDqSplitKeys = BwdSm90DqSplitKeys(kHeadDim);
+  // q_empty barriers per stage and the warps arriving on each.
+  static constexpr int kEmptyBarriers = BwdSm90EmptyBarriers(kHeadDim);
+  static constexpr int kEmptyArrivals = kConsumerWarps / kEmptyBarriers;
   static_assert(kHeadDim == 64 || kHeadDim == 128);
   static_assert(kBlockM == 64 && kBlockN == 64 * kBwdConsumerWarpgroups);
 };
@@ -117,7 +125,9 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   float* s_lse2 = reinterpret_cast<float*>(smem + Smem::kLse2);
   float* s_dvec = reinterpret_cast<float*>(smem + Smem::kDvec);
   // kv_full: K and V landed (once). q_full[s]: Q, dO, lse2, Dvec of stage s
-  // landed; q_empty[s]: every consumer warp is done with them.
+  // landed; q_empty[kEmptyBarriers * s + e]: every consumer warp arriving on
+  // barrier e (all eight, or warpgroup e's four with the key split) is done
+  // with them.
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem + Smem::kBars);
   uint64_t* q_full = kv_full + 1;
   uint64_t* q_empty = q_full + kStages;
@@ -147,7 +157,10 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       MbarInit(&q_full[s], 1);
       // Every consumer warp arrives after its own wait for the last wgmma
       // reading the stage (as in the forward).
-      MbarInit(&q_empty[s], Tr::kConsumerWarps);
+#pragma unroll
+      for (int e = 0; e < Tr::kEmptyBarriers; ++e) {
+        MbarInit(&q_empty[Tr::kEmptyBarriers * s + e], Tr::kEmptyArrivals);
+      }
     }
     FenceBarrierInit();
   }
@@ -178,7 +191,12 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
         const int h = kv_head * static_cast<int>(p.group_size) + it / num_m_blocks;
         const int m_begin = (m_block_begin + it % num_m_blocks) * kBlockM;
         // Slot free? (Parity phase ^ 1: the first pass finds every slot free.)
-        MbarWait(&q_empty[stage], phase ^ 1);
+        // With the key split, both warpgroups' barriers: each is the only
+        // ordering between that warpgroup's lse2 / Dvec loads and this refill.
+#pragma unroll
+        for (int e = 0; e < Tr::kEmptyBarriers; ++e) {
+          MbarWait(&q_empty[Tr::kEmptyBarriers * stage + e], phase ^ 1);
+        }
         MbarArriveExpectTx(&q_full[stage], 2 * Tr::kQBytes + 2 * Tr::kRowBytes);
         unsigned char* q_dst = s_q + stage * Tr::kQBytes;
         unsigned char* do_dst = s_do + stage * Tr::kQBytes;
@@ -387,9 +405,13 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     WgmmaFenceOperands(dq);
     WgmmaFenceOperands(pa);
     WgmmaFenceOperands(dsa);
-    // This warp no longer reads the stage (lse2 and Dvec included).
+    // This warp no longer reads the stage (lse2 and Dvec included). With the
+    // key split it arrives on its warpgroup's barrier: the named barrier above
+    // (1 + cg, after every lse2 / Dvec load of the warpgroup) then orders all
+    // 128 threads' loads before each of the four arrivals, as the 256-thread
+    // barrier does for the shared q_empty at D = 128.
     __syncwarp();
-    if (lane == 0) MbarArrive(&q_empty[stage]);
+    if (lane == 0) MbarArrive(&q_empty[Tr::kEmptyBarriers * stage + (Tr::kDqSplitKeys ? cg : 0)]);
     if (++stage == kStages) {
       stage = 0;
       phase ^= 1;
