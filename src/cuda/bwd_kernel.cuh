@@ -42,6 +42,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "../flash_dropout.h"
 #include "../flash_mask.h"
 #include "../flash_params.h"
 #include "bwd_traits.h"
@@ -287,7 +288,7 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
     // P^T = exp2(S^T * scale_log2 - lse2), dS^T = P^T o (dP^T - Dvec), into smem.
     // The per-element mask only where the block is not fully visible (diagonal
     // and ragged tails); rows past T have lse2 = +inf, hence P = 0.
-    if (!HasScoreVariants(p)) {
+    if (!HasScoreVariants(p) && p.dropout_seeds == nullptr) {
       const bool full = mask.BlockFullyVisible(m_begin, m_begin + kM, n_begin, n_begin + kN);
 #pragma unroll
       for (int nt = 0; nt < kSTiles; ++nt) {
@@ -308,11 +309,14 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
         }
       }
     } else {
-      // softcap, ALiBi, segments: the forward's transform of the scores,
+      // softcap, ALiBi, segments, dropout: the forward's transform of the scores,
       //   x = scale * S;  x = softcap * tanh(x / softcap);  x -= slope * |q + S - T - key|
       //   P = exp2(x * log2(e) - lse2), 0 where the window or the segments hide the pair
-      //   dS = P o (dP - Dvec) o (1 - tanh^2)   (the cap's derivative; dK, dQ get
-      //                                          the scale in their epilogues)
+      //   dS = P o (Z o dP / (1 - rate) - Dvec) o (1 - tanh^2)   (the cap's
+      //        derivative; dK, dQ get the scale in their epilogues)
+      //   P^T for dV += P^T dO is Z o P; dV's 1 / (1 - rate) is in the epilogue.
+      // Z is the dropout keep mask (all ones without dropout), one Philox call
+      // per element: the lane's two queries differ, so their groups do.
       // Indices through Opaque: the plain path has no register to spare.
       const int64_t bb = Opaque(static_cast<int>(b));
       const int64_t nb = Opaque(static_cast<int>(n_begin));
@@ -322,6 +326,9 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
                               : 0.f;
       const SegmentMask segments = MakeSegmentMask(p, bb);
       const float cap = p.softcap;
+      const bool dropout = p.dropout_seeds != nullptr;
+      const DropoutMask keep =
+          dropout ? MakeDropoutMask(p, bb, Opaque(static_cast<int>(h))) : DropoutMask{};
 #pragma unroll
       for (int nt = 0; nt < kSTiles; ++nt) {
 #pragma unroll
@@ -349,8 +356,14 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
                  (query >= p.seqlen_q || !segments.Allowed(query, key)))) {
               y = 0.f;
             }
-            pv[e] = y;
-            ds[e] = y * (acc_dp[nt][2 * half + e] - sdvec[c + e]) * slope_cap;
+            float dp = acc_dp[nt][2 * half + e];
+            bool kept = true;
+            if (dropout) {
+              kept = (keep.Keep4(query, key / 4) >> (key % 4)) & 1u;
+              dp = kept ? dp * p.dropout_scale : 0.f;
+            }
+            pv[e] = kept ? y : 0.f;
+            ds[e] = y * (dp - sdvec[c + e]) * slope_cap;
           }
           *reinterpret_cast<uint32_t*>(s_pt + r * kPStride + c) = PackFloat2<Elem>(pv[0], pv[1]);
           *reinterpret_cast<uint32_t*>(s_dst + r * kPStride + c) = PackFloat2<Elem>(ds[0], ds[1]);
@@ -448,8 +461,10 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
       if (d >= head_dim) continue;
       *reinterpret_cast<uint32_t*>(dk + d) = PackFloat2<Elem>(
           acc_dk[dt][2 * half] * p.softmax_scale, acc_dk[dt][2 * half + 1] * p.softmax_scale);
+      // dV = (Z o P)^T dO / (1 - rate); dropout_scale is 1 without dropout.
       *reinterpret_cast<uint32_t*>(dv + d) =
-          PackFloat2<Elem>(acc_dv[dt][2 * half], acc_dv[dt][2 * half + 1]);
+          PackFloat2<Elem>(acc_dv[dt][2 * half] * p.dropout_scale,
+                           acc_dv[dt][2 * half + 1] * p.dropout_scale);
     }
   }
 }

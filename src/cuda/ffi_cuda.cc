@@ -28,11 +28,6 @@ ffi::Error Prepare(const FlashParams& p, ffi::AnyBuffer& workspace, int64_t plan
   if (std::string why = Unsupported(p, *dev); !why.empty()) {
     return ffi::Error::InvalidArgument("jax_flash2: " + why);
   }
-  // Dropout is not in the CUDA kernels yet: refuse rather than ignore.
-  if (p.dropout_seeds != nullptr) {
-    return ffi::Error::InvalidArgument(
-        "jax_flash2: dropout_rate > 0 is not implemented by the CUDA kernels");
-  }
   if (plan_sm_count > 0) dev->sm_count = static_cast<int>(plan_sm_count);
   const size_t bytes = bytes_for(p, *dev);
   if (workspace.size_bytes() < bytes) {
