@@ -167,7 +167,10 @@ __device__ __forceinline__ void LoadTileAsync(Elem* smem, const Elem* gmem, cons
 }
 
 // Key block n_block of (b, kv head) = (blockIdx.y, blockIdx.z); dQ into dq_acc.
-template <typename Elem, typename Tr>
+// kDropout == (p.dropout_seeds != nullptr), a template argument as in the
+// forward: in the runtime score-variants branch it raised the spills of the
+// d128 large-smem tile on sm_90a from 12 to 84 bytes of stores.
+template <typename Elem, typename Tr, bool kDropout>
 __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScratchPtrs& s,
                                             int64_t n_block, float* dq_acc) {
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim;
@@ -288,7 +291,7 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
     // P^T = exp2(S^T * scale_log2 - lse2), dS^T = P^T o (dP^T - Dvec), into smem.
     // The per-element mask only where the block is not fully visible (diagonal
     // and ragged tails); rows past T have lse2 = +inf, hence P = 0.
-    if (!HasScoreVariants(p) && p.dropout_seeds == nullptr) {
+    if (!kDropout && !HasScoreVariants(p)) {
       const bool full = mask.BlockFullyVisible(m_begin, m_begin + kM, n_begin, n_begin + kN);
 #pragma unroll
       for (int nt = 0; nt < kSTiles; ++nt) {
@@ -326,9 +329,8 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
                               : 0.f;
       const SegmentMask segments = MakeSegmentMask(p, bb);
       const float cap = p.softcap;
-      const bool dropout = p.dropout_seeds != nullptr;
       const DropoutMask keep =
-          dropout ? MakeDropoutMask(p, bb, Opaque(static_cast<int>(h))) : DropoutMask{};
+          kDropout ? MakeDropoutMask(p, bb, Opaque(static_cast<int>(h))) : DropoutMask{};
 #pragma unroll
       for (int nt = 0; nt < kSTiles; ++nt) {
 #pragma unroll
@@ -358,7 +360,7 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
             }
             float dp = acc_dp[nt][2 * half + e];
             bool kept = true;
-            if (dropout) {
+            if constexpr (kDropout) {
               kept = (keep.Keep4(query, key / 4) >> (key % 4)) & 1u;
               dp = kept ? dp * p.dropout_scale : 0.f;
             }
@@ -461,35 +463,35 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
       if (d >= head_dim) continue;
       *reinterpret_cast<uint32_t*>(dk + d) = PackFloat2<Elem>(
           acc_dk[dt][2 * half] * p.softmax_scale, acc_dk[dt][2 * half + 1] * p.softmax_scale);
-      // dV = (Z o P)^T dO / (1 - rate); dropout_scale is 1 without dropout.
+      // dV = (Z o P)^T dO / (1 - rate) with dropout.
+      const float dv_scale = kDropout ? p.dropout_scale : 1.f;
       *reinterpret_cast<uint32_t*>(dv + d) =
-          PackFloat2<Elem>(acc_dv[dt][2 * half] * p.dropout_scale,
-                           acc_dv[dt][2 * half + 1] * p.dropout_scale);
+          PackFloat2<Elem>(acc_dv[dt][2 * half] * dv_scale, acc_dv[dt][2 * half + 1] * dv_scale);
     }
   }
 }
 
 // One key block per CTA (grid.x = key blocks), or, deterministic, key blocks
 // blockIdx.x, + gridDim.x, ... in order into dQ slice blockIdx.x.
-template <typename Elem, typename Tr>
+template <typename Elem, typename Tr, bool kDropout>
 __device__ __forceinline__ void BwdMainLoop(const FlashParams& p, const BwdScratchPtrs& s) {
   const int64_t num_n_blocks = (p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN;
   float* dq_acc = s.dq_acc + blockIdx.x * s.dq_slice_stride;
   for (int64_t n_block = blockIdx.x; n_block < num_n_blocks; n_block += gridDim.x) {
     if (n_block != blockIdx.x) __syncthreads();  // every warp is done with the last K, V, dS
-    BwdMainBody<Elem, Tr>(p, s, n_block, dq_acc);
+    BwdMainBody<Elem, Tr, kDropout>(p, s, n_block, dq_acc);
   }
 }
 
-template <typename Elem, typename Tr>
+template <typename Elem, typename Tr, bool kDropout>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     BwdMainKernel(const FlashParams p, const BwdScratchPtrs s) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   // The large-smem tiles need more than the 163 KB that pre-sm90 parts offer,
   // so LaunchBwdMain never picks them there: compile no body for them.
-  if constexpr (!Tr::kLargeSmem) BwdMainLoop<Elem, Tr>(p, s);
+  if constexpr (!Tr::kLargeSmem) BwdMainLoop<Elem, Tr, kDropout>(p, s);
 #else
-  BwdMainLoop<Elem, Tr>(p, s);
+  BwdMainLoop<Elem, Tr, kDropout>(p, s);
 #endif
 }
 
@@ -497,7 +499,8 @@ template <typename Elem, typename Tr>
 cudaError_t LaunchBwdMainTiles(const FlashParams& p, const BwdScratchPtrs& s,
                                cudaStream_t stream) {
   constexpr int kSmem = Tr::kSmemBytes;
-  auto kernel = BwdMainKernel<Elem, Tr>;
+  auto kernel = p.dropout_seeds != nullptr ? BwdMainKernel<Elem, Tr, true>
+                                           : BwdMainKernel<Elem, Tr, false>;
   if (kSmem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
