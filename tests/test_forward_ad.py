@@ -13,7 +13,7 @@ import pytest
 
 import jax_flash2
 from jax_flash2 import _ext, _forward_ad, reference
-from conftest import ON_GPU, attention_fn, random_inputs, supports
+from conftest import attention_fn, random_inputs, supports
 from oracle import assert_close_to_oracle, naive_same_dtype, oracle
 
 

@@ -112,7 +112,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("softcap")         // 0: off
         .Attr<bool>("has_alibi")        // false: alibi_slopes is ignored
         .Attr<bool>("has_segment_ids")  // false: the segment ids are ignored
-        .Attr<float>("dropout_rate")    // must be 0: not in the CUDA kernels yet
+        .Attr<float>("dropout_rate")    // 0: off
         .Attr<int64_t>("sm_count"));    // multiprocessors the workspace was sized for
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
