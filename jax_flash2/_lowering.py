@@ -56,11 +56,6 @@ def _cuda_rule(target: str, backward: bool):
           "jax_flash2: the CUDA kernels take float16 or bfloat16 (they accumulate in "
           "float32); cast q, k, v or pass implementation='reference'"
       )
-    if config.dropout_rate > 0:
-      raise NotImplementedError(
-          "jax_flash2: dropout_rate > 0 is not in the CUDA kernels yet; use "
-          "implementation='reference' or CPU"
-      )
     # Only the backward's dQ sum has an order to fix (the forward has no atomics).
     deterministic = bool(config.deterministic and backward)
     shapes = [aval.shape for aval in ctx.avals_in[:2]]

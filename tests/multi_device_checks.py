@@ -239,8 +239,6 @@ def segments_and_alibi_batch_and_heads(data, model):
 def dropout_batch_and_heads(data, model):
   # The [B, H, 2] dropout seeds are drawn from one replicated key and split
   # with q along batch and heads: the same masks as on one device.
-  if ARGS.platform == "gpu":
-    raise Skip("dropout is not in the CUDA kernels yet")
   m = mesh(data, model)
   q, k, v = qkv(4)
   key = jax.random.key(3)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,12 +123,19 @@ def test_cuda_lowering_passes_score_options(option):
 
 
 @pytest.mark.skipif(_ext.cuda_ext is None, reason="needs the CUDA extension to lower for CUDA")
-def test_cuda_lowering_refuses_dropout():
+def test_cuda_lowering_passes_dropout():
+  """The CUDA lowering hands dropout to the kernels: the rate as an attribute
+  of the forward and backward calls, the [B, H, 2] seeds as an operand."""
   q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
-  f = jax.jit(lambda q, k, v: jax_flash2.flash_attention(
-      q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0)))
-  with pytest.raises(NotImplementedError, match="dropout_rate > 0 is not in the CUDA kernels yet"):
-    f.trace(q, q, q).lower(lowering_platforms=("cuda",))
+  loss = lambda q: jnp.sum(jax_flash2.flash_attention(
+      q, q, q, dropout_rate=0.125, dropout_rng=jax.random.key(0)).astype(jnp.float32))
+  ir = jax.jit(jax.grad(loss)).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+  calls = re.findall(r"stablehlo\.custom_call @(jax_flash2_\w+)\((.*)", ir)
+  assert sorted(name for name, _ in calls) == sorted([_ext.FORWARD_TARGET,
+                                                      _ext.BACKWARD_TARGET]), calls
+  for name, rest in calls:
+    assert "dropout_rate = 1.250000e-01 : f32" in rest, (name, rest)
+    assert "tensor<1x2x2xui32>" in rest, (name, rest)
 
 
 def test_vmap_of_grad(backend, rng):

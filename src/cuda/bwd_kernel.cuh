@@ -42,6 +42,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "../flash_dropout.h"
 #include "../flash_mask.h"
 #include "../flash_params.h"
 #include "bwd_traits.h"
@@ -165,8 +166,45 @@ __device__ __forceinline__ void LoadTileAsync(Elem* smem, const Elem* gmem, cons
   }
 }
 
+// Dropout keep bits Z of this lane's S^T elements: bit (nt * 2 + half) * 2 + e
+// for key n_begin + 16 wn + g + 8 half and query m_begin + m0 + 8 nt + 2 tq + e
+// (the main body's fragment layout). A Philox call gives the group of four
+// keys 4a..4a+3 of one query; those keys sit in the four lanes g % 4 = 0..3
+// with the same g / 4 and tq. So for every two n8 tiles and half, each of the
+// four lanes makes one of the four calls (tile 2 np + x / 2, column x % 2 for
+// x = g % 4) and they trade words by shuffle: a quarter of the calls of one
+// per element.
+template <typename Tr>
+__device__ __forceinline__ uint32_t BwdKeepBits(const DropoutMask& mask, int64_t m_begin,
+                                                int64_t n_begin, int m0, int wn, int g, int tq,
+                                                int lane) {
+  constexpr int kSTiles = Tr::kMw / 8;
+  static_assert(kSTiles % 2 == 0 && kSTiles * 4 <= 32);
+  const int x = g % 4;
+  uint32_t bits = 0;
+#pragma unroll
+  for (int np = 0; np < kSTiles / 2; ++np) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t query = m_begin + m0 + (2 * np + x / 2) * 8 + 2 * tq + x % 2;
+      const int64_t key4 = (n_begin + wn * 16 + (g - x) + half * 8) / 4;
+      const unsigned word = mask.Keep4(query, key4);
+#pragma unroll
+      for (int src = 0; src < 4; ++src) {
+        const unsigned w = __shfl_sync(0xffffffffu, word, (lane & ~12) | (src << 2));
+        // src's call covers tile 2 np + src / 2, column src % 2; this lane's key is bit x.
+        bits |= ((w >> x) & 1u) << (((2 * np + src / 2) * 2 + half) * 2 + src % 2);
+      }
+    }
+  }
+  return bits;
+}
+
 // Key block n_block of (b, kv head) = (blockIdx.y, blockIdx.z); dQ into dq_acc.
-template <typename Elem, typename Tr>
+// kDropout == (p.dropout_seeds != nullptr), a template argument as in the
+// forward: in the runtime score-variants branch it raised the spills of the
+// d128 large-smem tile on sm_90a from 12 to 84 bytes of stores.
+template <typename Elem, typename Tr, bool kDropout>
 __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScratchPtrs& s,
                                             int64_t n_block, float* dq_acc) {
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kD = Tr::kHeadDim;
@@ -254,6 +292,13 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
     if (it + 1 < num_iters) load_q_do(it + 1);
     CpAsyncCommit();
 
+    // Dropout's keep bits first, while S^T and dP^T hold no registers.
+    uint32_t keep_bits = 0;
+    if constexpr (kDropout) {
+      keep_bits = BwdKeepBits<Tr>(MakeDropoutMask(p, b, h), m_begin, n_begin, wd * Tr::kMw, wn, g,
+                                  tq, lane);
+    }
+
     // S^T = K Q^T and dP^T = V dO^T for keys [16 wn, +16) x queries [m0, +kMw).
     constexpr int kSTiles = Tr::kMw / 8;
     const int m0 = wd * Tr::kMw;
@@ -287,7 +332,7 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
     // P^T = exp2(S^T * scale_log2 - lse2), dS^T = P^T o (dP^T - Dvec), into smem.
     // The per-element mask only where the block is not fully visible (diagonal
     // and ragged tails); rows past T have lse2 = +inf, hence P = 0.
-    if (!HasScoreVariants(p)) {
+    if (!kDropout && !HasScoreVariants(p)) {
       const bool full = mask.BlockFullyVisible(m_begin, m_begin + kM, n_begin, n_begin + kN);
 #pragma unroll
       for (int nt = 0; nt < kSTiles; ++nt) {
@@ -308,11 +353,13 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
         }
       }
     } else {
-      // softcap, ALiBi, segments: the forward's transform of the scores,
+      // softcap, ALiBi, segments, dropout: the forward's transform of the scores,
       //   x = scale * S;  x = softcap * tanh(x / softcap);  x -= slope * |q + S - T - key|
       //   P = exp2(x * log2(e) - lse2), 0 where the window or the segments hide the pair
-      //   dS = P o (dP - Dvec) o (1 - tanh^2)   (the cap's derivative; dK, dQ get
-      //                                          the scale in their epilogues)
+      //   dS = P o (Z o dP / (1 - rate) - Dvec) o (1 - tanh^2)   (the cap's
+      //        derivative; dK, dQ get the scale in their epilogues)
+      //   P^T for dV += P^T dO is Z o P; dV's 1 / (1 - rate) is in the epilogue.
+      // Z is the dropout keep mask (all ones without dropout), from BwdKeepBits.
       // Indices through Opaque: the plain path has no register to spare.
       const int64_t bb = Opaque(static_cast<int>(b));
       const int64_t nb = Opaque(static_cast<int>(n_begin));
@@ -349,8 +396,14 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
                  (query >= p.seqlen_q || !segments.Allowed(query, key)))) {
               y = 0.f;
             }
-            pv[e] = y;
-            ds[e] = y * (acc_dp[nt][2 * half + e] - sdvec[c + e]) * slope_cap;
+            float dp = acc_dp[nt][2 * half + e];
+            bool kept = true;
+            if constexpr (kDropout) {
+              kept = (keep_bits >> ((nt * 2 + half) * 2 + e)) & 1u;
+              dp = kept ? dp * p.dropout_scale : 0.f;
+            }
+            pv[e] = kept ? y : 0.f;
+            ds[e] = y * (dp - sdvec[c + e]) * slope_cap;
           }
           *reinterpret_cast<uint32_t*>(s_pt + r * kPStride + c) = PackFloat2<Elem>(pv[0], pv[1]);
           *reinterpret_cast<uint32_t*>(s_dst + r * kPStride + c) = PackFloat2<Elem>(ds[0], ds[1]);
@@ -448,33 +501,35 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
       if (d >= head_dim) continue;
       *reinterpret_cast<uint32_t*>(dk + d) = PackFloat2<Elem>(
           acc_dk[dt][2 * half] * p.softmax_scale, acc_dk[dt][2 * half + 1] * p.softmax_scale);
+      // dV = (Z o P)^T dO / (1 - rate) with dropout.
+      const float dv_scale = kDropout ? p.dropout_scale : 1.f;
       *reinterpret_cast<uint32_t*>(dv + d) =
-          PackFloat2<Elem>(acc_dv[dt][2 * half], acc_dv[dt][2 * half + 1]);
+          PackFloat2<Elem>(acc_dv[dt][2 * half] * dv_scale, acc_dv[dt][2 * half + 1] * dv_scale);
     }
   }
 }
 
 // One key block per CTA (grid.x = key blocks), or, deterministic, key blocks
 // blockIdx.x, + gridDim.x, ... in order into dQ slice blockIdx.x.
-template <typename Elem, typename Tr>
+template <typename Elem, typename Tr, bool kDropout>
 __device__ __forceinline__ void BwdMainLoop(const FlashParams& p, const BwdScratchPtrs& s) {
   const int64_t num_n_blocks = (p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN;
   float* dq_acc = s.dq_acc + blockIdx.x * s.dq_slice_stride;
   for (int64_t n_block = blockIdx.x; n_block < num_n_blocks; n_block += gridDim.x) {
     if (n_block != blockIdx.x) __syncthreads();  // every warp is done with the last K, V, dS
-    BwdMainBody<Elem, Tr>(p, s, n_block, dq_acc);
+    BwdMainBody<Elem, Tr, kDropout>(p, s, n_block, dq_acc);
   }
 }
 
-template <typename Elem, typename Tr>
+template <typename Elem, typename Tr, bool kDropout>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     BwdMainKernel(const FlashParams p, const BwdScratchPtrs s) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   // The large-smem tiles need more than the 163 KB that pre-sm90 parts offer,
   // so LaunchBwdMain never picks them there: compile no body for them.
-  if constexpr (!Tr::kLargeSmem) BwdMainLoop<Elem, Tr>(p, s);
+  if constexpr (!Tr::kLargeSmem) BwdMainLoop<Elem, Tr, kDropout>(p, s);
 #else
-  BwdMainLoop<Elem, Tr>(p, s);
+  BwdMainLoop<Elem, Tr, kDropout>(p, s);
 #endif
 }
 
@@ -482,7 +537,8 @@ template <typename Elem, typename Tr>
 cudaError_t LaunchBwdMainTiles(const FlashParams& p, const BwdScratchPtrs& s,
                                cudaStream_t stream) {
   constexpr int kSmem = Tr::kSmemBytes;
-  auto kernel = BwdMainKernel<Elem, Tr>;
+  auto kernel = p.dropout_seeds != nullptr ? BwdMainKernel<Elem, Tr, true>
+                                           : BwdMainKernel<Elem, Tr, false>;
   if (kSmem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);

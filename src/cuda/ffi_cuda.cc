@@ -28,11 +28,6 @@ ffi::Error Prepare(const FlashParams& p, ffi::AnyBuffer& workspace, int64_t plan
   if (std::string why = Unsupported(p, *dev); !why.empty()) {
     return ffi::Error::InvalidArgument("jax_flash2: " + why);
   }
-  // Dropout is not in the CUDA kernels yet: refuse rather than ignore.
-  if (p.dropout_seeds != nullptr) {
-    return ffi::Error::InvalidArgument(
-        "jax_flash2: dropout_rate > 0 is not implemented by the CUDA kernels");
-  }
   if (plan_sm_count > 0) dev->sm_count = static_cast<int>(plan_sm_count);
   const size_t bytes = bytes_for(p, *dev);
   if (workspace.size_bytes() < bytes) {
@@ -117,7 +112,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("softcap")         // 0: off
         .Attr<bool>("has_alibi")        // false: alibi_slopes is ignored
         .Attr<bool>("has_segment_ids")  // false: the segment ids are ignored
-        .Attr<float>("dropout_rate")    // must be 0: not in the CUDA kernels yet
+        .Attr<float>("dropout_rate")    // 0: off
         .Attr<int64_t>("sm_count"));    // multiprocessors the workspace was sized for
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

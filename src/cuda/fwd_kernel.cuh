@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../flash_dropout.h"
 #include "../flash_mask.h"
 #include "fwd_launch.h"
 #include "kernel_traits.h"
@@ -271,7 +272,85 @@ __device__ __forceinline__ void ApplyScoreVariants(float (&s)[Tr::kMTiles][Tr::k
   }
 }
 
-template <typename Elem, int kHeadDim>
+// Dropout, P <- Z o P with Z the keep mask of flash_dropout.h at the absolute
+// (query, key) of each element, in two steps:
+//   DropoutKeepBits before S = Q K^T, while S holds no registers, into shared
+//     memory (each lane its own words, so no barrier);
+//   ApplyDropoutBits after the row sums, which stay those of the undropped
+//     softmax (as the LSE does); 1 / (1 - rate) is applied with 1 / l in the
+//     epilogue.
+// Why the detour: the d128 tile sits at 255 registers with S and O live, and
+// the Philox calls beside S, or even four words of bits carried in registers
+// from before S to after it, made ptxas spill 144-700 bytes (measured while
+// dropout was a runtime branch of the one kernel; now 44 bytes, in the
+// dropout kernel only, at d128 on sm_80).
+// Rows and keys as in ApplyScoreVariants (packed row r: query r / pack of head
+// z * pack + r % pack). A lane's two keys 2 * t4 and 2 * t4 + 1 of an n8 tile
+// lie in one Philox group of four (key0 is a multiple of 8), and lane t4 ^ 1
+// needs the other half of that group: so each lane of the pair generates the
+// groups of every other n8 tile (even lanes the even tiles) and the pair swaps
+// them by shuffle, one Philox call per two tiles per row. Word (mt, h) of the
+// lane, at keep[(mt * 2 + h) * 32], holds tile nt's two keys at bits 2 nt and
+// 2 nt + 1; `keep` is the lane's slot in the warp's area.
+template <class Tr>
+__device__ __forceinline__ void DropoutKeepBits(uint32_t* keep, const FlashParams& p, int b,
+                                                int z, int pack, int row0, int key0, int g,
+                                                int t4) {
+  static_assert(Tr::kNTiles % 2 == 0 && Tr::kNTiles * 2 <= 32);
+  const int odd = t4 & 1;
+#pragma unroll 1
+  for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll 1
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + mt * 16 + g + 8 * h;
+      const DropoutMask mask = MakeDropoutMask(p, b, z * pack + row % pack);
+      const int query = row / pack;  // rows past T are never written
+      // Groups of tiles 2 np + odd, 4 bits each at bit 4 np.
+      uint32_t mine = 0;
+#pragma unroll 1
+      for (int np = 0; np < Tr::kNTiles / 2; ++np) {
+        mine |= mask.Keep4(query, (key0 + (2 * np + odd) * 8 + (t4 & 2) * 2) / 4) << (4 * np);
+      }
+      const uint32_t theirs = __shfl_xor_sync(0xffffffffu, mine, 1);
+      // This lane's keys are bits 2 odd, 2 odd + 1 of each group.
+      const uint32_t even_tiles = (odd ? theirs : mine) >> (2 * odd);
+      const uint32_t odd_tiles = (odd ? mine : theirs) >> (2 * odd);
+      uint32_t own = 0;
+#pragma unroll
+      for (int np = 0; np < Tr::kNTiles / 2; ++np) {
+        own |= ((even_tiles >> (4 * np)) & 3u) << (4 * np);
+        own |= ((odd_tiles >> (4 * np)) & 3u) << (4 * np + 2);
+      }
+      keep[(mt * 2 + h) * 32] = own;
+    }
+  }
+}
+
+template <class Tr>
+__device__ __forceinline__ void ApplyDropoutBits(float (&s)[Tr::kMTiles][Tr::kNTiles][4],
+                                                 const uint32_t* keep) {
+#pragma unroll
+  for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t bits = keep[(mt * 2 + h) * 32];
+#pragma unroll
+      for (int nt = 0; nt < Tr::kNTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (!((bits >> (2 * nt + e)) & 1u)) s[mt][nt][2 * h + e] = 0.f;
+        }
+      }
+    }
+  }
+}
+
+// kDropout (p.dropout_seeds != nullptr) is the one score option made a
+// template argument: as a runtime branch, even with the mask bits in shared
+// memory, it cost the plain d128 kernel 28-124 bytes of spills (the kernel
+// sits at 255 registers, and any branch between the softmax and P V splits
+// the block whose overlap keeps it there).
+template <typename Elem, int kHeadDim, bool kDropout>
 __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, 1)
     FwdKernel(const __grid_constant__ FwdArgs args) {
   using Tr = FwdTraits<kHeadDim>;
@@ -385,6 +464,15 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, 1)
   // per-tile predicate nor a second code path.
   const bool all_live = row_begin + warp_row0 + (kMT - 1) * 16 < row_end;
 
+  // This lane's dropout keep words, after the K/V stages (DropoutKeepBits);
+  // recomputed at each use so that no register holds the address.
+  auto dropout_keep = [&]() {
+    constexpr int kOneStage = FwdSmemBytes(Tr::kTile, 1, false) / 4;
+    constexpr int kTwoStages = FwdSmemBytes(Tr::kTile, 2, false) / 4;
+    const int offset = Opaque(args.kv_stages == 2 ? kTwoStages : kOneStage);
+    return reinterpret_cast<uint32_t*>(smem_raw) + offset + warp * kMT * 2 * 32 + lane;
+  };
+
   // Mask, online softmax (S becomes P in place), O += P V_n.
   auto softmax_pv = [&](float (&s)[kMT][kNT][4], int key0, uint32_t v_tile, bool all) {
     if (HasScoreVariants(p)) {  // runtime options, off the plain path
@@ -442,6 +530,8 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, 1)
       }
     }
 
+    if constexpr (kDropout) ApplyDropoutBits<Tr>(s, dropout_keep());
+
     if (kMT == 1 || all) {
       AccumulatePV<Tr, Elem, kMT>(s, o, v_tile, head_dim);
     } else {
@@ -449,8 +539,13 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, 1)
     }
   };
 
-  // S = Q K_n^T (unscaled; the scale is folded into exp2 below).
-  auto compute_s = [&](float (&s)[kMT][kNT][4], uint32_t k_tile, bool all) {
+  // S = Q K_n^T (unscaled; the scale is folded into exp2 below), and the
+  // dropout keep bits of the block's keys key0 + [0, kBlockN) first.
+  auto compute_s = [&](float (&s)[kMT][kNT][4], int key0, uint32_t k_tile, bool all) {
+    if constexpr (kDropout) {
+      DropoutKeepBits<Tr>(dropout_keep(), p, Opaque(b), Opaque(z), pack,
+                          Opaque(row_begin + warp_row0), Opaque(key0), g, t4);
+    }
     if (kMT == 1 || all) {
       ComputeS<Tr, Elem, kMT>(s, q_addr, k_tile, head_dim);
     } else {
@@ -485,7 +580,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, 1)
       load_v(s_v, n_block);
       CpAsyncCommit();
       float s[kMT][kNT][4];
-      if (warp_active) compute_s(s, k_addr0, true);
+      if (warp_active) compute_s(s, n_block * kBlockN, k_addr0, true);
       CpAsyncWait<0>();
       __syncthreads();  // V_n visible; every warp is done reading K_n
       if (n_block > n_first) load_k(s_k, n_block - 1);
@@ -512,7 +607,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, 1)
       if (warp_active) {
         float s[kMT][kNT][4];
         const uint32_t offset = stage * kStageElems * 2;
-        compute_s(s, k_addr0 + offset, all_live);
+        compute_s(s, n_block * kBlockN, k_addr0 + offset, all_live);
         softmax_pv(s, n_block * kBlockN, v_addr0 + offset, all_live);
       }
       __syncthreads();  // every warp is done with this stage before it is refilled
@@ -533,7 +628,9 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, 1)
       const int head = z * pack + row % pack;
       // l == 0 exactly when the row saw no key (the max key contributes
       // exp2(0) = 1 otherwise): output 0 and LSE -inf rather than 0 / 0.
-      const float inv_l = l > 0.f ? 1.f / l : 0.f;
+      // Dropout's 1 / (1 - rate) goes here too; the LSE is of the undropped
+      // softmax.
+      const float inv_l = l > 0.f ? (kDropout ? p.dropout_scale : 1.f) / l : 0.f;
       const float lse = l > 0.f ? row_max[mt][h] * p.softmax_scale + logf(l) : -INFINITY;
       const int64_t lse_index = (b * num_heads + head) * seqlen_q + t;
       if (!write_partial) {
@@ -567,11 +664,13 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, 1)
 
 }  // namespace fwd
 
-template <typename Elem, int kHeadDim>
-cudaError_t LaunchFwdKernel(const FwdArgs& args, cudaStream_t stream) {
+namespace fwd {
+
+template <typename Elem, int kHeadDim, bool kDropout>
+cudaError_t LaunchFwdKernelFor(const FwdArgs& args, cudaStream_t stream) {
   using Tr = FwdTraits<kHeadDim>;
-  const auto kernel = &fwd::FwdKernel<Elem, kHeadDim>;
-  const int smem_bytes = FwdSmemBytes(Tr::kTile, args.kv_stages);
+  const auto kernel = &FwdKernel<Elem, kHeadDim, kDropout>;
+  const int smem_bytes = FwdSmemBytes(Tr::kTile, args.kv_stages, kDropout);
   // Opt in once per device to the most dynamic shared memory any launch of
   // this kernel may ask for there (the two-stage size when the device has it;
   // the host only picks two stages then). Setting it per launch size instead
@@ -585,8 +684,8 @@ cudaError_t LaunchFwdKernel(const FwdArgs& args, cudaStream_t stream) {
     int optin = 0;
     err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     if (err != cudaSuccess) return err;
-    int max_bytes = FwdSmemBytes(Tr::kTile, 2);
-    if (max_bytes > optin) max_bytes = FwdSmemBytes(Tr::kTile, 1);
+    int max_bytes = FwdSmemBytes(Tr::kTile, 2, kDropout);
+    if (max_bytes > optin) max_bytes = FwdSmemBytes(Tr::kTile, 1, kDropout);
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_bytes);
     if (err != cudaSuccess) return err;
     opted_in.fetch_or(bit, std::memory_order_release);
@@ -595,6 +694,15 @@ cudaError_t LaunchFwdKernel(const FwdArgs& args, cudaStream_t stream) {
                   static_cast<unsigned>(args.p.num_heads_q / args.pack));
   kernel<<<grid, Tr::kThreads, smem_bytes, stream>>>(args);
   return cudaGetLastError();
+}
+
+}  // namespace fwd
+
+template <typename Elem, int kHeadDim>
+cudaError_t LaunchFwdKernel(const FwdArgs& args, cudaStream_t stream) {
+  return args.p.dropout_seeds != nullptr
+             ? fwd::LaunchFwdKernelFor<Elem, kHeadDim, true>(args, stream)
+             : fwd::LaunchFwdKernelFor<Elem, kHeadDim, false>(args, stream);
 }
 
 }  // namespace jax_flash2::cuda

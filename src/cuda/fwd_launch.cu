@@ -85,7 +85,8 @@ FwdPlan MakeFwdPlan(const FlashParams& p, const DeviceInfo& dev) {
   // Small (split or packed) grids are bound by copy latency, not by the tensor
   // cores: give them a second K/V stage when it fits.
   if ((plan.num_splits > 1 || plan.pack > 1) &&
-      static_cast<size_t>(FwdSmemBytes(plan.tile, 2)) <= dev.max_smem_per_block_optin) {
+      static_cast<size_t>(FwdSmemBytes(plan.tile, 2, p.dropout_seeds != nullptr)) <=
+          dev.max_smem_per_block_optin) {
     plan.kv_stages = 2;
   }
   return plan;
@@ -254,7 +255,7 @@ std::string Unsupported(const FlashParams& p, const DeviceInfo& dev) {
            " (max 65535), H=" + std::to_string(p.num_heads_q) + " (max 65535), T=" +
            std::to_string(p.seqlen_q) + ", S=" + std::to_string(p.seqlen_k);
   }
-  const int smem = FwdSmemBytes(FwdTileFor(p.head_dim), 1);
+  const int smem = FwdSmemBytes(FwdTileFor(p.head_dim), 1, p.dropout_seeds != nullptr);
   if (static_cast<size_t>(smem) > dev.max_smem_per_block_optin) {
     return "head_dim D=" + std::to_string(p.head_dim) + " needs " + std::to_string(smem) +
            " bytes of shared memory per block; this GPU allows " +

@@ -43,9 +43,11 @@ constexpr FwdTileSizes FwdTileFor(int64_t head_dim) {
 // rows one ldmatrix phase reads fall into 8 distinct bank groups.
 inline constexpr int kSmemPad = 8;
 
-// Q tile plus `stages` K and V tiles, of 2-byte elements.
-constexpr int FwdSmemBytes(const FwdTileSizes& t, int stages) {
-  return (t.block_m + 2 * stages * t.block_n) * (t.head_dim + kSmemPad) * 2;
+// Q tile plus `stages` K and V tiles, of 2-byte elements; with dropout, then
+// the keep bits of one key block: per m16 tile, 2 words for each of 32 lanes.
+constexpr int FwdSmemBytes(const FwdTileSizes& t, int stages, bool dropout) {
+  return (t.block_m + 2 * stages * t.block_n) * (t.head_dim + kSmemPad) * 2 +
+         (dropout ? t.block_m / 16 * 2 * 32 * 4 : 0);
 }
 
 template <int kHeadDim_>

@@ -108,6 +108,7 @@ struct Case {
   bool alibi = false;
   int segments = 0;                   // 0 none, 1 packed runs, 2 random (empty rows)
   bool deterministic = false;         // also: a second run gives the same bits
+  float dropout = 0.f;                // dropout rate (MakeHostDropout)
 };
 
 struct Tensor {  // host copy: dtype bits and the exact double values of them
@@ -181,6 +182,7 @@ bool RunCase(const Case& c, const std::vector<DevVariant>& variants, int* failed
   std::mt19937_64 rng(0x5eed + T * 131 + S * 7 + D + H * 1000003 + static_cast<int>(dt));
   HostVariants var;
   jax_flash2::selftest::MakeHostVariants(p, c.softcap, c.alibi, c.segments, rng, &var);
+  jax_flash2::selftest::MakeHostDropout(p, c.dropout, rng, &var);
   const size_t nq = B * T * H * D, nk = B * S * K * D, nl = B * H * T;
   Tensor q = RandomTensor(nq, dt, rng), k = RandomTensor(nk, dt, rng),
          v = RandomTensor(nk, dt, rng), d_o = RandomTensor(nq, dt, rng);
@@ -217,8 +219,9 @@ bool RunCase(const Case& c, const std::vector<DevVariant>& variants, int* failed
           for (int64_t s = 0; s < S; ++s) {
             if (sc[s] == -INFINITY) continue;
             const double w = std::exp(sc[s] - m);
-            l += w;
-            for (int64_t d = 0; d < D; ++d) acc[d] += w * v.val[ki(b, s, kh) + d];
+            l += w;  // the LSE is of the undropped softmax; O of Z o P / (1 - rate)
+            const double wz = w * jax_flash2::selftest::DropoutFactor(p, var, b, h, t, s);
+            for (int64_t d = 0; d < D; ++d) acc[d] += wz * v.val[ki(b, s, kh) + d];
           }
         }
         // A row that sees no key: O = 0, LSE = -inf (what the forward emits).
@@ -237,7 +240,7 @@ bool RunCase(const Case& c, const std::vector<DevVariant>& variants, int* failed
 #pragma omp parallel for collapse(2) schedule(dynamic)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t kh = 0; kh < K; ++kh) {
-      std::vector<double> pr(S), ds(S);
+      std::vector<double> pr(S), ds(S), z(S);
       for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
         for (int64_t t = 0; t < T; ++t) {
           const double L = lse[li(b, h, t)];
@@ -255,7 +258,9 @@ bool RunCase(const Case& c, const std::vector<DevVariant>& variants, int* failed
             double dcap;
             const double score = VariantScore(p, var, b, t, h, s, dot * scale, &dcap);
             pr[s] = score == -INFINITY ? 0.0 : std::exp(score - L);
-            ds[s] = pr[s] * (dp - Di) * dcap;  // through the cap: d score / d(scale q.k)
+            // Dropout: dS = P o (Z o dP / (1 - rate) - D), dV = (Z o P / (1 - rate))^T dO.
+            z[s] = jax_flash2::selftest::DropoutFactor(p, var, b, h, t, s);
+            ds[s] = pr[s] * (dp * z[s] - Di) * dcap;  // through the cap: d score / d(scale q.k)
           }
           for (int64_t s = 0; s < S; ++s) {
             if (pr[s] == 0 && ds[s] == 0) continue;
@@ -266,8 +271,8 @@ bool RunCase(const Case& c, const std::vector<DevVariant>& variants, int* failed
               dqn[qi(b, t, h) + d] += scale * dsn * kr[d];
               dk[ki(b, s, kh) + d] += scale * ds[s] * qr[d];
               dkn[ki(b, s, kh) + d] += scale * dsn * qr[d];
-              dv[ki(b, s, kh) + d] += pr[s] * dor[d];
-              dvn[ki(b, s, kh) + d] += pn * dor[d];
+              dv[ki(b, s, kh) + d] += pr[s] * z[s] * dor[d];
+              dvn[ki(b, s, kh) + d] += pn * z[s] * dor[d];
             }
           }
         }
@@ -312,7 +317,13 @@ bool RunCase(const Case& c, const std::vector<DevVariant>& variants, int* failed
     p.dq = d_dq;
     p.dk = d_dk;
     p.dv = d_dv;
-    void *d_alibi = nullptr, *d_q_ids = nullptr, *d_kv_ids = nullptr;
+    void *d_alibi = nullptr, *d_q_ids = nullptr, *d_kv_ids = nullptr, *d_seeds = nullptr;
+    if (!var.dropout_seeds.empty()) {
+      const size_t bytes = var.dropout_seeds.size() * 4;
+      CHECK_CUDA(cudaMalloc(&d_seeds, bytes));
+      CHECK_CUDA(cudaMemcpy(d_seeds, var.dropout_seeds.data(), bytes, cudaMemcpyHostToDevice));
+      jax_flash2::selftest::SetDropout(var, d_seeds, &p);
+    }
     if (!var.alibi.empty()) {
       CHECK_CUDA(cudaMalloc(&d_alibi, var.alibi.size() * 4));
       CHECK_CUDA(cudaMemcpy(d_alibi, var.alibi.data(), var.alibi.size() * 4,
@@ -354,11 +365,12 @@ bool RunCase(const Case& c, const std::vector<DevVariant>& variants, int* failed
     }
     for (void* ptr : {d_q, d_k, d_v, d_out, d_dout, d_dq, d_dk, d_dv, d_scratch,
                       static_cast<void*>(d_lse_buf), static_cast<void*>(d_dlse_buf), d_alibi,
-                      d_q_ids, d_kv_ids}) {
+                      d_q_ids, d_kv_ids, d_seeds}) {
       if (ptr != nullptr) CHECK_CUDA(cudaFree(ptr));
     }
     p.alibi_slopes = nullptr;
     p.q_segment_ids = p.kv_segment_ids = nullptr;
+    p.dropout_seeds = nullptr;
 
     const ErrStats eq = Compare(out_dq, dq, dqn, dt), ek = Compare(out_dk, dk, dkn, dt),
                    ev = Compare(out_dv, dv, dvn, dt);
@@ -510,6 +522,8 @@ int main(int argc, char** argv) {
          true, 2},
         {"fp16 d32 T40 S300 determ gqa2", hf, 2, 40, 300, 4, 2, 32, -1, 0, false, 0.f, false, 0,
          true},
+        {"bf16 d64 T45 S70 causal gqa2 dropout0.3", bf, 1, 45, 70, 4, 2, 64, -1, 0, true, 0.f,
+         false, 0, false, 0.3f},
     };
   } else {
     cases = {
@@ -548,6 +562,21 @@ int main(int argc, char** argv) {
          0, true},
         {"fp16 d128 T300 S1500 determ gqa2 seg", hf, 2, 300, 1500, 8, 4, 128, -1, -1, false, 0.f,
          false, 1, true},
+        // Dropout (the oracle applies flash_dropout.h's mask on the host):
+        // alone, causal GQA with odd lengths and dLSE, with the other options,
+        // a decode shape (T = 5, GQA4), and the deterministic path.
+        {"bf16 d64 T77 S77 dropout0.2", bf, 2, 77, 77, 4, 4, 64, -1, -1, false, 0.f, false, 0,
+         false, 0.2f},
+        {"fp16 d128 T257 S130 causal gqa2 dlse dropout0.3", hf, 1, 257, 130, 4, 2, 128, -1, 0, true,
+         0.f, false, 0, false, 0.3f},
+        {"bf16 d32 T130 S97 causal softcap alibi seg dropout", bf, 2, 130, 97, 2, 1, 32, -1, 0,
+         false, 4.f, true, 1, false, 0.1f},
+        {"fp16 d256 T100 S300 win(64,16) dropout0.5", hf, 1, 100, 300, 2, 2, 256, 64, 16, false, 0.f,
+         false, 0, false, 0.5f},
+        {"fp16 d64 T5 S2000 causal gqa4 decode dropout", hf, 2, 5, 2000, 8, 2, 64, -1, 0, true, 0.f,
+         false, 0, false, 0.25f},
+        {"bf16 d128 T700 S700 causal determ dropout0.1", bf, 2, 700, 700, 8, 8, 128, -1, 0, true,
+         0.f, false, 0, true, 0.1f},
     };
   }
   // Every case runs with the device as it is and, where that device has more,

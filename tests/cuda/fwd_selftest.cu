@@ -44,6 +44,7 @@ struct Case {
   float softcap = 0.f;  // score options (MakeHostVariants)
   bool alibi = false;
   int segments = 0;     // 0 none, 1 packed runs, 2 random (some queries see no key)
+  float dropout = 0.f;  // dropout rate (MakeHostDropout)
 };
 
 
@@ -103,6 +104,7 @@ bool RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
   for (int64_t i = 0; i < nk; ++i) { hv[i] = ToBits(c.dtype, normal(rng)); fv[i] = FromBits(c.dtype, hv[i]); }
   HostVariants var;
   MakeHostVariants(p0, c.softcap, c.alibi, c.segments, rng, &var);
+  MakeHostDropout(p0, c.dropout, rng, &var);
 
   void *dq, *dk, *dv, *d_o, *dscratch = nullptr;
   float* dlse;
@@ -134,6 +136,7 @@ bool RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
     p.q_segment_ids = static_cast<const int32_t*>(upload(var.q_ids));
     p.kv_segment_ids = static_cast<const int32_t*>(upload(var.kv_ids));
   }
+  if (!var.dropout_seeds.empty()) SetDropout(var, upload(var.dropout_seeds), &p);
   p.q = dq;
   p.k = dk;
   p.v = dv;
@@ -329,8 +332,28 @@ int main(int argc, char** argv) {
        true, 1},
   };
   cases.insert(cases.end(), options.begin(), options.end());
+  // Dropout (the oracle applies flash_dropout.h's mask on the host): alone,
+  // causal with GQA and odd lengths, with the other options, and through the
+  // split-KV and packed-GQA decode paths (absolute rows / heads recovered).
+  const std::vector<Case> dropout = {
+      {"T77 S77 D64 dropout0.2 bf16", bf, 2, 77, 77, 4, 4, 64, -1, -1, false, 0.f, false, 0, 0.2f},
+      {"T257 S257 D128 causal GQA2 dropout0.3 fp16", fp, 1, 257, 257, 4, 2, 128, -1, 0, false, 0.f,
+       false, 0, 0.3f},
+      {"T130 S97 D32 causal softcap alibi seg dropout bf16", bf, 2, 130, 97, 2, 1, 32, -1, 0, false,
+       4.f, true, 1, 0.1f},
+      {"T100 S300 D40 win(64,16) dropout0.5 bf16", bf, 1, 100, 300, 4, 4, 40, 64, 16, false, 0.f,
+       false, 0, 0.5f},
+      {"T17 S1000 D256 dropout0.2 fp16", fp, 1, 17, 1000, 2, 2, 256, -1, -1, false, 0.f, false, 0,
+       0.2f},
+      {"decode T5 S2000 GQA4 D64 causal dropout fp16", fp, 2, 5, 2000, 8, 2, 64, -1, 0, false, 0.f,
+       false, 0, 0.25f},
+      {"decode T1 S3000 GQA8 D128 dropout bf16", bf, 1, 1, 3000, 16, 2, 128, -1, -1, false, 0.f,
+       false, 0, 0.1f},
+  };
+  cases.insert(cases.end(), dropout.begin(), dropout.end());
   if (tiny) {  // one of each path: causal + empty rows, window, packed GQA split, options
-    cases = {cases[1], cases[2], cases[5], cases[9], options[3], options[6]};
+    cases = {cases[1], cases[2], cases[5], cases[9], options[3], options[6], dropout[1],
+             dropout[5]};
   }
   if (!small) {
     std::vector<Case> big = {

@@ -17,6 +17,7 @@
 
 #include <cmath>
 
+#include "src/flash_dropout.h"
 #include "src/flash_mask.h"
 #include "src/flash_params.h"
 
@@ -88,7 +89,41 @@ struct HostVariants {
   float softcap = 0.f;
   std::vector<float> alibi;
   std::vector<int32_t> q_ids, kv_ids;
+  // Dropout: the rate (0 = off) and [B, H, 2] seeds; the mask is
+  // flash_dropout.h's DropoutMask, evaluated on the host (DropoutFactor).
+  float dropout_rate = 0.f;
+  std::vector<uint32_t> dropout_seeds;
 };
+
+// Random seeds for dropout at `rate` (none when rate == 0).
+template <class Rng>
+void MakeHostDropout(const FlashParams& p, float rate, Rng& rng, HostVariants* var) {
+  var->dropout_rate = rate;
+  var->dropout_seeds.clear();
+  if (rate == 0.f) return;
+  std::uniform_int_distribution<uint32_t> word;
+  for (int64_t i = 0; i < 2 * p.batch * p.num_heads_q; ++i) var->dropout_seeds.push_back(word(rng));
+}
+
+// p's dropout fields for var, with `seeds` the device copy of var.dropout_seeds
+// (as ffi_params.h fills them).
+inline void SetDropout(const HostVariants& var, const void* seeds, FlashParams* p) {
+  p->dropout_seeds = static_cast<const uint32_t*>(seeds);
+  p->dropout_rate = var.dropout_rate;
+  p->dropout_threshold = DropoutThreshold(var.dropout_rate);
+  p->dropout_scale = 1.0f / (1.0f - var.dropout_rate);
+}
+
+// Z / (1 - rate) at (b, h, t, j): 0 where dropout drops the score, the
+// kernels' float32 1 / (1 - rate) where it keeps it, 1 without dropout.
+inline double DropoutFactor(const FlashParams& p, const HostVariants& var, int64_t b, int64_t h,
+                            int64_t t, int64_t j) {
+  if (var.dropout_seeds.empty()) return 1.0;
+  const uint32_t* seed = &var.dropout_seeds[2 * (b * p.num_heads_q + h)];
+  const DropoutMask mask{seed[0], seed[1], DropoutThreshold(var.dropout_rate)};
+  const bool keep = (mask.Keep4(t, j / 4) >> (j % 4)) & 1u;
+  return keep ? static_cast<double>(1.0f / (1.0f - var.dropout_rate)) : 0.0;
+}
 
 // Score of query t and key j of (b, h) from the scaled dot product
 // x = scale * q.k, in double: x = softcap * tanh(x / softcap), then
@@ -154,6 +189,7 @@ void MakeHostVariants(const FlashParams& p, float softcap, bool alibi, int segme
 // row.o, returning the LSE; -inf when no key is visible) and as a plain
 // same-dtype attention computes it (S and P rounded to the dtype, fp32 sums,
 // into row.of). q, k, v are the inputs as floats, laid out by p's strides.
+// With dropout (var), O = (Z o P / (1 - rate)) V and the LSE is undropped.
 struct ReferenceRowScratch {
   std::vector<double> s, o;
   std::vector<float> sf, of;
@@ -203,8 +239,9 @@ inline double ReferenceRow(const FlashParams& p, DType dtype, const float* fq, c
     for (int64_t j = 0; j < p.seqlen_k; ++j) {
       if (sf[j] == -INFINITY) continue;
       const float* vr = &fv[Off(p.v_batch_stride, p.v_row_stride, p.v_head_stride, b, j, kh, 0)];
-      const double w = s[j] / l;
-      const float wf = RoundTo(dtype, sf[j] / lf);
+      const double z = DropoutFactor(p, var, b, h, t, j);
+      const double w = s[j] / l * z;
+      const float wf = RoundTo(dtype, sf[j] / lf) * static_cast<float>(z);
       for (int64_t d = 0; d < p.head_dim; ++d) { o[d] += w * vr[d]; of[d] += wf * vr[d]; }
     }
   }

@@ -78,9 +78,9 @@ cudaError_t LaunchForSchedule(const FwdSm90Args& args, Sm90Schedule schedule,
 bool Sm90ForwardSupports(const FlashParams& p) {
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return false;
   if (sm90::FwdSm90TileFor(p.head_dim).head_dim == 0) return false;
-  // Score modifiers the kernel does not implement yet.
+  // Score modifiers the kernel does not implement yet (the sm80 kernel runs them).
   if (p.softcap != 0.f || p.alibi_slopes != nullptr || p.q_segment_ids != nullptr ||
-      p.kv_segment_ids != nullptr) {
+      p.kv_segment_ids != nullptr || p.dropout_seeds != nullptr) {
     return false;
   }
   if (p.num_heads_kv <= 0 || p.num_heads_q % p.num_heads_kv != 0 ||
