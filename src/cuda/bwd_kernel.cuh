@@ -39,6 +39,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -48,6 +49,7 @@
 #include "bwd_traits.h"
 #include "flash_cuda.h"
 #include "primitives.cuh"
+#include "smem_optin.h"
 
 namespace jax_flash2::cuda {
 
@@ -537,11 +539,12 @@ template <typename Elem, typename Tr>
 cudaError_t LaunchBwdMainTiles(const FlashParams& p, const BwdScratchPtrs& s,
                                cudaStream_t stream) {
   constexpr int kSmem = Tr::kSmemBytes;
-  auto kernel = p.dropout_seeds != nullptr ? BwdMainKernel<Elem, Tr, true>
-                                           : BwdMainKernel<Elem, Tr, false>;
+  const bool dropout = p.dropout_seeds != nullptr;
+  auto kernel = dropout ? BwdMainKernel<Elem, Tr, true> : BwdMainKernel<Elem, Tr, false>;
   if (kSmem > 48 * 1024) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    static std::atomic<uint64_t> opted_in[2] = {0, 0};  // [dropout]
+    const cudaError_t err = OptInSharedMemoryOnce(reinterpret_cast<const void*>(kernel),
+                                                  opted_in[dropout], kSmem);
     if (err != cudaSuccess) return err;
   }
   const int64_t num_n_blocks = (p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN;

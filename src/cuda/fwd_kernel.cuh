@@ -35,6 +35,7 @@
 #include "fwd_launch.h"
 #include "kernel_traits.h"
 #include "primitives.cuh"
+#include "smem_optin.h"
 
 namespace jax_flash2::cuda {
 namespace fwd {
@@ -676,20 +677,16 @@ cudaError_t LaunchFwdKernelFor(const FwdArgs& args, cudaStream_t stream) {
   // the host only picks two stages then). Setting it per launch size instead
   // could lower it under a later, larger launch.
   static std::atomic<uint64_t> opted_in{0};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  const cudaError_t err = OptInSharedMemoryOnce(
+      reinterpret_cast<const void*>(kernel), opted_in, [](int device, int* max_bytes) {
+        int optin = 0;
+        const cudaError_t e =
+            cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+        *max_bytes = FwdSmemBytes(Tr::kTile, 2, kDropout);
+        if (*max_bytes > optin) *max_bytes = FwdSmemBytes(Tr::kTile, 1, kDropout);
+        return e;
+      });
   if (err != cudaSuccess) return err;
-  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
-  if (bit == 0 || !(opted_in.load(std::memory_order_acquire) & bit)) {
-    int optin = 0;
-    err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    if (err != cudaSuccess) return err;
-    int max_bytes = FwdSmemBytes(Tr::kTile, 2, kDropout);
-    if (max_bytes > optin) max_bytes = FwdSmemBytes(Tr::kTile, 1, kDropout);
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_bytes);
-    if (err != cudaSuccess) return err;
-    opted_in.fetch_or(bit, std::memory_order_release);
-  }
   const dim3 grid(args.num_m_blocks * args.num_splits, static_cast<unsigned>(args.p.batch),
                   static_cast<unsigned>(args.p.num_heads_q / args.pack));
   kernel<<<grid, Tr::kThreads, smem_bytes, stream>>>(args);

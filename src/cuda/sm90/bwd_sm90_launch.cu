@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "../bwd_kernel.cuh"
+#include "../smem_optin.h"
 #include "bwd_sm90.h"
 #include "bwd_sm90_kernel.cuh"
 #include "tensor_map.h"
@@ -27,17 +28,10 @@ cudaError_t LaunchBwdSm90(const BwdSm90Args& args, cudaStream_t stream) {
   constexpr BwdSm90Tile tile = sm90::BwdSm90TileFor(kHeadDim);
   constexpr int smem_bytes = sm90::BwdSm90SmemBytes(tile);
   const auto kernel = &sm90::BwdSm90Kernel<Elem, kHeadDim>;
-  // Opt in once per device (the limit is a per-device function attribute).
   static std::atomic<uint64_t> opted_in{0};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  const cudaError_t err =
+      OptInSharedMemoryOnce(reinterpret_cast<const void*>(kernel), opted_in, smem_bytes);
   if (err != cudaSuccess) return err;
-  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
-  if (bit == 0 || !(opted_in.load(std::memory_order_acquire) & bit)) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-    if (err != cudaSuccess) return err;
-    opted_in.fetch_or(bit, std::memory_order_release);
-  }
   const dim3 grid(static_cast<unsigned>((args.p.seqlen_k + tile.block_n - 1) / tile.block_n),
                   static_cast<unsigned>(args.p.batch), static_cast<unsigned>(args.p.num_heads_kv));
   kernel<<<grid, sm90::kBwdSm90Threads, smem_bytes, stream>>>(args);
@@ -56,38 +50,13 @@ cudaError_t LaunchForHeadDim(const BwdSm90Args& args, cudaStream_t stream) {
 }  // namespace
 
 bool Sm90BackwardSupports(const FlashParams& p) {
-  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return false;
-  if (sm90::BwdSm90TileFor(p.head_dim).head_dim == 0) return false;
-  // Score modifiers the kernel does not implement; and the deterministic
-  // backward, whose fixed dQ summation order (dQ slices, bwd_kernel.cuh) it
-  // does not follow: its dQ reductions land in any order.
-  if (p.softcap != 0.f || p.alibi_slopes != nullptr || p.q_segment_ids != nullptr ||
-      p.kv_segment_ids != nullptr || p.dropout_seeds != nullptr || p.deterministic) {
-    return false;
-  }
-  if (p.num_heads_kv <= 0 || p.num_heads_q % p.num_heads_kv != 0 ||
-      p.group_size != p.num_heads_q / p.num_heads_kv) {
-    return false;
-  }
-  // TMA: global strides multiples of 16 bytes, base addresses 16-byte aligned
-  // (dq, dk, dv: 4-byte stores; the sm80 checks ask for 16 anyway).
-  const int64_t strides[] = {p.q_batch_stride, p.q_row_stride, p.q_head_stride,
-                             p.k_batch_stride, p.k_row_stride, p.k_head_stride,
-                             p.v_batch_stride, p.v_row_stride, p.v_head_stride,
-                             p.o_batch_stride, p.o_row_stride, p.o_head_stride};
-  for (int64_t s : strides) {
-    if (s % 8 != 0 || s < 0 || s >= (int64_t{1} << 39)) return false;
-  }
-  const void* ptrs[] = {p.q, p.k, p.v, p.d_o, p.dq, p.dk, p.dv};
-  for (const void* ptr : ptrs) {
-    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
-  }
-  // Grid (key blocks, B, K) and 32-bit row/key indices in the kernel.
-  if (p.batch > 65535 || p.num_heads_kv > 65535 || p.seqlen_q >= (int64_t{1} << 31) - 256 ||
-      p.seqlen_k >= (int64_t{1} << 31) - 256) {
-    return false;
-  }
-  return true;
+  // Not the deterministic backward: its fixed dQ summation order (dQ slices,
+  // bwd_kernel.cuh) is not this kernel's, whose dQ reductions land in any
+  // order. d_o, dq, dk, dv: 16-byte aligned like q, k, v, o. Grid (key
+  // blocks, B, K).
+  return sm90::BwdSm90TileFor(p.head_dim).head_dim != 0 && !p.deterministic &&
+         sm90::Sm90CommonSupports(p) && sm90::Aligned16({p.d_o, p.dq, p.dk, p.dv}) &&
+         p.batch <= 65535 && p.num_heads_kv <= 65535;
 }
 
 bool Sm90BackwardEnabled() {

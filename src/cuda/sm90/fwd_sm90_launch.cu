@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include "../smem_optin.h"
 #include "fwd_sm90.h"
 #include "fwd_sm90_kernel.cuh"
 #include "tensor_map.h"
@@ -30,17 +31,10 @@ cudaError_t LaunchFwdSm90(const FwdSm90Args& args, cudaStream_t stream) {
   constexpr FwdSm90Tile tile = sm90::FwdSm90TileFor(kHeadDim);
   constexpr int smem_bytes = sm90::FwdSm90SmemBytes(tile);
   const auto kernel = &sm90::FwdSm90Kernel<Elem, kHeadDim, kSchedule>;
-  // Opt in once per device (the limit is a per-device function attribute).
   static std::atomic<uint64_t> opted_in{0};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  const cudaError_t err =
+      OptInSharedMemoryOnce(reinterpret_cast<const void*>(kernel), opted_in, smem_bytes);
   if (err != cudaSuccess) return err;
-  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
-  if (bit == 0 || !(opted_in.load(std::memory_order_acquire) & bit)) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-    if (err != cudaSuccess) return err;
-    opted_in.fetch_or(bit, std::memory_order_release);
-  }
   const dim3 grid(static_cast<unsigned>(args.num_m_blocks),
                   static_cast<unsigned>(args.p.num_heads_q), static_cast<unsigned>(args.p.batch));
   kernel<<<grid, sm90::kFwdSm90Threads, smem_bytes, stream>>>(args);
@@ -76,35 +70,9 @@ cudaError_t LaunchForSchedule(const FwdSm90Args& args, Sm90Schedule schedule,
 }  // namespace
 
 bool Sm90ForwardSupports(const FlashParams& p) {
-  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return false;
-  if (sm90::FwdSm90TileFor(p.head_dim).head_dim == 0) return false;
-  // Score modifiers the kernel does not implement yet (the sm80 kernel runs them).
-  if (p.softcap != 0.f || p.alibi_slopes != nullptr || p.q_segment_ids != nullptr ||
-      p.kv_segment_ids != nullptr || p.dropout_seeds != nullptr) {
-    return false;
-  }
-  if (p.num_heads_kv <= 0 || p.num_heads_q % p.num_heads_kv != 0 ||
-      p.group_size != p.num_heads_q / p.num_heads_kv) {
-    return false;
-  }
-  // TMA: global strides multiples of 16 bytes, base addresses 16-byte aligned.
-  const int64_t strides[] = {p.q_batch_stride, p.q_row_stride, p.q_head_stride,
-                             p.k_batch_stride, p.k_row_stride, p.k_head_stride,
-                             p.v_batch_stride, p.v_row_stride, p.v_head_stride,
-                             p.o_batch_stride, p.o_row_stride, p.o_head_stride};
-  for (int64_t s : strides) {
-    if (s % 8 != 0 || s < 0 || s >= (int64_t{1} << 39)) return false;
-  }
-  const void* ptrs[] = {p.q, p.k, p.v, p.o};
-  for (const void* ptr : ptrs) {
-    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
-  }
-  // Grid (m-blocks, H, B) and 32-bit row/key indices in the kernel.
-  if (p.batch > 65535 || p.num_heads_q > 65535 || p.seqlen_q >= (int64_t{1} << 31) - 256 ||
-      p.seqlen_k >= (int64_t{1} << 31) - 256) {
-    return false;
-  }
-  return true;
+  // Grid (m-blocks, H, B).
+  return sm90::FwdSm90TileFor(p.head_dim).head_dim != 0 && sm90::Sm90CommonSupports(p) &&
+         p.batch <= 65535 && p.num_heads_q <= 65535;
 }
 
 cudaError_t RunForwardSm90(const FlashParams& p, const DeviceInfo& dev, cudaStream_t stream) {

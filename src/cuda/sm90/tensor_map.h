@@ -7,10 +7,45 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "../../flash_params.h"
 
 namespace jax_flash2::cuda::sm90 {
+
+// True when every pointer is 16-byte aligned (TMA bases, vector stores).
+inline bool Aligned16(std::initializer_list<const void*> ptrs) {
+  for (const void* ptr : ptrs) {
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
+  }
+  return true;
+}
+
+// What both Hopper kernels ask of a call, beside a tile for its head dim and
+// their grid limits: fp16/bf16; none of the score options (softcap, ALiBi,
+// segment ids, dropout: the sm80 kernels run those); a consistent GQA group;
+// q, k, v, o strides the tensor maps can encode (multiples of 8 elements =
+// 16 bytes, below 2^39) and 16-byte aligned bases; 32-bit row/key indices.
+inline bool Sm90CommonSupports(const FlashParams& p) {
+  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return false;
+  if (p.softcap != 0.f || p.alibi_slopes != nullptr || p.q_segment_ids != nullptr ||
+      p.kv_segment_ids != nullptr || p.dropout_seeds != nullptr) {
+    return false;
+  }
+  if (p.num_heads_kv <= 0 || p.num_heads_q % p.num_heads_kv != 0 ||
+      p.group_size != p.num_heads_q / p.num_heads_kv) {
+    return false;
+  }
+  const int64_t strides[] = {p.q_batch_stride, p.q_row_stride, p.q_head_stride,
+                             p.k_batch_stride, p.k_row_stride, p.k_head_stride,
+                             p.v_batch_stride, p.v_row_stride, p.v_head_stride,
+                             p.o_batch_stride, p.o_row_stride, p.o_head_stride};
+  for (int64_t s : strides) {
+    if (s % 8 != 0 || s < 0 || s >= (int64_t{1} << 39)) return false;
+  }
+  return Aligned16({p.q, p.k, p.v, p.o}) && p.seqlen_q < (int64_t{1} << 31) - 256 &&
+         p.seqlen_k < (int64_t{1} << 31) - 256;
+}
 
 // cuTensorMapEncodeTiled's signature (cudaTypedefs.h would give the same).
 using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
