@@ -13,16 +13,7 @@
 #include <vector>
 
 #include "src/flash_dropout.h"
-
-#define CHECK_CUDA(x)                                                                   \
-  do {                                                                                  \
-    cudaError_t err_ = (x);                                                             \
-    if (err_ != cudaSuccess) {                                                          \
-      std::printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorString(err_), __FILE__,   \
-                  __LINE__, #x);                                                        \
-      std::exit(1);                                                                     \
-    }                                                                                   \
-  } while (0)
+#include "tests/cuda/selftest_util.h"  // CHECK_CUDA
 
 namespace {
 

@@ -53,41 +53,9 @@ struct Tensors {
 };
 
 
-FlashParams MakeParams(const Case& c) {
-  FlashParams p;
-  p.dtype = c.dtype;
-  p.batch = c.B;
-  p.seqlen_q = c.T;
-  p.seqlen_k = c.S;
-  p.num_heads_q = c.H;
-  p.num_heads_kv = c.K;
-  p.head_dim = c.D;
-  p.group_size = c.H / c.K;
-  SetDenseStrides(p);
-  if (c.bhtd) {
-    p.q_row_stride = c.D;
-    p.q_head_stride = c.T * c.D;
-    p.q_batch_stride = c.H * c.T * c.D;
-    p.o_row_stride = p.q_row_stride;
-    p.o_head_stride = p.q_head_stride;
-    p.o_batch_stride = p.q_batch_stride;
-    p.k_row_stride = c.D;
-    p.k_head_stride = c.S * c.D;
-    p.k_batch_stride = c.K * c.S * c.D;
-    p.v_row_stride = p.k_row_stride;
-    p.v_head_stride = p.k_head_stride;
-    p.v_batch_stride = p.k_batch_stride;
-  }
-  p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.D));
-  p.softmax_scale_log2 = p.softmax_scale * 1.4426950408889634f;
-  p.window_left = c.wl;
-  p.window_right = c.wr;
-  return p;
-}
-
 // Returns true on PASS.
 bool RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
-  const FlashParams p0 = MakeParams(c);
+  const FlashParams p0 = CaseParams(c);
   const std::string why = cuda::Unsupported(p0, dev);
   if (!why.empty()) {
     std::printf("FAIL %-34s unsupported: %s\n", c.name.c_str(), why.c_str());
@@ -230,7 +198,7 @@ __global__ void FillRandom(uint16_t* x, int64_t n, uint32_t seed, bool bf16) {
 // Median milliseconds of one RunForward over `reps` runs, rotating among
 // `sets` input copies so that L2 does not hold the inputs between runs.
 double TimeForward(const Case& c, const cuda::DeviceInfo& dev, int sets, int reps, int* splits_out) {
-  const FlashParams p0 = MakeParams(c);
+  const FlashParams p0 = CaseParams(c);
   const int64_t nq = c.B * c.T * c.H * c.D, nk = c.B * c.S * c.K * c.D;
   std::vector<FlashParams> ps(sets, p0);
   std::vector<void*> bufs;
@@ -288,12 +256,12 @@ int main(int argc, char** argv) {
   int failures = 0;
   {  // Unsupported messages (host only).
     Case c{"", DType::kFloat32, 1, 1, 1, 1, 1, 64, -1, -1};
-    const bool f32 = !cuda::Unsupported(MakeParams(c), dev).empty();
+    const bool f32 = !cuda::Unsupported(CaseParams(c), dev).empty();
     c.dtype = DType::kBFloat16;
     c.D = 264;
-    const bool d264 = !cuda::Unsupported(MakeParams(c), dev).empty();
+    const bool d264 = !cuda::Unsupported(CaseParams(c), dev).empty();
     c.D = 12;
-    const bool d12 = !cuda::Unsupported(MakeParams(c), dev).empty();
+    const bool d12 = !cuda::Unsupported(CaseParams(c), dev).empty();
     const bool ok = f32 && d264 && d12;
     std::printf("%s unsupported: float32, D=264, D=12 rejected\n", ok ? "PASS" : "FAIL");
     failures += !ok;

@@ -77,6 +77,42 @@ void ParallelFor(int64_t n, F f) {
   for (auto& t : pool) t.join();
 }
 
+// The params of a self-test case (any struct with dtype, B, T, S, H, K, D,
+// wl, wr and bhtd): sizes, dense [B, T, H, D] strides or, with bhtd,
+// [B, H, T, D] ones; scale 1/sqrt(D); window (wl, wr).
+template <class Case>
+FlashParams CaseParams(const Case& c) {
+  FlashParams p;
+  p.dtype = c.dtype;
+  p.batch = c.B;
+  p.seqlen_q = c.T;
+  p.seqlen_k = c.S;
+  p.num_heads_q = c.H;
+  p.num_heads_kv = c.K;
+  p.head_dim = c.D;
+  p.group_size = c.H / c.K;
+  SetDenseStrides(p);
+  if (c.bhtd) {
+    p.q_row_stride = c.D;
+    p.q_head_stride = c.T * c.D;
+    p.q_batch_stride = c.H * c.T * c.D;
+    p.o_row_stride = p.q_row_stride;
+    p.o_head_stride = p.q_head_stride;
+    p.o_batch_stride = p.q_batch_stride;
+    p.k_row_stride = c.D;
+    p.k_head_stride = c.S * c.D;
+    p.k_batch_stride = c.K * c.S * c.D;
+    p.v_row_stride = p.k_row_stride;
+    p.v_head_stride = p.k_head_stride;
+    p.v_batch_stride = p.k_batch_stride;
+  }
+  p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.D));
+  p.softmax_scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  p.window_left = c.wl;
+  p.window_right = c.wr;
+  return p;
+}
+
 // Element offset of (b, t, h, d) under batch, row and head strides.
 inline int64_t Off(int64_t bs, int64_t rs, int64_t hs, int64_t b, int64_t t, int64_t h, int64_t d) {
   return b * bs + t * rs + h * hs + d;

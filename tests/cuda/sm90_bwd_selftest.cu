@@ -77,37 +77,6 @@ DeviceInfo QueryDevice() {
   return info;
 }
 
-FlashParams MakeParams(const Case& c) {
-  FlashParams p;
-  p.dtype = c.dtype;
-  p.batch = c.B;
-  p.seqlen_q = c.T;
-  p.seqlen_k = c.S;
-  p.num_heads_q = c.H;
-  p.num_heads_kv = c.K;
-  p.head_dim = c.D;
-  p.group_size = c.H / c.K;
-  SetDenseStrides(p);
-  if (c.bhtd) {
-    p.q_row_stride = c.D;
-    p.q_head_stride = c.T * c.D;
-    p.q_batch_stride = c.H * c.T * c.D;
-    p.o_row_stride = p.q_row_stride;
-    p.o_head_stride = p.q_head_stride;
-    p.o_batch_stride = p.q_batch_stride;
-    p.k_row_stride = c.D;
-    p.k_head_stride = c.S * c.D;
-    p.k_batch_stride = c.K * c.S * c.D;
-    p.v_row_stride = p.k_row_stride;
-    p.v_head_stride = p.k_head_stride;
-    p.v_batch_stride = p.k_batch_stride;
-  }
-  p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.D));
-  p.softmax_scale_log2 = p.softmax_scale * 1.4426950408889634f;
-  p.window_left = c.wl;
-  p.window_right = c.wr;
-  return p;
-}
 
 // Waits for the stream's work, polling, so that a hung kernel is reported
 // instead of blocking forever.
@@ -196,7 +165,7 @@ bool Ok(const ErrStats& e) { return e.finite && e.rel <= 3 * e.naive_rel + 1e-4;
 
 // Runs one case; one PASS/FAIL line. Returns 1 when it fails, else 0.
 int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
-  FlashParams p = MakeParams(c);
+  FlashParams p = CaseParams(c);
   const DType dt = c.dtype;
   const int64_t B = c.B, T = c.T, S = c.S, H = c.H, K = c.K, D = c.D, G = H / K;
   const WindowMask mask = MakeWindowMask(p);
@@ -446,7 +415,7 @@ __global__ void FillLse(float* lse, float* d_lse, int64_t rows, int64_t T, int64
 // TFLOP/s = 2.5 * 4 B T S H D / t (5 products of 2 B T S H D flops each),
 // halved when causal.
 void TimeCase(const Case& c, const DeviceInfo& dev) {
-  FlashParams p = MakeParams(c);
+  FlashParams p = CaseParams(c);
   const int64_t nq = c.B * c.T * c.H * c.D, nk = c.B * c.S * c.K * c.D;
   std::vector<void*> bufs;
   const int64_t sizes[] = {nq, nk, nk, nq, nq, nq, nk, nk};  // q k v o dO dq dk dv

@@ -66,39 +66,6 @@ struct Case {
 };
 
 
-
-FlashParams MakeParams(const Case& c) {
-  FlashParams p;
-  p.dtype = c.dtype;
-  p.batch = c.B;
-  p.seqlen_q = c.T;
-  p.seqlen_k = c.S;
-  p.num_heads_q = c.H;
-  p.num_heads_kv = c.K;
-  p.head_dim = c.D;
-  p.group_size = c.H / c.K;
-  SetDenseStrides(p);
-  if (c.bhtd) {
-    p.q_row_stride = c.D;
-    p.q_head_stride = c.T * c.D;
-    p.q_batch_stride = c.H * c.T * c.D;
-    p.o_row_stride = p.q_row_stride;
-    p.o_head_stride = p.q_head_stride;
-    p.o_batch_stride = p.q_batch_stride;
-    p.k_row_stride = c.D;
-    p.k_head_stride = c.S * c.D;
-    p.k_batch_stride = c.K * c.S * c.D;
-    p.v_row_stride = p.k_row_stride;
-    p.v_head_stride = p.k_head_stride;
-    p.v_batch_stride = p.k_batch_stride;
-  }
-  p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.D));
-  p.softmax_scale_log2 = p.softmax_scale * 1.4426950408889634f;
-  p.window_left = c.wl;
-  p.window_right = c.wr;
-  return p;
-}
-
 // Waits for the stream's work, polling, so that a hung kernel is reported
 // instead of blocking forever.
 cudaError_t SyncWithWatchdog(const std::string& what) {
@@ -143,7 +110,7 @@ std::vector<Sm90Schedule> g_schedules = {Sm90Schedule::kSerial, Sm90Schedule::kO
 // Runs every schedule on one set of inputs, checks each against the float64
 // oracle; one PASS/FAIL line per schedule. Returns the number of failures.
 int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
-  const FlashParams p0 = MakeParams(c);
+  const FlashParams p0 = CaseParams(c);
   if (!cuda::Sm90ForwardSupports(p0)) {
     std::printf("FAIL %-44s Sm90ForwardSupports is false\n", c.name.c_str());
     return 1;
@@ -335,7 +302,7 @@ __global__ void FillRandom(uint16_t* x, int64_t n, uint32_t seed, bool bf16) {
 // prints one line per implementation as soon as it is measured, so a hang in
 // a later schedule still leaves the earlier numbers in the log.
 void TimeCase(const Case& c, const cuda::DeviceInfo& dev, int reps) {
-  FlashParams p = MakeParams(c);
+  FlashParams p = CaseParams(c);
   const int64_t nq = c.B * c.T * c.H * c.D, nk = c.B * c.S * c.K * c.D;
   void *q, *k, *v, *o, *scratch = nullptr;
   float* lse;
@@ -437,12 +404,12 @@ int main(int argc, char** argv) {
   int failures = 0;
   {  // What the sm90 path declines (host only): the dispatcher falls back then.
     Case c{"", DType::kFloat32, 1, 1, 1, 1, 1, 64, -1, -1};
-    const bool f32 = !cuda::Sm90ForwardSupports(MakeParams(c));
+    const bool f32 = !cuda::Sm90ForwardSupports(CaseParams(c));
     c.dtype = DType::kBFloat16;
     c.D = 96;
-    const bool d96 = !cuda::Sm90ForwardSupports(MakeParams(c));
+    const bool d96 = !cuda::Sm90ForwardSupports(CaseParams(c));
     c.D = 128;
-    FlashParams p = MakeParams(c);
+    FlashParams p = CaseParams(c);
     p.softcap = 30.f;
     const bool softcap = !cuda::Sm90ForwardSupports(p);
     p.softcap = 0.f;
