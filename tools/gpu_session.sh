@@ -17,11 +17,7 @@ mkdir -p "$OUT"
 TEST_GPU=${TEST_GPU:-0}
 AUX_GPU=${AUX_GPU:-$TEST_GPU}
 
-SECONDS=0
-JAX_FLASH2_CUDA=on JAX_FLASH2_CUDA_ARCHS=${ARCHS:-90a} CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-  python3 -m pip install --no-build-isolation --no-deps . > "$OUT/pip.log" 2>&1 \
-  || { echo "pip install failed"; tail -30 "$OUT/pip.log"; exit 1; }
-echo "== installed in ${SECONDS}s"
+source tools/device_install.sh
 
 aux_jobs() {
   export CUDA_VISIBLE_DEVICES=$AUX_GPU

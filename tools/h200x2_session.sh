@@ -13,11 +13,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/h200x2_session}
 mkdir -p "$OUT"
 
-SECONDS=0
-JAX_FLASH2_CUDA=on JAX_FLASH2_CUDA_ARCHS=90a CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-  timeout 120 python3 -m pip install --no-build-isolation --no-deps . > "$OUT/pip.log" 2>&1 \
-  || { echo "pip install failed"; tail -30 "$OUT/pip.log"; exit 1; }
-echo "== installed in ${SECONDS}s"
+source tools/device_install.sh
 
 (
   export CUDA_VISIBLE_DEVICES=1

@@ -19,11 +19,7 @@ OUT=${OUT:-/tmp/multi_gpu_session}
 mkdir -p "$OUT"
 failed=""
 
-SECONDS=0
-JAX_FLASH2_CUDA=on JAX_FLASH2_CUDA_ARCHS=${ARCHS:-90a} CMAKE_BUILD_PARALLEL_LEVEL=32 \
-  timeout 120 python3 -m pip install --no-build-isolation --no-deps . > "$OUT/pip.log" 2>&1 \
-  || { echo "pip install failed"; tail -30 "$OUT/pip.log"; exit 1; }
-echo "== installed in ${SECONDS}s"
+source tools/device_install.sh
 nvidia-smi -L
 # From /tmp: `python3 -c` puts the cwd first on sys.path, and the source tree has
 # no built extension.
