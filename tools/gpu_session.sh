@@ -26,6 +26,9 @@ aux_jobs() {
     OUT=/tmp/fwd_selftest timeout 300 bash tests/cuda/run_fwd_selftest.sh 2>&1 | grep -v "^PASS"
     echo "== sm80 backward self-test"
     timeout 300 bash tests/cuda/run_bwd_selftest.sh 2>&1 | grep -v "^PASS\|^ok"
+    echo "== dropout mask self-test"
+    nvcc -std=c++17 -O3 -I. -gencode=arch=compute_90a,code=sm_90a \
+      tests/cuda/dropout_selftest.cu -o build/dropout_selftest && timeout 60 build/dropout_selftest
   fi
   if [ "${SM90:-0}" = 1 ]; then
     echo "== sm90 forward self-test"
@@ -33,6 +36,7 @@ aux_jobs() {
     echo "== sm90 backward self-test"
     OUT=/tmp/sm90_bwd_selftest timeout 300 bash tests/cuda/run_sm90_bwd_selftest.sh 2>&1 | grep -v "^PASS"
   fi
+  echo "== aux jobs done at ${SECONDS}s"
   if [ "${BENCH:-0}" = 1 ]; then
     (cd benchmarks && timeout 420 python3 gpu_bench.py --xla-max-seqlen 2048 --out "$OUT/h200.md" \
       2>&1 | grep -v "^{" | tail -45)
@@ -45,9 +49,10 @@ run_tests() {
   # finds the memory taken. Run from tests/ so the installed package is imported.
   SECONDS=0
   (cd tests && CUDA_VISIBLE_DEVICES=$TEST_GPU XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -rfE -p no:cacheprovider \
+    timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -v -rfE -p no:cacheprovider \
     -n "${WORKERS:-8}" ${TESTS:-.} > "$OUT/pytest.log" 2>&1)
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -30
+  # -v keeps every finished test's result when the timeout cuts the run.
+  grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest.log" | grep -v "^\[gw.*PASSED" | tail -30
   echo "== tests in ${SECONDS}s"
   CUDA_VISIBLE_DEVICES=$TEST_GPU timeout 120 python3 examples/quickstart.py 2>&1 \
     | tee "$OUT/quickstart.log"
