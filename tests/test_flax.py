@@ -438,7 +438,7 @@ def test_nnx_and_linen_window_and_softcap(softcap):
 def test_drop_in_dropout():
   """Active dropout runs in the kernels with Flax's dropout rng: the drop-in
   equals flash_attention with that key, and the layers drop weights."""
-  x = inputs((2, 3, 16, HEADS, 8))  # two batch axes, merged into B
+  x = inputs((2, 3, 16, HEADS, 8)).astype(DTYPE)  # two batch axes, merged into B
   key = jax.random.key(4)
   got = jf.dot_product_attention(x, x, x, dropout_rate=0.3, dropout_rng=key)
   merged = x.reshape((6, 16, HEADS, 8))

@@ -262,8 +262,9 @@ def test_jvp_holds_no_t_by_s_array(rng):
            for dims in re.findall(r"f32\[([\d,]*)\]", hlo)]
   rows, _ = _forward_ad.block_rows(batch, num_heads, seqlen_q, seqlen_k)
   # At most one query block of scores (XLA may fuse even that away).
-  assert max(sizes) <= batch * num_heads * rows * seqlen_k
-  assert max(sizes) < batch * num_heads * seqlen_q * seqlen_k / 2
+  shapes = sorted(set(re.findall(r"f32\[[\d,]*\]", hlo)), key=len)[-5:]
+  assert max(sizes) <= batch * num_heads * rows * seqlen_k, (rows, shapes)
+  assert max(sizes) < batch * num_heads * seqlen_q * seqlen_k / 2, (rows, shapes)
 
 
 def test_jvp_with_dropout_raises_and_grad_still_runs(rng):

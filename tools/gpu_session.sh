@@ -8,6 +8,9 @@
 # $TEST_GPU (a 2-GPU host), after them otherwise, so timings never share a GPU:
 #   SELFTEST=1  the standalone sm80 forward and backward self-tests + sanitizers
 #   SM90=1      the Hopper forward and backward self-tests + sanitizers
+#               (SM90=fwd or SM90=bwd: one of them)
+#   NCU=1       ncu sections of the Hopper backward kernel
+#   VARIANTS=1  the variant benchmark table alone
 #   BENCH=1     the benchmark grid and the variant table
 set -u
 export PYTHONUNBUFFERED=1
@@ -30,11 +33,27 @@ aux_jobs() {
     nvcc -std=c++17 -O3 -I. -gencode=arch=compute_90a,code=sm_90a \
       tests/cuda/dropout_selftest.cu -o build/dropout_selftest && timeout 60 build/dropout_selftest
   fi
-  if [ "${SM90:-0}" = 1 ]; then
+  case "${SM90:-0}" in 1|*fwd*)
     echo "== sm90 forward self-test"
     OUT=/tmp/sm90_selftest timeout 300 bash tests/cuda/run_sm90_fwd_selftest.sh 2>&1 | grep -v "^PASS"
+  esac
+  case "${SM90:-0}" in 1|*bwd*)
     echo "== sm90 backward self-test"
     OUT=/tmp/sm90_bwd_selftest timeout 300 bash tests/cuda/run_sm90_bwd_selftest.sh 2>&1 | grep -v "^PASS"
+    cp /tmp/sm90_bwd_selftest/racecheck.log "$OUT/sm90_bwd_racecheck.log"
+  esac
+  if [ "${NCU:-0}" = 1 ]; then
+    # Where the Hopper backward's time goes (B4 T=S=4096 H16 D128, its
+    # first timed launch): stall reasons, issue slots, memory traffic.
+    echo "== ncu, Hopper backward"
+    timeout 150 ncu --clock-control none -k regex:BwdSm90Kernel -s 1 -c 1 \
+      --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      build/sm90_bwd_selftest --time-only > "$OUT/ncu_bwd.txt" 2>&1
+    grep -vE "^TIME|^device" "$OUT/ncu_bwd.txt" | head -150
+  fi
+  if [ "${VARIANTS:-0}" = 1 ]; then
+    (cd benchmarks && timeout 240 python3 variant_bench.py --out "$OUT/h200_variants.md" 2>&1 | tail -30)
   fi
   echo "== aux jobs done at ${SECONDS}s"
   if [ "${BENCH:-0}" = 1 ]; then
@@ -50,7 +69,7 @@ run_tests() {
   SECONDS=0
   (cd tests && CUDA_VISIBLE_DEVICES=$TEST_GPU XLA_PYTHON_CLIENT_PREALLOCATE=false \
     timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -v -rfE -p no:cacheprovider \
-    -n "${WORKERS:-8}" ${TESTS:-.} > "$OUT/pytest.log" 2>&1)
+    --tb=short -n "${WORKERS:-8}" ${TESTS:-.} > "$OUT/pytest.log" 2>&1)
   # -v keeps every finished test's result when the timeout cuts the run.
   grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest.log" | grep -v "^\[gw.*PASSED" | tail -30
   echo "== tests in ${SECONDS}s"

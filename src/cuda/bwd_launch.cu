@@ -58,15 +58,10 @@ bool BackwardSupported(const FlashParams& p, const DeviceInfo& dev) {
 }
 
 // The Hopper main kernel serves the cc 9.0 calls it supports, unless switched
-// off by JAX_FLASH2_SM90_BACKWARD=0. D = 128 only for now: the D = 64
-// instantiation passed every self-test case on the H200 but compute-sanitizer
-// racecheck reported shared-memory hazards in it (Dvec loads against the next
-// refill of their stage; NOTES.md, Hopper backward). D = 64 stays on the sm80
-// kernel until a GPU run of tests/cuda/run_sm90_bwd_selftest.sh shows the
-// per-warpgroup release clean.
+// off by JAX_FLASH2_SM90_BACKWARD=0.
 bool UseSm90Backward(const FlashParams& p, const DeviceInfo& dev) {
 #if JF2_HAVE_SM90
-  return dev.cc_major == 9 && p.head_dim == 128 && Sm90BackwardEnabled() &&
+  return dev.cc_major == 9 && Sm90BackwardEnabled() &&
          Sm90BackwardSupports(p);
 #else
   (void)p;

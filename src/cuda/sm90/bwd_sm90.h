@@ -43,9 +43,9 @@ namespace sm90 {
 // head), 64 per consumer warpgroup, and loops over block_m = 64 query rows at
 // a time (of every query head of its group). Shared memory, 2-byte elements:
 //   K, V (block_n x D each), `stages` x (Q, dO) (block_m x D each), two dS^T
-//   buffers (block_n x block_m), `stages` x (lse2, Dvec) (block_m fp32 each):
-//   D = 64:  32 KB + 2 x 16 KB + 32 KB + 1 KB = 97 KB
-//   D = 128: 64 KB + 2 x 32 KB + 32 KB + 1 KB = 161 KB
+//   buffers (block_n x block_m):
+//   D = 64:  32 KB + 2 x 16 KB + 32 KB = 96 KB
+//   D = 128: 64 KB + 2 x 32 KB + 32 KB = 160 KB
 // Registers per consumer thread: dK, dV (D / 2 fp32 each), S^T and dP^T (32
 // fp32 each), dQ (32 fp32), P^T and dS^T as A fragments (16 b32 each): about
 // 230 at D = 128 at the peak (S^T, dP^T live beside dK, dV).
@@ -78,25 +78,15 @@ inline constexpr int kBwdProducerRegs = 24;
 inline constexpr int kBwdConsumerRegs = 240;
 
 // dQ = dS K is split between the consumer warpgroups by keys at D = 64 and
-// by columns at D = 128 (bwd_sm90_kernel.cuh says why). The key split has no
-// barrier between the warpgroups, so each releases a Q/dO stage on an empty
-// mbarrier of its own (see the kernel's q_empty).
+// by columns at D = 128 (bwd_sm90_kernel.cuh says why).
 constexpr bool BwdSm90DqSplitKeys(int head_dim) { return head_dim == 64; }
-
-// q_empty mbarriers per ring stage: one per consumer warpgroup with the key
-// split, one for both otherwise.
-constexpr int BwdSm90EmptyBarriers(int head_dim) {
-  return BwdSm90DqSplitKeys(head_dim) ? kBwdConsumerWarpgroups : 1;
-}
 
 constexpr int BwdSm90SmemBytes(const BwdSm90Tile& t) {
   const int kv = 2 * t.block_n * t.head_dim * 2;
   const int q_do = t.stages * 2 * t.block_m * t.head_dim * 2;
   const int ds = 2 * t.block_n * t.block_m * 2;
-  const int rows = t.stages * 2 * t.block_m * 4;
-  // kv_full; q_full and the q_empty barriers per stage
-  const int barriers = (1 + (1 + BwdSm90EmptyBarriers(t.head_dim)) * t.stages) * 8;
-  return kv + q_do + ds + rows + barriers + 1024;  // 1 KB: alignment slack
+  const int barriers = (1 + 2 * t.stages) * 8;  // kv_full; q_full, q_empty per stage
+  return kv + q_do + ds + barriers + 1024;      // 1 KB: alignment slack
 }
 
 // The kernel's by-value argument block (__grid_constant__, so the tensor maps

@@ -31,12 +31,11 @@
 // two dS^T buffers so one warpgroup may write the next block's while the other
 // still reads this one's. At D = 64 each warpgroup computes dQ over its own 64
 // keys (N = 64 = D) and both add into dq_acc: twice the atomics, but no
-// barrier between the warpgroups. That is also why D = 64 releases a Q/dO
-// stage per warpgroup (q_empty below): the stage's lse2 and Dvec are the only
-// TMA-written bytes read by plain loads, and with one q_empty for both
-// warpgroups the producer's refill was ordered after the other warpgroup's
-// reads only through that barrier's other arrivals, which racecheck flagged
-// (NOTES.md, Hopper backward).
+// barrier between the warpgroups.
+//
+// Shared memory holds only what wgmma reads (K, V, Q, dO, dS^T). lse2 and
+// Dvec come from global memory: staged by the copy engine and read by plain
+// loads, they were the hazards racecheck reported (NOTES.md).
 //
 // Masking as in the sm80 backward: query blocks outside the key block's
 // window are skipped (QueryRange), and only blocks not fully visible to a
@@ -74,15 +73,11 @@ struct BwdSm90Traits {
   static constexpr int kKvPanelBytes = kBlockN * 128;
   static constexpr int kQPanelBytes = kBlockM * 128;
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;  // dS^T: [key][query], 128-byte rows
-  static constexpr int kRowBytes = kBlockM * 4;            // lse2 or Dvec of one query block
   static constexpr int kAcc = kHeadDim / 2;                // fp32 dK (or dV) accumulators
   static constexpr int kConsumerWarps = 4 * kBwdConsumerWarpgroups;
   // dQ: split over keys at D = 64, over columns at D = 128 (see above); 64
   // columns per warpgroup either way.
   static constexpr bool kDqSplitKeys = BwdSm90DqSplitKeys(kHeadDim);
-  // q_empty barriers per stage and the warps arriving on each.
-  static constexpr int kEmptyBarriers = BwdSm90EmptyBarriers(kHeadDim);
-  static constexpr int kEmptyArrivals = kConsumerWarps / kEmptyBarriers;
   static_assert(kHeadDim == 64 || kHeadDim == 128);
   static_assert(kBlockM == 64 && kBlockN == 64 * kBwdConsumerWarpgroups);
 };
@@ -96,9 +91,7 @@ struct BwdSm90Smem {
   static constexpr int kQ = kV + Tr::kKvBytes;
   static constexpr int kDo = kQ + Tr::kStages * Tr::kQBytes;
   static constexpr int kDs = kDo + Tr::kStages * Tr::kQBytes;
-  static constexpr int kLse2 = kDs + 2 * Tr::kDsBytes;
-  static constexpr int kDvec = kLse2 + Tr::kStages * Tr::kRowBytes;
-  static constexpr int kBars = kDvec + Tr::kStages * Tr::kRowBytes;
+  static constexpr int kBars = kDs + 2 * Tr::kDsBytes;
   static_assert(kV % 1024 == 0 && kQ % 1024 == 0 && kDo % 1024 == 0 && kDs % 1024 == 0);
   static_assert(Tr::kQBytes % 1024 == 0 && Tr::kDsBytes % 1024 == 0 && kBars % 8 == 0);
 };
@@ -122,12 +115,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   unsigned char* s_q = smem + Smem::kQ;
   unsigned char* s_do = smem + Smem::kDo;
   unsigned char* s_ds = smem + Smem::kDs;
-  float* s_lse2 = reinterpret_cast<float*>(smem + Smem::kLse2);
-  float* s_dvec = reinterpret_cast<float*>(smem + Smem::kDvec);
   // kv_full: K and V landed (once). q_full[s]: Q, dO, lse2, Dvec of stage s
-  // landed; q_empty[kEmptyBarriers * s + e]: every consumer warp arriving on
-  // barrier e (all eight, or warpgroup e's four with the key split) is done
-  // with them.
+  // landed; q_empty[s]: every consumer warp is done with them.
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem + Smem::kBars);
   uint64_t* q_full = kv_full + 1;
   uint64_t* q_empty = q_full + kStages;
@@ -157,10 +146,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       MbarInit(&q_full[s], 1);
       // Every consumer warp arrives after its own wait for the last wgmma
       // reading the stage (as in the forward).
-#pragma unroll
-      for (int e = 0; e < Tr::kEmptyBarriers; ++e) {
-        MbarInit(&q_empty[Tr::kEmptyBarriers * s + e], Tr::kEmptyArrivals);
-      }
+      MbarInit(&q_empty[s], Tr::kConsumerWarps);
     }
     FenceBarrierInit();
   }
@@ -191,13 +177,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
         const int h = kv_head * static_cast<int>(p.group_size) + it / num_m_blocks;
         const int m_begin = (m_block_begin + it % num_m_blocks) * kBlockM;
         // Slot free? (Parity phase ^ 1: the first pass finds every slot free.)
-        // With the key split, both warpgroups' barriers: each is the only
-        // ordering between that warpgroup's lse2 / Dvec loads and this refill.
-#pragma unroll
-        for (int e = 0; e < Tr::kEmptyBarriers; ++e) {
-          MbarWait(&q_empty[Tr::kEmptyBarriers * stage + e], phase ^ 1);
-        }
-        MbarArriveExpectTx(&q_full[stage], 2 * Tr::kQBytes + 2 * Tr::kRowBytes);
+        MbarWait(&q_empty[stage], phase ^ 1);
+        MbarArriveExpectTx(&q_full[stage], 2 * Tr::kQBytes);
         unsigned char* q_dst = s_q + stage * Tr::kQBytes;
         unsigned char* do_dst = s_do + stage * Tr::kQBytes;
 #pragma unroll
@@ -209,11 +190,6 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
                     panel * Tr::kPanelCols, args.do_heads_inner ? h : m_begin,
                     args.do_heads_inner ? m_begin : h, b);
         }
-        // lse2 / Dvec rows are padded to t_pad (a multiple of kBlockM), so a
-        // query block's rows are one whole, 256-byte aligned run.
-        const int64_t row0 = (static_cast<int64_t>(b) * p.num_heads_q + h) * args.t_pad + m_begin;
-        BulkLoad(s_lse2 + stage * kBlockM, args.lse2 + row0, Tr::kRowBytes, &q_full[stage]);
-        BulkLoad(s_dvec + stage * kBlockM, args.dvec + row0, Tr::kRowBytes, &q_full[stage]);
         if (++stage == kStages) {
           stage = 0;
           phase ^= 1;
@@ -257,6 +233,43 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   const int kk0 = Tr::kDqSplitKeys ? 4 * cg : 0;
   const int dq_col0 = Tr::kDqSplitKeys ? 0 : 64 * cg;
 
+  // lse2 or Dvec of query block (h, m_begin) at this thread's accumulator
+  // columns 8 j + 2 t4, + 1. Read from global memory (L2) rather than staged
+  // by the producer: shared bytes written by the copy engine and read by
+  // plain loads were the only ones racecheck flagged (NOTES.md).
+  const auto load_rows = [&](const float* base, int h, int m_begin, float2 (&out)[8]) {
+    const float* row = base + (static_cast<int64_t>(b) * p.num_heads_q + h) * args.t_pad +
+                       m_begin + 2 * t4;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = __ldg(reinterpret_cast<const float2*>(row + 8 * j));
+  };
+
+  // dq_acc [B, T, H, D] += dQ of query block (h, m_begin) (unscaled; the
+  // convert kernel scales): query row m_begin + 16 warp + g + 8 rh, columns
+  // dq_col0 + 8 j + 2 t4, + 1.
+  const auto add_dq = [&](const float (&dq)[32], int h, int m_begin) {
+    const int64_t dq_row0 =
+        (static_cast<int64_t>(b) * seqlen_q + m_begin) * p.num_heads_q + h;  // row m_begin
+    const int64_t dq_row_stride = p.num_heads_q * kHeadDim;  // floats between query rows
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      const int r = 16 * warp + g + 8 * rh;
+      if (m_begin + r >= seqlen_q) continue;
+      float* dst = args.dq_acc + dq_row0 * kHeadDim + r * dq_row_stride + dq_col0 + 2 * t4;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        atomicAdd(reinterpret_cast<float2*>(dst + 8 * j),
+                  make_float2(dq[4 * j + 2 * rh], dq[4 * j + 2 * rh + 1]));
+      }
+    }
+  };
+
+  // Each query block commits five wgmma groups, in this order: S^T, dP^T, dV,
+  // dQ, dK. Every wait but the last leaves the newest group running, so the
+  // tensor cores have queued work while the warps compute: dP^T runs under
+  // the P^T exponentials, dV under dS^T, dK under the dQ atomics. (No group
+  // stays in flight into the next block: ptxas serialized every wgmma,
+  // warnings C7514/C7515, when one did.)
   if (num_iters > 0) MbarWait(kv_full, 0);
   int stage = 0;
   uint32_t phase = 0;
@@ -266,7 +279,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     const uint32_t q_off = stage * Tr::kQBytes;
     const int ds_buf = it % 2;
 
-    // S^T = K_c Q^T and dP^T = V_c dO^T (unscaled), two wgmma groups.
+    // S^T = K_c Q^T (unscaled).
     float s[32], dp[32];
     MbarWait(&q_full[stage], phase);
     WgmmaFence();
@@ -278,6 +291,10 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
                           DescAdd(desc_q_k, q_off + (ks / 4) * Tr::kQPanelBytes + k_off), ks > 0);
     }
     WgmmaCommit();
+    float2 lse2[8];
+    load_rows(args.lse2, h, m_begin, lse2);
+
+    // dP^T = V_c dO^T.
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks) {
       const uint32_t k_off = (ks % 4) * 32;
@@ -285,26 +302,27 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
                           DescAdd(desc_do_k, q_off + (ks / 4) * Tr::kQPanelBytes + k_off), ks > 0);
     }
     WgmmaCommit();
+    float2 dvec[8];
+    load_rows(args.dvec, h, m_begin, dvec);
 
     // Accumulator element i of the 64 x 64 tiles: key row 16 warp + g + 8 rh,
     // query column 8 j + 2 t4 + e, with j = i / 4, rh = (i / 2) % 2, e = i % 2.
-    const float* lse2 = s_lse2 + stage * kBlockM;
-    const float* dvec = s_dvec + stage * kBlockM;
     const bool full = mask.BlockFullyVisible(m_begin, m_begin + kBlockM, key0, key0 + 64);
     WgmmaFenceOperands(s);
     WgmmaWait<1>();  // S^T done; dP^T may still run
     WgmmaFenceOperands(s);
     // P^T = exp2(S^T * scale_log2 - lse2[query]); lse2 = +inf (rows past T,
-    // rows that see no key) gives exactly 0.
+    // rows that see no key) gives exactly 0. P^T and dS^T become A fragments
+    // (rounded to Elem, as in FlashAttention-2): n8 tiles 2 kk and 2 kk + 1
+    // form k16 slice kk (see wgmma.cuh).
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t4);
 #pragma unroll
       for (int rh = 0; rh < 2; ++rh) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int i = 4 * j + 2 * rh + e;
-          float x = FastExp2(fmaf(s[i], scale_log2, -(e ? l2.y : l2.x)));
+          float x = FastExp2(fmaf(s[i], scale_log2, -(e ? lse2[j].y : lse2[j].x)));
           if (!full && !mask.Allowed(m_begin + 8 * j + 2 * t4 + e, key0 + 16 * warp + g + 8 * rh)) {
             x = 0.f;
           }
@@ -312,28 +330,42 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
         }
       }
     }
-    WgmmaFenceOperands(dp);
-    WgmmaWait<0>();
-    WgmmaFenceOperands(dp);
-    // dS^T = P^T o (dP^T - Dvec[query]), in place of dP^T.
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float2 dv2 = *reinterpret_cast<const float2*>(dvec + 8 * j + 2 * t4);
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int i = 4 * j + r;
-        dp[i] = s[i] * (dp[i] - ((r & 1) ? dv2.y : dv2.x));
-      }
-    }
-
-    // P^T and dS^T as A fragments (rounded to Elem, as in FlashAttention-2):
-    // n8 tiles 2 kk and 2 kk + 1 form k16 slice kk (see wgmma.cuh).
     uint32_t pa[4][4], dsa[4][4];
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         pa[kk][r] = PackFloat2<Elem>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+      }
+    }
+    // dV += P^T dO (wgmma RS: P^T from registers, dO MN-major), running
+    // while dS^T is computed.
+    WgmmaFenceOperands(pa);
+    WgmmaFenceOperands(acc_dv);
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      // k16 slice kk: queries [16 kk, +16) = 2048 bytes into the MN-major tile.
+      Wgmma<Elem, kHeadDim>::RS(acc_dv, pa[kk], DescAdd(desc_do_mn, q_off + kk * 2048), 1);
+    }
+    WgmmaCommit();
+
+    WgmmaFenceOperands(dp);
+    WgmmaWait<1>();  // dP^T done; dV may still run
+    WgmmaFenceOperands(dp);
+    // dS^T = P^T o (dP^T - Dvec[query]).
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = 4 * j + r;
+        dp[i] = s[i] * (dp[i] - ((r & 1) ? dvec[j].y : dvec[j].x));
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
         dsa[kk][r] = PackFloat2<Elem>(dp[8 * kk + 2 * r], dp[8 * kk + 2 * r + 1]);
       }
     }
@@ -343,7 +375,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     // Fragment r of slice kk holds key row 16 warp + g (+8 for r odd) and
     // queries 16 kk + 8 (r / 2) + 2 t4, + 1: chunk 2 kk + r / 2, bytes 4 t4.
     // The 8 rows g of a warp hit 8 distinct chunks: no bank conflicts. Stored
-    // before the dV/dK wgmmas are issued: their A fragments (dsa) may not be
+    // before the dK wgmmas are issued: their A fragments (dsa) may not be
     // touched, not even read, until those complete.
     {
       unsigned char* ds_tile = s_ds + ds_buf * Tr::kDsBytes;
@@ -359,34 +391,20 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     }
     FenceProxyAsync();
 
-    // dV += P^T dO, dK += dS^T Q: issued before the barrier, so they run
-    // while the warpgroups meet there.
-    WgmmaFenceOperands(pa);
-    WgmmaFenceOperands(dsa);
-    WgmmaFenceOperands(acc_dv);
-    WgmmaFenceOperands(acc_dk);
-    WgmmaFence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      // k16 slice kk: queries [16 kk, +16) = 2048 bytes into the MN-major tile.
-      Wgmma<Elem, kHeadDim>::RS(acc_dv, pa[kk], DescAdd(desc_do_mn, q_off + kk * 2048), 1);
-    }
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      Wgmma<Elem, kHeadDim>::RS(acc_dk, dsa[kk], DescAdd(desc_q_mn, q_off + kk * 2048), 1);
-    }
-    WgmmaCommit();
-
     // The dS^T rows dQ reads are complete: both warpgroups' at D = 128 (ids:
-    // 1 for both, or 1 + cg per warpgroup; 0 is __syncthreads').
+    // 1 for both, or 1 + cg per warpgroup; 0 is __syncthreads'). Buffer ds_buf
+    // was last read by dQ of block it - 2, which each warpgroup waited for
+    // before block it - 1's barrier.
     if constexpr (Tr::kDqSplitKeys) {
       NamedBarrierSync(1 + cg, 128);
     } else {
       NamedBarrierSync(1, 256);
     }
 
-    // dQ = dS K over this warpgroup's keys / columns (see the file comment).
+    // dQ = dS K over this warpgroup's keys / columns (see the file comment),
+    // then dK += dS^T Q (wgmma RS, Q MN-major).
     float dq[32];
+    WgmmaFence();
 #pragma unroll
     for (int x = 0; x < kDqSteps; ++x) {
       // k16 slice kk: keys [16 kk, +16), 2048 bytes into dS^T and into K.
@@ -396,42 +414,35 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
           DescAdd(desc_k_mn, (dq_col0 / 64) * Tr::kKvPanelBytes + kk * 2048), x > 0);
     }
     WgmmaCommit();
-    WgmmaFenceOperands(acc_dv);
-    WgmmaFenceOperands(acc_dk);
-    WgmmaFenceOperands(dq);
-    WgmmaWait<0>();
-    WgmmaFenceOperands(acc_dv);
-    WgmmaFenceOperands(acc_dk);
-    WgmmaFenceOperands(dq);
-    WgmmaFenceOperands(pa);
     WgmmaFenceOperands(dsa);
-    // This warp no longer reads the stage (lse2 and Dvec included). With the
-    // key split it arrives on its warpgroup's barrier: the named barrier above
-    // (1 + cg, after every lse2 / Dvec load of the warpgroup) then orders all
-    // 128 threads' loads before each of the four arrivals, as the 256-thread
-    // barrier does for the shared q_empty at D = 128.
+    WgmmaFenceOperands(acc_dk);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      Wgmma<Elem, kHeadDim>::RS(acc_dk, dsa[kk], DescAdd(desc_q_mn, q_off + kk * 2048), 1);
+    }
+    WgmmaCommit();
+
+    // dV and dQ done (dK may still run): add dQ into dq_acc.
+    WgmmaFenceOperands(acc_dv);
+    WgmmaFenceOperands(pa);
+    WgmmaFenceOperands(dq);
+    WgmmaWait<1>();
+    WgmmaFenceOperands(acc_dv);
+    WgmmaFenceOperands(pa);
+    WgmmaFenceOperands(dq);
+    add_dq(dq, h, m_begin);
+
+    // dK done: the stage's Q and dO are free.
+    WgmmaFenceOperands(acc_dk);
+    WgmmaFenceOperands(dsa);
+    WgmmaWait<0>();
+    WgmmaFenceOperands(acc_dk);
+    WgmmaFenceOperands(dsa);
     __syncwarp();
-    if (lane == 0) MbarArrive(&q_empty[Tr::kEmptyBarriers * stage + (Tr::kDqSplitKeys ? cg : 0)]);
+    if (lane == 0) MbarArrive(&q_empty[stage]);
     if (++stage == kStages) {
       stage = 0;
       phase ^= 1;
-    }
-
-    // dq_acc [B, T, H, D] += dQ (unscaled; the convert kernel scales): query
-    // row m_begin + 16 warp + g + 8 rh, columns dq_col0 + 8 j + 2 t4, + 1.
-    const int64_t dq_row0 =
-        (static_cast<int64_t>(b) * seqlen_q + m_begin) * p.num_heads_q + h;  // row m_begin
-    const int64_t dq_row_stride = p.num_heads_q * kHeadDim;  // floats between query rows
-#pragma unroll
-    for (int rh = 0; rh < 2; ++rh) {
-      const int r = 16 * warp + g + 8 * rh;
-      if (m_begin + r >= seqlen_q) continue;
-      float* dst = args.dq_acc + dq_row0 * kHeadDim + r * dq_row_stride + dq_col0 + 2 * t4;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        atomicAdd(reinterpret_cast<float2*>(dst + 8 * j),
-                  make_float2(dq[4 * j + 2 * rh], dq[4 * j + 2 * rh + 1]));
-      }
     }
   }
 
