@@ -253,7 +253,7 @@ def test_grad_lowers_to_one_forward_and_one_backward(rng):
 
 def test_jvp_holds_no_t_by_s_array(rng):
   """The compiled jvp's largest float32 buffer is far below B * H * T * S."""
-  batch, seqlen_q, seqlen_k, num_heads = 1, 1100, 700, 2
+  batch, seqlen_q, seqlen_k, num_heads = 1, 4000, 700, 2
   q, k, v = random_inputs(rng, batch, seqlen_q, seqlen_k, num_heads, 1, 8, _dtype("kernel"))
   f = lambda q, k, v: jax_flash2.flash_attention(q, k, v, causal=True, return_lse=True)
   jvp = jax.jit(lambda q, k, v: jax.jvp(f, (q, k, v), (q, k, v)))
@@ -261,9 +261,12 @@ def test_jvp_holds_no_t_by_s_array(rng):
   sizes = [int(np.prod([int(d) for d in dims.split(",") if d]))
            for dims in re.findall(r"f32\[([\d,]*)\]", hlo)]
   rows, _ = _forward_ad.block_rows(batch, num_heads, seqlen_q, seqlen_k)
-  # At most one query block of scores (XLA may fuse even that away).
+  # About one query block of scores at most: XLA's CPU compiler keeps one (or
+  # fuses even that away), its GPU compiler was seen to keep a buffer of two
+  # (f32[1472,4,176] for blocks of 368 rows by S = 700, padded to 704).
+  block = batch * num_heads * rows * seqlen_k
   shapes = sorted(set(re.findall(r"f32\[[\d,]*\]", hlo)), key=len)[-5:]
-  assert max(sizes) <= batch * num_heads * rows * seqlen_k, (rows, shapes)
+  assert max(sizes) <= 2 * block * 704 / 700, (rows, shapes)
   assert max(sizes) < batch * num_heads * seqlen_q * seqlen_k / 2, (rows, shapes)
 
 

@@ -232,6 +232,12 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
   const int64_t n_end = min(n_begin + kN, seqlen_k);
   int64_t q_begin, q_end;
   mask.QueryRange(n_begin, n_end, seqlen_q, &q_begin, &q_end);
+  if (p.q_segment_ids != nullptr && q_begin < q_end) {
+    // Packed sequences: only the queries from the first to the last one whose
+    // id lies within this block's key ids.
+    NarrowToSegments(p.kv_segment_ids + b * seqlen_k, static_cast<int>(n_begin),
+                     static_cast<int>(n_end), p.q_segment_ids + b * seqlen_q, &q_begin, &q_end);
+  }
   const int64_t m_block_begin = q_begin / kM;
   const int64_t num_m_blocks = q_end > q_begin ? (q_end + kM - 1) / kM - m_block_begin : 0;
   const int64_t num_iters = num_m_blocks * p.group_size;

@@ -403,6 +403,12 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, 1)
   const int full_begin = static_cast<int>(lo);
   mask.KeyRange(t_begin, t_begin + 1, &lo, &hi);
   const int full_end = static_cast<int>(hi);
+  if (p.q_segment_ids != nullptr && key_begin < key_end) {
+    // Packed sequences: only the keys from the first to the last one whose id
+    // lies within this block's query ids.
+    NarrowToSegments(p.q_segment_ids + b * p.seqlen_q, t_begin, t_end,
+                     p.kv_segment_ids + b * p.seqlen_k, &key_begin, &key_end);
+  }
   int n_first = static_cast<int>(key_begin / kBlockN);
   int n_end = key_end > key_begin ? static_cast<int>((key_end + kBlockN - 1) / kBlockN) : n_first;
   if (args.num_splits > 1) {

@@ -139,4 +139,65 @@ __device__ __forceinline__ float FastTanh(float x) {
   return 1.f - __fdividef(2.f, FastExp2(x * 2.8853900817779268f) + 1.f);
 }
 
+// Packed sequences (segment ids). WarpIdRange: [*lo, *hi] of ids[begin,
+// end). WarpMatchingSpan: the span of positions [begin, end) whose ids lie in
+// [lo, hi], as [*first, *last] (*first > *last when none does). Positions
+// outside it cannot match any id in [lo, hi], so the kernels skip the blocks
+// outside it; for sorted ids (packed documents) that leaves only the blocks a
+// document touches. Every lane of the calling warp scans a strided share and
+// gets the warp's result; call them from whole warps.
+__device__ __forceinline__ void WarpIdRange(const int32_t* ids, int begin, int end, int32_t* lo,
+                                            int32_t* hi) {
+  int32_t a = INT32_MAX, b = INT32_MIN;
+  for (int x = begin + static_cast<int>(threadIdx.x % 32); x < end; x += 32) {
+    a = min(a, ids[x]);
+    b = max(b, ids[x]);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) {
+    a = min(a, __shfl_xor_sync(0xffffffffu, a, off));
+    b = max(b, __shfl_xor_sync(0xffffffffu, b, off));
+  }
+  *lo = a;
+  *hi = b;
+}
+
+__device__ __forceinline__ void WarpMatchingSpan(const int32_t* ids, int begin, int end,
+                                                 int32_t lo, int32_t hi, int* first, int* last) {
+  int f = INT32_MAX, l = INT32_MIN;
+  for (int x = begin + static_cast<int>(threadIdx.x % 32); x < end; x += 32) {
+    if (ids[x] >= lo && ids[x] <= hi) {
+      f = min(f, x);
+      l = max(l, x);
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) {
+    f = min(f, __shfl_xor_sync(0xffffffffu, f, off));
+    l = max(l, __shfl_xor_sync(0xffffffffu, l, off));
+  }
+  *first = f;
+  *last = l;
+}
+
+// Narrows [*begin, *end) of the other side (ids `other`) to the span whose
+// ids lie within the ids of this block's [block_begin, block_end) (`own`);
+// empty when none does. Not inlined: the main loops' register allocation
+// stays that of the path without segment ids (inlined, it spilled there).
+__device__ __noinline__ void NarrowToSegments(const int32_t* own, int block_begin, int block_end,
+                                              const int32_t* other, int64_t* begin,
+                                              int64_t* end) {
+  int32_t lo, hi;
+  WarpIdRange(own, block_begin, block_end, &lo, &hi);
+  int first, last;
+  WarpMatchingSpan(other, static_cast<int>(*begin), static_cast<int>(*end), lo, hi, &first,
+                   &last);
+  if (first > last) {
+    *end = *begin;
+  } else {
+    *begin = *begin > first ? *begin : first;
+    *end = *end < last + 1 ? *end : last + 1;
+  }
+}
+
 }  // namespace jax_flash2::cuda
