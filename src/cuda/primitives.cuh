@@ -184,7 +184,7 @@ __device__ __forceinline__ void WarpMatchingSpan(const int32_t* ids, int begin, 
 // ids lie within the ids of this block's [block_begin, block_end) (`own`);
 // empty when none does. Not inlined: the main loops' register allocation
 // stays that of the path without segment ids (inlined, it spilled there).
-__device__ __noinline__ void NarrowToSegments(const int32_t* own, int block_begin, int block_end,
+static __device__ __noinline__ void NarrowToSegments(const int32_t* own, int block_begin, int block_end,
                                               const int32_t* other, int64_t* begin,
                                               int64_t* end) {
   int32_t lo, hi;
