@@ -15,11 +15,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def parse(path):
-  """{(D, causal): {name: [(T, fwd, fwd_bwd)]}} from the grid table."""
+  """{(D, causal): {name: [(T, fwd, fwd_bwd)]}} from the first grid table
+  (results files keep older grids below it)."""
   rows, names = {}, None
   for line in open(path):
     cells = [c.strip() for c in line.strip().strip("|").split("|")]
     if cells[:3] == ["D", "causal", "T"]:
+      if names is not None:
+        break
       names = cells[3:]
       continue
     if names is None or len(cells) != 3 + len(names) or not cells[0].isdigit():
