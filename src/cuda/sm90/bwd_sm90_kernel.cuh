@@ -308,9 +308,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     // Accumulator element i of the 64 x 64 tiles: key row 16 warp + g + 8 rh,
     // query column 8 j + 2 t4 + e, with j = i / 4, rh = (i / 2) % 2, e = i % 2.
     const bool full = mask.BlockFullyVisible(m_begin, m_begin + kBlockM, key0, key0 + 64);
-    WgmmaFenceOperands(s);
-    WgmmaWait<1>();  // S^T done; dP^T may still run
-    WgmmaFenceOperands(s);
+    WgmmaWaitFenced<1>(s);  // S^T done; dP^T may still run
     // P^T = exp2(S^T * scale_log2 - lse2[query]); lse2 = +inf (rows past T,
     // rows that see no key) gives exactly 0. P^T and dS^T become A fragments
     // (rounded to Elem, as in FlashAttention-2): n8 tiles 2 kk and 2 kk + 1
@@ -350,9 +348,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     }
     WgmmaCommit();
 
-    WgmmaFenceOperands(dp);
-    WgmmaWait<1>();  // dP^T done; dV may still run
-    WgmmaFenceOperands(dp);
+    WgmmaWaitFenced<1>(dp);  // dP^T done; dV may still run
     // dS^T = P^T o (dP^T - Dvec[query]).
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -423,21 +419,11 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     WgmmaCommit();
 
     // dV and dQ done (dK may still run): add dQ into dq_acc.
-    WgmmaFenceOperands(acc_dv);
-    WgmmaFenceOperands(pa);
-    WgmmaFenceOperands(dq);
-    WgmmaWait<1>();
-    WgmmaFenceOperands(acc_dv);
-    WgmmaFenceOperands(pa);
-    WgmmaFenceOperands(dq);
+    WgmmaWaitFenced<1>(acc_dv, pa, dq);
     add_dq(dq, h, m_begin);
 
     // dK done: the stage's Q and dO are free.
-    WgmmaFenceOperands(acc_dk);
-    WgmmaFenceOperands(dsa);
-    WgmmaWait<0>();
-    WgmmaFenceOperands(acc_dk);
-    WgmmaFenceOperands(dsa);
+    WgmmaWaitFenced<0>(acc_dk, dsa);
     __syncwarp();
     if (lane == 0) MbarArrive(&q_empty[stage]);
     if (++stage == kStages) {

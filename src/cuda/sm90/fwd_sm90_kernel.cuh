@@ -363,9 +363,7 @@ __global__ void __launch_bounds__(kFwdSm90Threads, 1)
         MbarWait(&k_full[stage], phase);
         WgmmaFence();
         issue_s(s, stage);
-        WgmmaFenceOperands(s);
-        WgmmaWait<0>();
-        WgmmaFenceOperands(s);
+        WgmmaWaitFenced<0>(s);
         release(&k_empty[stage]);
         softmax(s, n, correction);
         convert_p(s, pa);
@@ -374,9 +372,7 @@ __global__ void __launch_bounds__(kFwdSm90Threads, 1)
         WgmmaFenceOperands(pa);
         WgmmaFence();
         issue_pv(pa, stage);
-        WgmmaFenceOperands(o);
-        WgmmaWait<0>();
-        WgmmaFenceOperands(o);
+        WgmmaWaitFenced<0>(o);
         release(&v_empty[stage]);
         if (++stage == kStages) {
           stage = 0;
@@ -397,9 +393,7 @@ __global__ void __launch_bounds__(kFwdSm90Threads, 1)
       WgmmaFence();
       issue_s(s, stage);
       pass_turn();
-      WgmmaFenceOperands(s);
-      WgmmaWait<0>();
-      WgmmaFenceOperands(s);
+      WgmmaWaitFenced<0>(s);
       release(&k_empty[stage]);
       softmax(s, n, correction);  // correction is 0 here and O is still 0
       convert_p(s, pa);
@@ -421,15 +415,10 @@ __global__ void __launch_bounds__(kFwdSm90Threads, 1)
         issue_s(s, stage);
         issue_pv(pa, v_stage);
         pass_turn();
-        WgmmaFenceOperands(s);
-        WgmmaWait<1>();  // S_n done; the PV group may still run
-        WgmmaFenceOperands(s);
+        WgmmaWaitFenced<1>(s);  // S_n done; the PV group may still run
         release(&k_empty[stage]);
         softmax(s, n, correction);
-        WgmmaFenceOperands(o);
-        WgmmaWait<0>();
-        WgmmaFenceOperands(o);
-        WgmmaFenceOperands(pa);
+        WgmmaWaitFenced<0>(o, pa);
         release(&v_empty[v_stage]);
         rescale_o(correction);
         convert_p(s, pa);
@@ -447,9 +436,7 @@ __global__ void __launch_bounds__(kFwdSm90Threads, 1)
       WgmmaFence();
       issue_pv(pa, v_stage);
       pass_turn();
-      WgmmaFenceOperands(o);
-      WgmmaWait<0>();
-      WgmmaFenceOperands(o);
+      WgmmaWaitFenced<0>(o);
       release(&v_empty[v_stage]);
       if (kPingpong && cg == 0) NamedBarrierSync(1, 256);
     }

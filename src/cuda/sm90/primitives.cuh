@@ -145,6 +145,15 @@ __device__ __forceinline__ void WgmmaFenceOperands(uint32_t (&r)[N][4]) {
   }
 }
 
+// WgmmaWait<kPending> with the register arrays the pending groups use fenced
+// on both sides: the common way to wait.
+template <int kPending, typename... Arrays>
+__device__ __forceinline__ void WgmmaWaitFenced(Arrays&... arrays) {
+  (WgmmaFenceOperands(arrays), ...);
+  WgmmaWait<kPending>();
+  (WgmmaFenceOperands(arrays), ...);
+}
+
 // ---------------------------------------------------------------------------
 // Shared-memory matrix descriptors for wgmma, 128-byte swizzle only: every
 // operand tile is written by TMA with CU_TENSOR_MAP_SWIZZLE_128B, i.e. rows of
