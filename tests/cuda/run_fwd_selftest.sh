@@ -6,28 +6,14 @@
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/fwd_selftest_out}
-mkdir -p "$OUT" build/fwd_obj
+mkdir -p "$OUT"
 ARCH=${ARCH:--gencode=arch=compute_90a,code=sm_90a}
+FLAGS="-std=c++17 -O3 -I. --expt-relaxed-constexpr $ARCH"
 BIN=build/fwd_selftest
 
-build() {
-  local pids=() f
-  for f in src/cuda/fwd_launch.cu src/cuda/fwd_hdim*.cu tests/cuda/fwd_selftest.cu; do
-    nvcc -std=c++17 -O3 -I. --expt-relaxed-constexpr $ARCH -c "$f" \
-      -o "build/fwd_obj/$(basename "$f" .cu).o" &
-    pids+=($!)
-  done
-  local ok=0
-  for pid in "${pids[@]}"; do wait "$pid" || ok=1; done
-  [ $ok -eq 0 ] && nvcc $ARCH build/fwd_obj/*.o -o $BIN
-}
-
-if [ "${REBUILD:-0}" = 1 ] || ! $BIN --probe >/dev/null 2>&1; then
-  echo "== building $BIN"
-  SECONDS=0
-  build || { echo "BUILD FAILED"; exit 1; }
-  echo "== built in ${SECONDS}s"
-fi
+source tests/cuda/selftest_lib.sh
+build_selftest $BIN build/fwd_obj "" src/cuda/fwd_launch.cu src/cuda/fwd_hdim*.cu \
+  tests/cuda/fwd_selftest.cu || exit 1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 rc=0
 echo "== selftest"

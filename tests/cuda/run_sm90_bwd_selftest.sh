@@ -10,7 +10,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/sm90_bwd_selftest_out}
-mkdir -p "$OUT" build/sm90_bwd_obj
+mkdir -p "$OUT"
 # wgmma and setmaxnreg need the arch-specific target (sm_90a), spelled with
 # -gencode (see run_sm90_fwd_selftest.sh).
 ARCH=-gencode=arch=compute_90a,code=sm_90a
@@ -18,37 +18,13 @@ ARCH=-gencode=arch=compute_90a,code=sm_90a
 FLAGS="-std=c++17 -O3 -I. --expt-relaxed-constexpr -lineinfo $ARCH"
 BIN=build/sm90_bwd_selftest
 
-build() {
-  local pids=() f
-  # The sm80 backward is linked too (without JF2_HAVE_SM90, so RunBackward is
-  # the sm80 path), for the side-by-side timings.
-  for f in src/cuda/sm90/bwd_sm90_launch.cu src/cuda/bwd_launch.cu src/cuda/bwd_hdim*.cu \
-           tests/cuda/sm90_bwd_selftest.cu; do
-    local extra=""
-    [ "$f" = src/cuda/sm90/bwd_sm90_launch.cu ] && extra="-Xptxas -v"
-    nvcc $FLAGS $extra -c "$f" -o "build/sm90_bwd_obj/$(basename "$f" .cu).o" \
-      2> "$OUT/build_$(basename "$f" .cu).log" &
-    pids+=($!)
-  done
-  local ok=0
-  for pid in "${pids[@]}"; do wait "$pid" || ok=1; done
-  # Errors and warnings (ptxas -v info lines aside) go to the console.
-  grep -hv "ptxas info\|bytes stack frame" "$OUT"/build_*.log
-  [ $ok -eq 0 ] && nvcc $ARCH build/sm90_bwd_obj/*.o -o $BIN
-}
-
-if [ "${REBUILD:-0}" = 1 ] || ! $BIN --probe >/dev/null 2>&1; then
-  echo "== building $BIN"
-  SECONDS=0
-  build || { echo "BUILD FAILED"; exit 1; }
-  echo "== built in ${SECONDS}s"
-  echo "ptxas, sm90 backward kernels (count, line):"
-  grep -E "Used|spill|C75" "$OUT/build_bwd_sm90_launch.log" | sort | uniq -c
-fi
-if command -v cuobjdump >/dev/null; then
-  cuobjdump --dump-sass build/sm90_bwd_obj/bwd_sm90_launch.o > "$OUT/bwd_sm90.sass" 2>&1
-  echo "== SASS: $(grep -c HGMMA "$OUT/bwd_sm90.sass") HGMMA, $(grep -cE 'LDL|STL' "$OUT/bwd_sm90.sass") LDL/STL"
-fi
+source tests/cuda/selftest_lib.sh
+# The sm80 backward is linked too (without JF2_HAVE_SM90, so RunBackward is
+# the sm80 path), for the side-by-side timings.
+build_selftest $BIN build/sm90_bwd_obj src/cuda/sm90/bwd_sm90_launch.cu \
+  src/cuda/sm90/bwd_sm90_launch.cu src/cuda/bwd_launch.cu src/cuda/bwd_hdim*.cu \
+  tests/cuda/sm90_bwd_selftest.cu || exit 1
+sass_summary build/sm90_bwd_obj/bwd_sm90_launch.o
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 rc=0
 ARGS=()
