@@ -1,4 +1,4 @@
-// Host side of the CUDA forward: device info, what the kernels support, the
+// Host side of the CUDA forward: what the kernels support, the
 // launch plan (GQA packing, split-KV), the one runtime -> template dispatch,
 // and the split-KV combine kernel.
 #include <cuda_bf16.h>
@@ -8,7 +8,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <mutex>
 #include <string>
 
 #include "../heuristics.h"
@@ -24,32 +23,10 @@ namespace jax_flash2::cuda {
 namespace {
 
 constexpr int kMaxSplits = 128;
-constexpr int kMaxDevices = 64;
 // The split heuristic assumes this many resident forward blocks per SM (the
 // d128 kernel's register use allows two), as FlashAttention-2 does.
 constexpr int kBlocksPerSm = 2;
 constexpr int kCombineWarps = 4;
-
-cudaError_t QueryDeviceInfo(int device, DeviceInfo* info) {
-  int sm_count = 0, major = 0, minor = 0, smem_optin = 0;
-  cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess) {
-    err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  }
-  if (err == cudaSuccess) {
-    err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  }
-  if (err == cudaSuccess) {
-    err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  }
-  if (err != cudaSuccess) return err;
-  info->device = device;
-  info->sm_count = sm_count;
-  info->cc_major = major;
-  info->cc_minor = minor;
-  info->max_smem_per_block_optin = static_cast<size_t>(smem_optin);
-  return cudaSuccess;
-}
 
 struct FwdPlan {
   FwdTileSizes tile;
@@ -196,25 +173,6 @@ cudaError_t LaunchFwdCombine(const FwdArgs& args, cudaStream_t stream) {
   const int64_t blocks = CeilDiv(rows, kCombineWarps);
   FwdCombineKernel<Elem><<<static_cast<unsigned>(blocks), kCombineWarps * 32, 0, stream>>>(args);
   return cudaGetLastError();
-}
-
-cudaError_t GetCurrentDeviceInfo(DeviceInfo* info) {
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device < 0 || device >= kMaxDevices) return QueryDeviceInfo(device, info);
-  // Only successful queries are cached, so a transient failure is retried.
-  static std::mutex mutex;
-  static DeviceInfo cache[kMaxDevices];
-  static bool cached[kMaxDevices] = {};
-  std::lock_guard<std::mutex> lock(mutex);
-  if (!cached[device]) {
-    err = QueryDeviceInfo(device, &cache[device]);
-    if (err != cudaSuccess) return err;
-    cached[device] = true;
-  }
-  *info = cache[device];
-  return cudaSuccess;
 }
 
 std::string Unsupported(const FlashParams& p, const DeviceInfo& dev) {

@@ -58,20 +58,6 @@ using jax_flash2::cuda::DeviceInfo;
 
 namespace {
 
-// Local stand-in for GetCurrentDeviceInfo (the test links only the backward).
-bool QueryDevice(DeviceInfo* info) {
-  CHECK_CUDA(cudaGetDevice(&info->device));
-  CHECK_CUDA(cudaDeviceGetAttribute(&info->sm_count, cudaDevAttrMultiProcessorCount, info->device));
-  CHECK_CUDA(
-      cudaDeviceGetAttribute(&info->cc_major, cudaDevAttrComputeCapabilityMajor, info->device));
-  CHECK_CUDA(
-      cudaDeviceGetAttribute(&info->cc_minor, cudaDevAttrComputeCapabilityMinor, info->device));
-  int smem = 0;
-  CHECK_CUDA(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, info->device));
-  info->max_smem_per_block_optin = static_cast<size_t>(smem);
-  return true;
-}
-
 uint16_t ToBits(double x, DType dt) {
   if (dt == DType::kFloat16) {
     __half h = __float2half_rn(static_cast<float>(x));
@@ -388,38 +374,6 @@ bool RunCase(const Case& c, const std::vector<DevVariant>& variants, int* failed
   return true;
 }
 
-// Fills n dtype elements with hashed pseudo-random values in about [-2, 2].
-__global__ void FillRandom(uint16_t* x, size_t n, uint32_t seed, bool bf16) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
-       i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    const float f = (h & 0xffffff) / float(0x1000000) * 4.f - 2.f;
-    if (bf16) {
-      __nv_bfloat16 b = __float2bfloat16_rn(f);
-      x[i] = *reinterpret_cast<uint16_t*>(&b);
-    } else {
-      __half b = __float2half_rn(f);
-      x[i] = *reinterpret_cast<uint16_t*>(&b);
-    }
-  }
-}
-
-// LSE of a row that sees `visible` keys of scores ~ 0: log(visible), so that P
-// has realistic magnitudes (~1 / visible); dLSE small nonzero.
-__global__ void FillLse(float* lse, float* d_lse, int64_t rows, int64_t T, int64_t S,
-                        bool causal) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = i % T;
-    const int64_t visible = causal ? std::min<int64_t>(S, t + 1 + S - T) : S;
-    lse[i] = logf(static_cast<float>(visible > 0 ? visible : 1));
-    d_lse[i] = 1e-3f * static_cast<float>((i * 37) % 17 - 8);
-  }
-}
-
 // B = 4, T = S = 4096, H * D = 2048 (H = 16 at D = 128), bf16.
 bool TimeBackward(const DeviceInfo& dev, int64_t D, bool causal) {
   const int64_t B = 4, T = 4096, S = 4096, H = 2048 / D;
@@ -442,14 +396,15 @@ bool TimeBackward(const DeviceInfo& dev, int64_t D, bool causal) {
   for (int i = 0; i < 8; ++i) {
     void* ptr;
     CHECK_CUDA(cudaMalloc(&ptr, n * 2));
-    FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(ptr), n, 1234u + i, true);
+    jax_flash2::selftest::FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(ptr), n, 1234u + i,
+                                                    true, 2.f);
     CHECK_CUDA(cudaGetLastError());
     bufs.push_back(ptr);
   }
   float *lse, *d_lse;
   CHECK_CUDA(cudaMalloc(&lse, B * H * T * 4));
   CHECK_CUDA(cudaMalloc(&d_lse, B * H * T * 4));
-  FillLse<<<1024, 256>>>(lse, d_lse, B * H * T, T, S, causal);
+  jax_flash2::selftest::FillLse<<<1024, 256>>>(lse, d_lse, B * H * T, T, S, causal);
   CHECK_CUDA(cudaGetLastError());
   p.q = bufs[0];
   p.k = bufs[1];
@@ -463,22 +418,9 @@ bool TimeBackward(const DeviceInfo& dev, int64_t D, bool causal) {
   p.d_lse = d_lse;
   void* scratch;
   CHECK_CUDA(cudaMalloc(&scratch, jax_flash2::cuda::BackwardScratchBytes(p, dev)));
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  for (int i = 0; i < 3; ++i) CHECK_CUDA(jax_flash2::cuda::RunBackward(p, scratch, dev, nullptr));
-  CHECK_CUDA(cudaDeviceSynchronize());
-  std::vector<float> ms;
-  for (int i = 0; i < 15; ++i) {
-    CHECK_CUDA(cudaEventRecord(start));
-    CHECK_CUDA(jax_flash2::cuda::RunBackward(p, scratch, dev, nullptr));
-    CHECK_CUDA(cudaEventRecord(stop));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float t;
-    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
+  const std::vector<float> ms = jax_flash2::selftest::TimeRuns("bwd timing", 15, [&](int) {
+    return jax_flash2::cuda::RunBackward(p, scratch, dev, nullptr);
+  });
   const double med = ms[ms.size() / 2];
   double flops = 2.5 * 4.0 * B * T * S * H * D;
   if (causal) flops /= 2;
@@ -491,8 +433,6 @@ bool TimeBackward(const DeviceInfo& dev, int64_t D, bool causal) {
   CHECK_CUDA(cudaFree(lse));
   CHECK_CUDA(cudaFree(d_lse));
   CHECK_CUDA(cudaFree(scratch));
-  CHECK_CUDA(cudaEventDestroy(start));
-  CHECK_CUDA(cudaEventDestroy(stop));
   return true;
 }
 
@@ -502,7 +442,7 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   const bool small = mode == "small";
   DeviceInfo dev;
-  if (!QueryDevice(&dev)) return 2;
+  if (jax_flash2::cuda::GetCurrentDeviceInfo(&dev) != cudaSuccess) return 2;
   std::printf("device sm_%d%d, %d SMs, %zu B smem opt-in\n", dev.cc_major, dev.cc_minor,
               dev.sm_count, dev.max_smem_per_block_optin);
   const DType bf = DType::kBFloat16, hf = DType::kFloat16;

@@ -177,24 +177,6 @@ bool RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
   return ok;
 }
 
-__global__ void FillRandom(uint16_t* x, int64_t n, uint32_t seed, bool bf16) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 16;
-    h *= 0x7feb352du;
-    h ^= h >> 15;
-    const float u = (h & 0xFFFFFF) / float(1 << 24) * 2.f - 1.f;  // [-1, 1)
-    if (bf16) {
-      __nv_bfloat16 v = __float2bfloat16_rn(u);
-      x[i] = *reinterpret_cast<uint16_t*>(&v);
-    } else {
-      __half v = __float2half_rn(u);
-      x[i] = *reinterpret_cast<uint16_t*>(&v);
-    }
-  }
-}
-
 // Median milliseconds of one RunForward over `reps` runs, rotating among
 // `sets` input copies so that L2 does not hold the inputs between runs.
 double TimeForward(const Case& c, const cuda::DeviceInfo& dev, int sets, int reps, int* splits_out) {
@@ -212,9 +194,12 @@ double TimeForward(const Case& c, const cuda::DeviceInfo& dev, int sets, int rep
     CHECK_CUDA(cudaMalloc(&v, nk * 2));
     CHECK_CUDA(cudaMalloc(&o, nq * 2));
     CHECK_CUDA(cudaMalloc(&lse, c.B * c.H * c.T * 4));
-    FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(q), nq, 1 + 3 * i, c.dtype == DType::kBFloat16);
-    FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(k), nk, 2 + 3 * i, c.dtype == DType::kBFloat16);
-    FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(v), nk, 3 + 3 * i, c.dtype == DType::kBFloat16);
+    FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(q), nq, 1 + 3 * i,
+                               c.dtype == DType::kBFloat16, 1.f);
+    FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(k), nk, 2 + 3 * i,
+                               c.dtype == DType::kBFloat16, 1.f);
+    FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(v), nk, 3 + 3 * i,
+                               c.dtype == DType::kBFloat16, 1.f);
     CHECK_CUDA(cudaGetLastError());
     ps[i].q = q; ps[i].k = k; ps[i].v = v; ps[i].o = o; ps[i].lse = lse;
     bufs.insert(bufs.end(), {q, k, v, o, lse});
@@ -222,20 +207,8 @@ double TimeForward(const Case& c, const cuda::DeviceInfo& dev, int sets, int rep
   scratch_bytes = cuda::ForwardScratchBytes(ps[0], dev);
   if (scratch_bytes) CHECK_CUDA(cudaMalloc(&scratch, scratch_bytes));
   *splits_out = scratch_bytes > 0;
-  for (int i = 0; i < 3; ++i) CHECK_CUDA(cuda::RunForward(ps[i % sets], scratch, dev, 0));
-  CHECK_CUDA(cudaDeviceSynchronize());
-  cudaEvent_t e0, e1;
-  CHECK_CUDA(cudaEventCreate(&e0));
-  CHECK_CUDA(cudaEventCreate(&e1));
-  std::vector<float> ms(reps);
-  for (int r = 0; r < reps; ++r) {
-    CHECK_CUDA(cudaEventRecord(e0));
-    CHECK_CUDA(cuda::RunForward(ps[r % sets], scratch, dev, 0));
-    CHECK_CUDA(cudaEventRecord(e1));
-    CHECK_CUDA(cudaEventSynchronize(e1));
-    CHECK_CUDA(cudaEventElapsedTime(&ms[r], e0, e1));
-  }
-  std::sort(ms.begin(), ms.end());
+  const std::vector<float> ms =
+      TimeRuns(c.name, reps, [&](int r) { return cuda::RunForward(ps[r % sets], scratch, dev, 0); });
   for (void* b : bufs) CHECK_CUDA(cudaFree(b));
   if (scratch) CHECK_CUDA(cudaFree(scratch));
   return ms[reps / 2];

@@ -10,7 +10,7 @@ BUILD=${BUILD:-/tmp/jf2_bwd_build}
 mkdir -p "$BUILD"
 FLAGS="-std=c++17 -O3 -I. --expt-relaxed-constexpr $ARCH"
 pids=()
-for f in src/cuda/bwd_*.cu; do
+for f in src/cuda/bwd_*.cu src/cuda/device_info.cu; do
   nvcc $FLAGS -c "$f" -o "$BUILD/$(basename "$f" .cu).o" & pids+=($!)
 done
 nvcc $FLAGS -Xcompiler -fopenmp -c tests/cuda/bwd_selftest.cu -o "$BUILD/bwd_selftest.o" & pids+=($!)

@@ -7,15 +7,16 @@
 
 #include <algorithm>
 #include <atomic>
-#include <random>
+#include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <random>
+#include <string>
 #include <thread>
 #include <vector>
-
-#include <cmath>
 
 #include "src/flash_dropout.h"
 #include "src/flash_mask.h"
@@ -33,6 +34,87 @@
   } while (0)
 
 namespace jax_flash2::selftest {
+
+// Waits for the default stream's work, polling, so that a hung kernel (an
+// mbarrier wait that never completes) is reported as HANG instead of
+// blocking forever; the process then exits, since the context cannot recover.
+inline cudaError_t SyncWithWatchdog(const std::string& what, double hang_seconds = 20.0) {
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    const cudaError_t err = cudaStreamQuery(0);
+    if (err != cudaErrorNotReady) return err;
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (s > hang_seconds) {
+      std::printf("HANG %s: kernel still running after %.0f s (mbarrier wait never completed?)\n",
+                  what.c_str(), s);
+      std::fflush(stdout);
+      std::_Exit(2);  // don't run destructors on a dead context
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+// Milliseconds of `reps` calls run(r), r = 0..reps-1, sorted ascending (the
+// median is [reps / 2]), after three warm-up calls run(0..2); each timed call
+// is bracketed by events on the default stream and waited for with the
+// watchdog. run returns a cudaError_t.
+template <class Run>
+std::vector<float> TimeRuns(const std::string& what, int reps, Run run) {
+  for (int i = 0; i < 3; ++i) CHECK_CUDA(run(i));
+  CHECK_CUDA(SyncWithWatchdog(what + " (warm-up)"));
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  std::vector<float> ms(reps);
+  for (int r = 0; r < reps; ++r) {
+    CHECK_CUDA(cudaEventRecord(e0));
+    CHECK_CUDA(run(r));
+    CHECK_CUDA(cudaEventRecord(e1));
+    CHECK_CUDA(SyncWithWatchdog(what));
+    CHECK_CUDA(cudaEventElapsedTime(&ms[r], e0, e1));
+  }
+  CHECK_CUDA(cudaEventDestroy(e0));
+  CHECK_CUDA(cudaEventDestroy(e1));
+  std::sort(ms.begin(), ms.end());
+  return ms;
+}
+
+// Fills n 16-bit elements (bf16 or fp16 bits) with hashed pseudo-random
+// values in [-amplitude, amplitude).
+static __global__ void FillRandom(uint16_t* x, int64_t n, uint32_t seed, bool bf16,
+                                  float amplitude) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 16;
+    h *= 0x7feb352du;
+    h ^= h >> 15;
+    const float u = ((h & 0xFFFFFF) / float(1 << 24) * 2.f - 1.f) * amplitude;
+    if (bf16) {
+      __nv_bfloat16 v = __float2bfloat16_rn(u);
+      x[i] = *reinterpret_cast<uint16_t*>(&v);
+    } else {
+      __half v = __float2half_rn(u);
+      x[i] = *reinterpret_cast<uint16_t*>(&v);
+    }
+  }
+}
+
+// Backward timings: the LSE of a row that sees `visible` keys of scores ~ 0
+// is log(visible), so that P has realistic magnitudes (~1 / visible); dLSE
+// small and nonzero.
+static __global__ void FillLse(float* lse, float* d_lse, int64_t rows, int64_t T, int64_t S,
+                               bool causal) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i % T;
+    const int64_t causal_visible = t + 1 + S - T;
+    const int64_t visible = causal && causal_visible < S ? causal_visible : S;
+    lse[i] = logf(static_cast<float>(visible > 0 ? visible : 1));
+    d_lse[i] = 1e-3f * static_cast<float>((i * 37) % 17 - 8);
+  }
+}
 
 // Values rounded to / stored as the 16-bit dtype under test.
 inline float RoundTo(DType dt, float x) {

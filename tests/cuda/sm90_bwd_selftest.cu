@@ -12,9 +12,8 @@
 //   ||out - ref|| / ||ref|| <= 3 * (||naive - ref|| / ||ref||) + 1e-4.
 // A failing case prints each output's worst element (b, row, head, d, got,
 // want), so a layout or descriptor error shows which rows/columns are off.
-// Each launch is watched: a kernel still running after kHangSeconds (an
-// mbarrier wait that never completes) is reported as HANG and the process
-// exits.
+// Each launch is watched (SyncWithWatchdog, selftest_util.h): a hung kernel
+// is reported as HANG and the process exits.
 //
 //   sm90_bwd_selftest               all cases + timings
 //   sm90_bwd_selftest --tiny        four small cases (for the sanitizers)
@@ -27,14 +26,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "src/cuda/bwd_kernel.cuh"
@@ -52,8 +49,6 @@ using jax_flash2::cuda::DeviceInfo;
 
 namespace {
 
-constexpr double kHangSeconds = 20.0;
-
 struct Case {
   std::string name;
   DType dtype;
@@ -63,39 +58,8 @@ struct Case {
   bool bhtd = false;  // [B, H, T, D] layout through strides
 };
 
-DeviceInfo QueryDevice() {
-  DeviceInfo info;
-  CHECK_CUDA(cudaGetDevice(&info.device));
-  CHECK_CUDA(cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, info.device));
-  CHECK_CUDA(
-      cudaDeviceGetAttribute(&info.cc_major, cudaDevAttrComputeCapabilityMajor, info.device));
-  CHECK_CUDA(
-      cudaDeviceGetAttribute(&info.cc_minor, cudaDevAttrComputeCapabilityMinor, info.device));
-  int smem = 0;
-  CHECK_CUDA(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, info.device));
-  info.max_smem_per_block_optin = static_cast<size_t>(smem);
-  return info;
-}
 
 
-// Waits for the stream's work, polling, so that a hung kernel is reported
-// instead of blocking forever.
-cudaError_t SyncWithWatchdog(const std::string& what) {
-  const auto start = std::chrono::steady_clock::now();
-  for (;;) {
-    const cudaError_t err = cudaStreamQuery(0);
-    if (err != cudaErrorNotReady) return err;
-    const double s =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (s > kHangSeconds) {
-      std::printf("HANG %s: kernel still running after %.0f s (mbarrier wait never completed?)\n",
-                  what.c_str(), s);
-      std::fflush(stdout);
-      std::_Exit(2);  // the context cannot be recovered; don't run destructors
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-}
 
 // What RunBackward does on the sm90 path: preprocess, RunBackwardSm90, convert.
 template <typename Elem>
@@ -379,38 +343,6 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
   return pass ? 0 : 1;
 }
 
-// Fills n dtype elements with hashed pseudo-random values in about [-2, 2].
-__global__ void FillRandom(uint16_t* x, size_t n, uint32_t seed, bool bf16) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
-       i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    const float f = (h & 0xffffff) / float(0x1000000) * 4.f - 2.f;
-    if (bf16) {
-      __nv_bfloat16 b = __float2bfloat16_rn(f);
-      x[i] = *reinterpret_cast<uint16_t*>(&b);
-    } else {
-      __half b = __float2half_rn(f);
-      x[i] = *reinterpret_cast<uint16_t*>(&b);
-    }
-  }
-}
-
-// LSE of a row that sees `visible` keys of scores ~ 0: log(visible), so that P
-// has realistic magnitudes (~1 / visible); dLSE small nonzero.
-__global__ void FillLse(float* lse, float* d_lse, int64_t rows, int64_t T, int64_t S,
-                        bool causal) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = i % T;
-    const int64_t visible = causal ? std::min<int64_t>(S, t + 1 + S - T) : S;
-    lse[i] = logf(static_cast<float>(visible > 0 ? visible : 1));
-    d_lse[i] = 1e-3f * static_cast<float>((i * 37) % 17 - 8);
-  }
-}
-
 // The whole backward (preprocess, main, convert) by both paths, bf16;
 // TFLOP/s = 2.5 * 4 B T S H D / t (5 products of 2 B T S H D flops each),
 // halved when causal.
@@ -422,7 +354,7 @@ void TimeCase(const Case& c, const DeviceInfo& dev) {
   for (int i = 0; i < 8; ++i) {
     void* ptr;
     CHECK_CUDA(cudaMalloc(&ptr, sizes[i] * 2));
-    FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(ptr), sizes[i], 1234u + i, true);
+    FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(ptr), sizes[i], 1234u + i, true, 2.f);
     CHECK_CUDA(cudaGetLastError());
     bufs.push_back(ptr);
   }
@@ -443,34 +375,17 @@ void TimeCase(const Case& c, const DeviceInfo& dev) {
   p.d_lse = d_lse;
   void* scratch;
   CHECK_CUDA(cudaMalloc(&scratch, cuda::BackwardScratchBytes(p, dev)));
-  cudaEvent_t e0, e1;
-  CHECK_CUDA(cudaEventCreate(&e0));
-  CHECK_CUDA(cudaEventCreate(&e1));
   double flops = 2.5 * 4.0 * c.B * c.T * c.S * c.H * c.D;
   if (c.wr == 0) flops /= 2;
-  constexpr int kReps = 15;
   auto time = [&](const char* impl, auto run) {
-    const std::string what = c.name + " [" + impl + "]";
-    for (int i = 0; i < 3; ++i) CHECK_CUDA(run());
-    CHECK_CUDA(SyncWithWatchdog(what + " (warm-up)"));
-    std::vector<float> ms(kReps);
-    for (int r = 0; r < kReps; ++r) {
-      CHECK_CUDA(cudaEventRecord(e0));
-      CHECK_CUDA(run());
-      CHECK_CUDA(cudaEventRecord(e1));
-      CHECK_CUDA(SyncWithWatchdog(what));
-      CHECK_CUDA(cudaEventElapsedTime(&ms[r], e0, e1));
-    }
-    std::sort(ms.begin(), ms.end());
-    const double med = ms[kReps / 2];
+    const std::vector<float> ms = TimeRuns(c.name + " [" + impl + "]", 15, run);
+    const double med = ms[ms.size() / 2];
     std::printf("TIME %-32s %-11s %8.3f ms  %6.1f TFLOP/s\n", c.name.c_str(), impl, med,
                 flops / med / 1e9);
     std::fflush(stdout);
   };
-  time("sm80", [&] { return cuda::RunBackward(p, scratch, dev, 0); });
-  time("sm90", [&] { return RunSm90(p, scratch, dev); });
-  CHECK_CUDA(cudaEventDestroy(e0));
-  CHECK_CUDA(cudaEventDestroy(e1));
+  time("sm80", [&](int) { return cuda::RunBackward(p, scratch, dev, 0); });
+  time("sm90", [&](int) { return RunSm90(p, scratch, dev); });
   for (void* ptr : bufs) CHECK_CUDA(cudaFree(ptr));
   CHECK_CUDA(cudaFree(lse));
   CHECK_CUDA(cudaFree(d_lse));
@@ -496,7 +411,8 @@ int main(int argc, char** argv) {
   }
   if (mode == "--probe") return 0;
   const bool tiny = mode == "--tiny";
-  const DeviceInfo dev = QueryDevice();
+  DeviceInfo dev;
+  CHECK_CUDA(cuda::GetCurrentDeviceInfo(&dev));
   std::printf("device sm_%d%d, %d SMs, %zu B smem opt-in\n", dev.cc_major, dev.cc_minor,
               dev.sm_count, dev.max_smem_per_block_optin);
   if (dev.cc_major != 9) {

@@ -19,8 +19,8 @@
 //                                   the sm90 schedules to check and time (default all)
 //
 // Outputs are poisoned with NaN before each run, so an element the kernel
-// fails to write shows up as a NaN. Each launch is watched: a kernel still
-// running after kHangSeconds (an mbarrier wait that never completes, the
+// fails to write shows up as a NaN. Each launch is watched (SyncWithWatchdog,
+// selftest_util.h): a hung kernel (an mbarrier wait that never completes, the
 // likeliest first-run failure of a TMA/mbarrier pipeline) is reported as HANG
 // with the case name and the process exits, instead of stalling the device
 // call. A failing case prints its worst elements (b, t, h, d, got, want) so a
@@ -31,7 +31,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -39,7 +38,6 @@
 #include <cstring>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "src/cuda/flash_cuda.h"
@@ -54,7 +52,6 @@ using namespace jax_flash2::selftest;
 
 namespace {
 
-constexpr double kHangSeconds = 20.0;
 
 
 struct Case {
@@ -66,24 +63,6 @@ struct Case {
 };
 
 
-// Waits for the stream's work, polling, so that a hung kernel is reported
-// instead of blocking forever.
-cudaError_t SyncWithWatchdog(const std::string& what) {
-  const auto start = std::chrono::steady_clock::now();
-  for (;;) {
-    const cudaError_t err = cudaStreamQuery(0);
-    if (err != cudaErrorNotReady) return err;
-    const double s =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (s > kHangSeconds) {
-      std::printf("HANG %s: kernel still running after %.0f s (mbarrier wait never completed?)\n",
-                  what.c_str(), s);
-      std::fflush(stdout);
-      std::_Exit(2);  // the context cannot be recovered; don't run destructors
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-}
 
 struct Worst {
   double err = -1;
@@ -279,24 +258,6 @@ int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
   return failures;
 }
 
-__global__ void FillRandom(uint16_t* x, int64_t n, uint32_t seed, bool bf16) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 16;
-    h *= 0x7feb352du;
-    h ^= h >> 15;
-    const float u = (h & 0xFFFFFF) / float(1 << 24) * 2.f - 1.f;  // [-1, 1)
-    if (bf16) {
-      __nv_bfloat16 v = __float2bfloat16_rn(u);
-      x[i] = *reinterpret_cast<uint16_t*>(&v);
-    } else {
-      __half v = __float2half_rn(u);
-      x[i] = *reinterpret_cast<uint16_t*>(&v);
-    }
-  }
-}
-
 // Times the sm80 forward and each sm90 schedule on the same inputs (median
 // of `reps`, L2 cold only in the sense that the working set exceeds it) and
 // prints one line per implementation as soon as it is measured, so a hang in
@@ -312,43 +273,27 @@ void TimeCase(const Case& c, const cuda::DeviceInfo& dev, int reps) {
   CHECK_CUDA(cudaMalloc(&o, nq * 2));
   CHECK_CUDA(cudaMalloc(&lse, c.B * c.H * c.T * 4));
   const bool bf16 = c.dtype == DType::kBFloat16;
-  FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(q), nq, 1, bf16);
-  FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(k), nk, 2, bf16);
-  FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(v), nk, 3, bf16);
+  FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(q), nq, 1, bf16, 1.f);
+  FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(k), nk, 2, bf16, 1.f);
+  FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(v), nk, 3, bf16, 1.f);
   CHECK_CUDA(cudaGetLastError());
   p.q = q; p.k = k; p.v = v; p.o = o; p.lse = lse;
   const size_t scratch_bytes = cuda::ForwardScratchBytes(p, dev);
   if (scratch_bytes) CHECK_CUDA(cudaMalloc(&scratch, scratch_bytes));
-  cudaEvent_t e0, e1;
-  CHECK_CUDA(cudaEventCreate(&e0));
-  CHECK_CUDA(cudaEventCreate(&e1));
   double flops = 4.0 * c.B * c.T * c.S * c.H * c.D;
   if (c.wr == 0) flops /= 2;
   auto time = [&](const char* impl, auto run) {
-    const std::string what = c.name + " [" + impl + "]";
-    for (int i = 0; i < 3; ++i) CHECK_CUDA(run());
-    CHECK_CUDA(SyncWithWatchdog(what + " (warm-up)"));
-    std::vector<float> ms(reps);
-    for (int r = 0; r < reps; ++r) {
-      CHECK_CUDA(cudaEventRecord(e0));
-      CHECK_CUDA(run());
-      CHECK_CUDA(cudaEventRecord(e1));
-      CHECK_CUDA(SyncWithWatchdog(what));
-      CHECK_CUDA(cudaEventElapsedTime(&ms[r], e0, e1));
-    }
-    std::sort(ms.begin(), ms.end());
+    const std::vector<float> ms = TimeRuns(c.name + " [" + impl + "]", reps, run);
     const double med = ms[reps / 2];
     std::printf("TIME %-36s %-13s %8.3f ms  %6.1f TFLOP/s\n", c.name.c_str(), impl, med,
                 flops / med / 1e9);
     std::fflush(stdout);
   };
-  time("sm80", [&] { return cuda::RunForward(p, scratch, dev, 0); });
+  time("sm80", [&](int) { return cuda::RunForward(p, scratch, dev, 0); });
   for (Sm90Schedule sch : g_schedules) {
     const std::string impl = std::string("sm90 ") + ScheduleName(sch);
-    time(impl.c_str(), [&] { return cuda::sm90::RunForwardSm90Schedule(p, dev, 0, sch); });
+    time(impl.c_str(), [&](int) { return cuda::sm90::RunForwardSm90Schedule(p, dev, 0, sch); });
   }
-  CHECK_CUDA(cudaEventDestroy(e0));
-  CHECK_CUDA(cudaEventDestroy(e1));
   for (void* ptr : {q, k, v, o, static_cast<void*>(lse)}) CHECK_CUDA(cudaFree(ptr));
   if (scratch) CHECK_CUDA(cudaFree(scratch));
 }
