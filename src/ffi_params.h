@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "flash_dropout.h"
 #include "flash_params.h"
@@ -235,6 +236,52 @@ inline ffi::Error BackwardParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& 
   p->dk = dk.untyped_data();
   p->dv = dv.untyped_data();
   return ffi::Error::Success();
+}
+
+// The custom calls' operand lists, shared by the CPU and CUDA handlers so the
+// two platforms cannot drift apart: each handler binds its context, then
+// ForwardOperands or BackwardOperands, its own results (the CUDA workspace),
+// ScoreAttrs, and its own attributes, in its handler's parameter order.
+template <class Binding>
+auto ForwardOperands(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // q: [B, T, H, D]
+      .template Arg<ffi::AnyBuffer>()            // k: [B, S, K, D]
+      .template Arg<ffi::AnyBuffer>()            // v: [B, S, K, D]
+      .template Arg<ffi::AnyBuffer>()  // alibi_slopes: [B, H] float32, read if has_alibi
+      .template Arg<ffi::AnyBuffer>()  // q_segment_ids: [B, T] int32, read if has_segment_ids
+      .template Arg<ffi::AnyBuffer>()  // kv_segment_ids: [B, S] int32, read if has_segment_ids
+      .template Arg<ffi::AnyBuffer>()  // dropout_seeds: [B, H, 2] uint32, read if dropout_rate > 0
+      .template Ret<ffi::AnyBuffer>()  // out: [B, T, H, D]
+      .template Ret<ffi::AnyBuffer>();  // lse: [B, H, T] float32
+}
+
+template <class Binding>
+auto BackwardOperands(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // q: [B, T, H, D]
+      .template Arg<ffi::AnyBuffer>()            // k: [B, S, K, D]
+      .template Arg<ffi::AnyBuffer>()            // v: [B, S, K, D]
+      .template Arg<ffi::AnyBuffer>()  // out: [B, T, H, D], the forward's output
+      .template Arg<ffi::AnyBuffer>()  // lse: [B, H, T] float32, the forward's LSE
+      .template Arg<ffi::AnyBuffer>()  // d_out: [B, T, H, D]
+      .template Arg<ffi::AnyBuffer>()  // d_lse: [B, H, T] float32
+      .template Arg<ffi::AnyBuffer>()  // alibi_slopes: [B, H] float32, read if has_alibi
+      .template Arg<ffi::AnyBuffer>()  // q_segment_ids: [B, T] int32, read if has_segment_ids
+      .template Arg<ffi::AnyBuffer>()  // kv_segment_ids: [B, S] int32, read if has_segment_ids
+      .template Arg<ffi::AnyBuffer>()  // dropout_seeds: [B, H, 2] uint32, the forward's
+      .template Ret<ffi::AnyBuffer>()  // dq: [B, T, H, D]
+      .template Ret<ffi::AnyBuffer>()  // dk: [B, S, K, D], summed over each head group
+      .template Ret<ffi::AnyBuffer>();  // dv: [B, S, K, D], summed over each head group
+}
+
+template <class Binding>
+auto ScoreAttrs(Binding binding) {
+  return std::move(binding).template Attr<float>("softmax_scale")
+      .template Attr<int64_t>("window_left")    // -1: unbounded
+      .template Attr<int64_t>("window_right")   // -1: unbounded; 0: causal
+      .template Attr<float>("softcap")          // 0: off
+      .template Attr<bool>("has_alibi")         // false: alibi_slopes is ignored
+      .template Attr<bool>("has_segment_ids")   // false: the segment ids are ignored
+      .template Attr<float>("dropout_rate");    // in [0, 1); 0: off, the seeds are ignored
 }
 
 }  // namespace jax_flash2

@@ -54,51 +54,10 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxFlash2CpuForward, ForwardImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::ThreadPool>()
-        .Arg<ffi::AnyBuffer>()  // q: [B, T, H, D]
-        .Arg<ffi::AnyBuffer>()  // k: [B, S, K, D]
-        .Arg<ffi::AnyBuffer>()  // v: [B, S, K, D]
-        .Arg<ffi::AnyBuffer>()  // alibi_slopes: [B, H] float32, read if has_alibi
-        .Arg<ffi::AnyBuffer>()  // q_segment_ids: [B, T] int32, read if has_segment_ids
-        .Arg<ffi::AnyBuffer>()  // kv_segment_ids: [B, S] int32, read if has_segment_ids
-        .Arg<ffi::AnyBuffer>()  // dropout_seeds: [B, H, 2] uint32, read if dropout_rate > 0
-        .Ret<ffi::AnyBuffer>()  // out: [B, T, H, D]
-        .Ret<ffi::AnyBuffer>()  // lse: [B, H, T] float32
-        .Attr<float>("softmax_scale")
-        .Attr<int64_t>("window_left")    // -1: unbounded
-        .Attr<int64_t>("window_right")  // -1: unbounded; 0: causal
-        .Attr<float>("softcap")         // 0: off
-        .Attr<bool>("has_alibi")        // false: alibi_slopes is ignored
-        .Attr<bool>("has_segment_ids")  // false: the segment ids are ignored
-        .Attr<float>("dropout_rate"));  // in [0, 1); 0: off, the seeds are ignored
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlash2CpuForward, ForwardImpl,
+                              ScoreAttrs(ForwardOperands(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxFlash2CpuBackward, BackwardImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::ThreadPool>()
-        .Arg<ffi::AnyBuffer>()  // q: [B, T, H, D]
-        .Arg<ffi::AnyBuffer>()  // k: [B, S, K, D]
-        .Arg<ffi::AnyBuffer>()  // v: [B, S, K, D]
-        .Arg<ffi::AnyBuffer>()  // out: [B, T, H, D], the forward's output
-        .Arg<ffi::AnyBuffer>()  // lse: [B, H, T] float32, the forward's LSE
-        .Arg<ffi::AnyBuffer>()  // d_out: [B, T, H, D]
-        .Arg<ffi::AnyBuffer>()  // d_lse: [B, H, T] float32
-        .Arg<ffi::AnyBuffer>()  // alibi_slopes: [B, H] float32, read if has_alibi
-        .Arg<ffi::AnyBuffer>()  // q_segment_ids: [B, T] int32, read if has_segment_ids
-        .Arg<ffi::AnyBuffer>()  // kv_segment_ids: [B, S] int32, read if has_segment_ids
-        .Arg<ffi::AnyBuffer>()  // dropout_seeds: [B, H, 2] uint32, the forward's
-        .Ret<ffi::AnyBuffer>()  // dq: [B, T, H, D]
-        .Ret<ffi::AnyBuffer>()  // dk: [B, S, K, D], summed over each head group
-        .Ret<ffi::AnyBuffer>()  // dv: [B, S, K, D], summed over each head group
-        .Attr<float>("softmax_scale")
-        .Attr<int64_t>("window_left")
-        .Attr<int64_t>("window_right")
-        .Attr<float>("softcap")
-        .Attr<bool>("has_alibi")
-        .Attr<bool>("has_segment_ids")
-        .Attr<float>("dropout_rate"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFlash2CpuBackward, BackwardImpl,
+                              ScoreAttrs(BackwardOperands(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 
 }  // namespace jax_flash2::cpu

@@ -94,53 +94,14 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFlash2CudaForward, ForwardImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Arg<ffi::AnyBuffer>()  // q: [B, T, H, D]
-        .Arg<ffi::AnyBuffer>()  // k: [B, S, K, D]
-        .Arg<ffi::AnyBuffer>()  // v: [B, S, K, D]
-        .Arg<ffi::AnyBuffer>()  // alibi_slopes: [B, H] float32, read if has_alibi
-        .Arg<ffi::AnyBuffer>()  // q_segment_ids: [B, T] int32, read if has_segment_ids
-        .Arg<ffi::AnyBuffer>()  // kv_segment_ids: [B, S] int32, read if has_segment_ids
-        .Arg<ffi::AnyBuffer>()  // dropout_seeds: [B, H, 2] uint32; must be unused (rate 0)
-        .Ret<ffi::AnyBuffer>()  // out: [B, T, H, D]
-        .Ret<ffi::AnyBuffer>()  // lse: [B, H, T] float32
-        .Ret<ffi::AnyBuffer>()  // workspace: uint8, split-KV partial O and LSE
-        .Attr<float>("softmax_scale")
-        .Attr<int64_t>("window_left")   // -1: unbounded
-        .Attr<int64_t>("window_right")  // -1: unbounded; 0: causal
-        .Attr<float>("softcap")         // 0: off
-        .Attr<bool>("has_alibi")        // false: alibi_slopes is ignored
-        .Attr<bool>("has_segment_ids")  // false: the segment ids are ignored
-        .Attr<float>("dropout_rate")    // 0: off
-        .Attr<int64_t>("sm_count"));    // multiprocessors the workspace was sized for
+    ScoreAttrs(ForwardOperands(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+                   .Ret<ffi::AnyBuffer>())  // workspace: uint8, split-KV partial O and LSE
+        .Attr<int64_t>("sm_count"));        // multiprocessors the workspace was sized for
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFlash2CudaBackward, BackwardImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Arg<ffi::AnyBuffer>()  // q: [B, T, H, D]
-        .Arg<ffi::AnyBuffer>()  // k: [B, S, K, D]
-        .Arg<ffi::AnyBuffer>()  // v: [B, S, K, D]
-        .Arg<ffi::AnyBuffer>()  // out: [B, T, H, D], the forward's output
-        .Arg<ffi::AnyBuffer>()  // lse: [B, H, T] float32, the forward's LSE
-        .Arg<ffi::AnyBuffer>()  // d_out: [B, T, H, D]
-        .Arg<ffi::AnyBuffer>()  // d_lse: [B, H, T] float32
-        .Arg<ffi::AnyBuffer>()  // alibi_slopes: [B, H] float32, read if has_alibi
-        .Arg<ffi::AnyBuffer>()  // q_segment_ids: [B, T] int32, read if has_segment_ids
-        .Arg<ffi::AnyBuffer>()  // kv_segment_ids: [B, S] int32, read if has_segment_ids
-        .Arg<ffi::AnyBuffer>()  // dropout_seeds: [B, H, 2] uint32; must be unused (rate 0)
-        .Ret<ffi::AnyBuffer>()  // dq: [B, T, H, D]
-        .Ret<ffi::AnyBuffer>()  // dk: [B, S, K, D], summed over each head group
-        .Ret<ffi::AnyBuffer>()  // dv: [B, S, K, D], summed over each head group
-        .Ret<ffi::AnyBuffer>()  // workspace: uint8, D and the fp32 dQ accumulator
-        .Attr<float>("softmax_scale")
-        .Attr<int64_t>("window_left")
-        .Attr<int64_t>("window_right")
-        .Attr<float>("softcap")
-        .Attr<bool>("has_alibi")
-        .Attr<bool>("has_segment_ids")
-        .Attr<float>("dropout_rate")
+    ScoreAttrs(BackwardOperands(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+                   .Ret<ffi::AnyBuffer>())  // workspace: uint8, D and the fp32 dQ accumulator
         .Attr<int64_t>("sm_count")
         .Attr<bool>("deterministic"));  // dQ summed in a fixed order (more workspace)
 
