@@ -391,31 +391,7 @@ bool TimeBackward(const DeviceInfo& dev, int64_t D, bool causal) {
   p.window_left = -1;
   p.window_right = causal ? 0 : -1;
   jax_flash2::SetDenseStrides(p);
-  const size_t n = B * T * H * D;
-  std::vector<void*> bufs;
-  for (int i = 0; i < 8; ++i) {
-    void* ptr;
-    CHECK_CUDA(cudaMalloc(&ptr, n * 2));
-    jax_flash2::selftest::FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(ptr), n, 1234u + i,
-                                                    true, 2.f);
-    CHECK_CUDA(cudaGetLastError());
-    bufs.push_back(ptr);
-  }
-  float *lse, *d_lse;
-  CHECK_CUDA(cudaMalloc(&lse, B * H * T * 4));
-  CHECK_CUDA(cudaMalloc(&d_lse, B * H * T * 4));
-  jax_flash2::selftest::FillLse<<<1024, 256>>>(lse, d_lse, B * H * T, T, S, causal);
-  CHECK_CUDA(cudaGetLastError());
-  p.q = bufs[0];
-  p.k = bufs[1];
-  p.v = bufs[2];
-  p.o = bufs[3];
-  p.d_o = bufs[4];
-  p.dq = bufs[5];
-  p.dk = bufs[6];
-  p.dv = bufs[7];
-  p.lse = lse;
-  p.d_lse = d_lse;
+  const std::vector<void*> bufs = jax_flash2::selftest::AllocBackwardTimingBuffers(&p);
   void* scratch;
   CHECK_CUDA(cudaMalloc(&scratch, jax_flash2::cuda::BackwardScratchBytes(p, dev)));
   const std::vector<float> ms = jax_flash2::selftest::TimeRuns("bwd timing", 15, [&](int) {
@@ -430,8 +406,6 @@ bool TimeBackward(const DeviceInfo& dev, int64_t D, bool causal) {
               causal ? "causal" : "noncausal", med, ms.front(), ms.back(),
               flops / (med * 1e-3) / 1e12);
   for (void* ptr : bufs) CHECK_CUDA(cudaFree(ptr));
-  CHECK_CUDA(cudaFree(lse));
-  CHECK_CUDA(cudaFree(d_lse));
   CHECK_CUDA(cudaFree(scratch));
   return true;
 }

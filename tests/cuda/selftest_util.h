@@ -116,6 +116,43 @@ static __global__ void FillLse(float* lse, float* d_lse, int64_t rows, int64_t T
   }
 }
 
+// Device buffers for timing the backward of p (sizes, strides and window set;
+// bf16): random q, k, v, o, dO in [-2, 2), the dq, dk, dv outputs, and the LSE
+// and dLSE of FillLse; sets p's pointers. cudaFree each returned pointer.
+inline std::vector<void*> AllocBackwardTimingBuffers(FlashParams* p) {
+  const int64_t nq = p->batch * p->seqlen_q * p->num_heads_q * p->head_dim;
+  const int64_t nk = p->batch * p->seqlen_k * p->num_heads_kv * p->head_dim;
+  const int64_t rows = p->batch * p->num_heads_q * p->seqlen_q;
+  const int64_t sizes[] = {nq, nk, nk, nq, nq, nq, nk, nk};  // q k v o dO dq dk dv
+  std::vector<void*> bufs;
+  for (int i = 0; i < 8; ++i) {
+    void* ptr;
+    CHECK_CUDA(cudaMalloc(&ptr, sizes[i] * 2));
+    FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(ptr), sizes[i], 1234u + i, true, 2.f);
+    CHECK_CUDA(cudaGetLastError());
+    bufs.push_back(ptr);
+  }
+  float *lse, *d_lse;
+  CHECK_CUDA(cudaMalloc(&lse, rows * 4));
+  CHECK_CUDA(cudaMalloc(&d_lse, rows * 4));
+  const bool causal = p->window_left < 0 && p->window_right == 0;
+  FillLse<<<1024, 256>>>(lse, d_lse, rows, p->seqlen_q, p->seqlen_k, causal);
+  CHECK_CUDA(cudaGetLastError());
+  p->q = bufs[0];
+  p->k = bufs[1];
+  p->v = bufs[2];
+  p->o = bufs[3];
+  p->d_o = bufs[4];
+  p->dq = bufs[5];
+  p->dk = bufs[6];
+  p->dv = bufs[7];
+  p->lse = lse;
+  p->d_lse = d_lse;
+  bufs.push_back(lse);
+  bufs.push_back(d_lse);
+  return bufs;
+}
+
 // Values rounded to / stored as the 16-bit dtype under test.
 inline float RoundTo(DType dt, float x) {
   if (dt == DType::kFloat16) return __half2float(__float2half_rn(x));

@@ -348,31 +348,7 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
 // halved when causal.
 void TimeCase(const Case& c, const DeviceInfo& dev) {
   FlashParams p = CaseParams(c);
-  const int64_t nq = c.B * c.T * c.H * c.D, nk = c.B * c.S * c.K * c.D;
-  std::vector<void*> bufs;
-  const int64_t sizes[] = {nq, nk, nk, nq, nq, nq, nk, nk};  // q k v o dO dq dk dv
-  for (int i = 0; i < 8; ++i) {
-    void* ptr;
-    CHECK_CUDA(cudaMalloc(&ptr, sizes[i] * 2));
-    FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(ptr), sizes[i], 1234u + i, true, 2.f);
-    CHECK_CUDA(cudaGetLastError());
-    bufs.push_back(ptr);
-  }
-  float *lse, *d_lse;
-  CHECK_CUDA(cudaMalloc(&lse, c.B * c.H * c.T * 4));
-  CHECK_CUDA(cudaMalloc(&d_lse, c.B * c.H * c.T * 4));
-  FillLse<<<1024, 256>>>(lse, d_lse, c.B * c.H * c.T, c.T, c.S, c.wr == 0);
-  CHECK_CUDA(cudaGetLastError());
-  p.q = bufs[0];
-  p.k = bufs[1];
-  p.v = bufs[2];
-  p.o = bufs[3];
-  p.d_o = bufs[4];
-  p.dq = bufs[5];
-  p.dk = bufs[6];
-  p.dv = bufs[7];
-  p.lse = lse;
-  p.d_lse = d_lse;
+  const std::vector<void*> bufs = AllocBackwardTimingBuffers(&p);
   void* scratch;
   CHECK_CUDA(cudaMalloc(&scratch, cuda::BackwardScratchBytes(p, dev)));
   double flops = 2.5 * 4.0 * c.B * c.T * c.S * c.H * c.D;
@@ -387,8 +363,6 @@ void TimeCase(const Case& c, const DeviceInfo& dev) {
   time("sm80", [&](int) { return cuda::RunBackward(p, scratch, dev, 0); });
   time("sm90", [&](int) { return RunSm90(p, scratch, dev); });
   for (void* ptr : bufs) CHECK_CUDA(cudaFree(ptr));
-  CHECK_CUDA(cudaFree(lse));
-  CHECK_CUDA(cudaFree(d_lse));
   CHECK_CUDA(cudaFree(scratch));
 }
 
