@@ -29,9 +29,9 @@ bool Sm90BackwardEnabled();
 // The main backward kernel (dK, dV, and dQ / scale accumulated into
 // s.dq_acc), on the current device (must be cc 9.0); the caller runs the
 // preprocess before and the convert after, as for the sm80 kernel.
-// dQ goes into dq_acc by float2 atomics: a per-row cp.reduce.async.bulk variant
-// measured slower on the H200 (244 vs 335 TFLOP/s at B4 T=S=4096 H16 D128, 142
-// vs 206 at D64; racecheck also flagged it), so it was removed.
+// dQ goes into dq_acc by bulk tensor reductions of whole 64 x 32 fp32 tiles
+// (a dq_acc tensor map); float2 atomics measured 446 -> 328 TFLOP/s slower at
+// B4 T=S=4096 H16 D128, and a per-row bulk reduction slower still.
 // Returns cudaErrorInvalidValue when !Sm90BackwardSupports(p) or s has more
 // than one dQ slice.
 cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const DeviceInfo& dev,
@@ -43,9 +43,10 @@ namespace sm90 {
 // head), 64 per consumer warpgroup, and loops over block_m = 64 query rows at
 // a time (of every query head of its group). Shared memory, 2-byte elements:
 //   K, V (block_n x D each), `stages` x (Q, dO) (block_m x D each), two dS^T
-//   buffers (block_n x block_m):
-//   D = 64:  32 KB + 2 x 16 KB + 32 KB = 96 KB
-//   D = 128: 64 KB + 2 x 32 KB + 32 KB = 160 KB
+//   buffers (block_n x block_m), and in fp32 the dQ staging tiles (block_m x
+//   64 per consumer warpgroup) and `stages` x (lse2, Dvec) (block_m each):
+//   D = 64:  32 KB + 2 x 16 KB + 32 KB + 32 KB + 1 KB = 129 KB
+//   D = 128: 64 KB + 2 x 32 KB + 32 KB + 32 KB + 1 KB = 193 KB
 // Registers per consumer thread: dK, dV (D / 2 fp32 each), S^T and dP^T (32
 // fp32 each), dQ (32 fp32), P^T and dS^T as A fragments (16 b32 each): about
 // 230 at D = 128 at the peak (S^T, dP^T live beside dK, dV).
@@ -85,8 +86,11 @@ constexpr int BwdSm90SmemBytes(const BwdSm90Tile& t) {
   const int kv = 2 * t.block_n * t.head_dim * 2;
   const int q_do = t.stages * 2 * t.block_m * t.head_dim * 2;
   const int ds = 2 * t.block_n * t.block_m * 2;
-  const int barriers = (1 + 2 * t.stages) * 8;  // kv_full; q_full, q_empty per stage
-  return kv + q_do + ds + barriers + 1024;      // 1 KB: alignment slack
+  // fp32 dQ staging: 64 columns per consumer warpgroup.
+  const int dq = kBwdConsumerWarpgroups * t.block_m * 64 * 4;
+  const int rows = t.stages * 2 * t.block_m * 4;  // lse2 and Dvec per stage
+  const int barriers = (1 + 2 * t.stages) * 8;     // kv_full; q_full, q_empty per stage
+  return kv + q_do + ds + dq + rows + barriers + 1024;  // 1 KB: alignment slack
 }
 
 // The kernel's by-value argument block (__grid_constant__, so the tensor maps
@@ -98,6 +102,7 @@ struct BwdSm90Args {
   CUtensorMap tma_do;
   CUtensorMap tma_k;
   CUtensorMap tma_v;
+  CUtensorMap tma_dq;  // fp32 dq_acc [B, T, H, D], boxes of 32 columns x block_m rows
   FlashParams p;
   const float* lse2 = nullptr;  // [B, H, t_pad]
   const float* dvec = nullptr;  // [B, H, t_pad]

@@ -1,6 +1,7 @@
 // FlashAttention-2 backward main kernel for Hopper (sm_90a): TMA loads of Q
 // and dO into a ring of shared-memory stages synchronised by mbarriers, wgmma
-// for all five products, one producer and two consumer warpgroups. It
+// for all five products, one producer warpgroup (a TMA thread and a warp
+// that stages lse2 and Dvec) and two consumer warpgroups. It
 // replaces BwdMainKernel (bwd_kernel.cuh) only: the preprocess (lse2 = LSE *
 // log2(e), Dvec = rowsum(dO * O) - dLSE, dq_acc = 0) and the convert (dq =
 // dq_acc * scale) are that file's kernels, and the scratch layout is
@@ -19,8 +20,9 @@
 //   dV  += P^T dO                     wgmma RS: P^T from registers, dO MN-major
 //   dK  += dS^T Q                     wgmma RS: dS^T from registers, Q MN-major
 //   dQ   = dS K                       wgmma SS from the dS^T tile in smem (both
-//                                     operands MN-major), then added into dq_acc
-//                                     with float2 atomics
+//                                     operands MN-major), staged in smem as fp32
+//                                     and added into dq_acc by one bulk tensor
+//                                     reduction (cp.reduce.async.bulk.tensor)
 // P^T and dS^T come out of the S^T and dP^T accumulators in the register
 // A-fragment layout of the next products (the forward's P V trick), which is
 // why the kernel computes the transposed products, keys as the M dimension.
@@ -30,12 +32,17 @@
 // shared memory: a named barrier over both warpgroups each query block, and
 // two dS^T buffers so one warpgroup may write the next block's while the other
 // still reads this one's. At D = 64 each warpgroup computes dQ over its own 64
-// keys (N = 64 = D) and both add into dq_acc: twice the atomics, but no
+// keys (N = 64 = D) and both add into dq_acc: twice the reduced bytes, but no
 // barrier between the warpgroups.
 //
-// Shared memory holds only what wgmma reads (K, V, Q, dO, dS^T). lse2 and
-// Dvec come from global memory: staged by the copy engine and read by plain
-// loads, they were the hazards racecheck reported (NOTES.md).
+// What made it fast (NOTES.md has the numbers): no branch per exponential
+// (the mask compares 32-bit query bounds, only on blocks that need it); dQ
+// reduced by the copy engine from shared memory, one instruction per 32
+// columns, where float2 atomics from every thread took a third of the time;
+// lse2 and Dvec staged in shared memory by the producer's row warp, so the
+// consumers never wait on L2 for them. Staging them with the copy engine was
+// what racecheck flagged once; plain stores published by per-thread mbarrier
+// arrivals are clean.
 //
 // Masking as in the sm80 backward: query blocks outside the key block's
 // window are skipped (QueryRange), and only blocks not fully visible to a
@@ -74,10 +81,13 @@ struct BwdSm90Traits {
   static constexpr int kQPanelBytes = kBlockM * 128;
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;  // dS^T: [key][query], 128-byte rows
   static constexpr int kAcc = kHeadDim / 2;                // fp32 dK (or dV) accumulators
-  static constexpr int kConsumerWarps = 4 * kBwdConsumerWarpgroups;
   // dQ: split over keys at D = 64, over columns at D = 128 (see above); 64
   // columns per warpgroup either way.
   static constexpr bool kDqSplitKeys = BwdSm90DqSplitKeys(kHeadDim);
+  // A warpgroup's dQ (64 queries x 64 columns, fp32) staged for the bulk
+  // reduction: two panels of 32 columns (one 128-byte swizzled row each).
+  static constexpr int kDqTileBytes = kBlockM * 64 * 4;
+  static constexpr int kDqPanelBytes = kBlockM * 128;
   static_assert(kHeadDim == 64 || kHeadDim == 128);
   static_assert(kBlockM == 64 && kBlockN == 64 * kBwdConsumerWarpgroups);
 };
@@ -91,8 +101,14 @@ struct BwdSm90Smem {
   static constexpr int kQ = kV + Tr::kKvBytes;
   static constexpr int kDo = kQ + Tr::kStages * Tr::kQBytes;
   static constexpr int kDs = kDo + Tr::kStages * Tr::kQBytes;
-  static constexpr int kBars = kDs + 2 * Tr::kDsBytes;
+  static constexpr int kDq = kDs + 2 * Tr::kDsBytes;  // [warpgroup] dQ tiles
+  // [stage] lse2 then Dvec of the stage's query block (kBlockM floats each).
+  static constexpr int kRows = kDq + kBwdConsumerWarpgroups * Tr::kDqTileBytes;
+  static constexpr int kRowsStageBytes = 2 * Tr::kBlockM * 4;
+  static constexpr int kBars = kRows + Tr::kStages * kRowsStageBytes;
+  static_assert(kBars + (1 + 2 * Tr::kStages) * 8 + 1024 <= BwdSm90SmemBytes(Tr::kTile));
   static_assert(kV % 1024 == 0 && kQ % 1024 == 0 && kDo % 1024 == 0 && kDs % 1024 == 0);
+  static_assert(kDq % 1024 == 0 && Tr::kDqTileBytes % 1024 == 0);
   static_assert(Tr::kQBytes % 1024 == 0 && Tr::kDsBytes % 1024 == 0 && kBars % 8 == 0);
 };
 
@@ -115,6 +131,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   unsigned char* s_q = smem + Smem::kQ;
   unsigned char* s_do = smem + Smem::kDo;
   unsigned char* s_ds = smem + Smem::kDs;
+  unsigned char* s_dq = smem + Smem::kDq;
+  float* s_rows = reinterpret_cast<float*>(smem + Smem::kRows);
   // kv_full: K and V landed (once). q_full[s]: Q, dO, lse2, Dvec of stage s
   // landed; q_empty[s]: every consumer warp is done with them.
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem + Smem::kBars);
@@ -125,7 +143,6 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   const int n_block = blockIdx.x;
   const int b = blockIdx.y;
   const int kv_head = blockIdx.z;
-  const int seqlen_q = static_cast<int>(p.seqlen_q);
   const int seqlen_k = static_cast<int>(p.seqlen_k);
   const int n_begin = n_block * kBlockN;
 
@@ -143,10 +160,10 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     MbarInit(kv_full, 1);
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      MbarInit(&q_full[s], 1);
-      // Every consumer warp arrives after its own wait for the last wgmma
-      // reading the stage (as in the forward).
-      MbarInit(&q_empty[s], Tr::kConsumerWarps);
+      // The TMA thread's expect-tx arrival and one per lane of the row warp.
+      MbarInit(&q_full[s], 1 + 32);
+      // Every consumer thread arrives after its last read of the stage.
+      MbarInit(&q_empty[s], 128 * kBwdConsumerWarpgroups);
     }
     FenceBarrierInit();
   }
@@ -161,6 +178,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       PrefetchTensorMap(&args.tma_do);
       PrefetchTensorMap(&args.tma_k);
       PrefetchTensorMap(&args.tma_v);
+      PrefetchTensorMap(&args.tma_dq);
       MbarArriveExpectTx(kv_full, 2 * Tr::kKvBytes);
 #pragma unroll
       for (int panel = 0; panel < Tr::kPanels; ++panel) {
@@ -190,6 +208,34 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
                     panel * Tr::kPanelCols, args.do_heads_inner ? h : m_begin,
                     args.do_heads_inner ? m_begin : h, b);
         }
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    } else if (threadIdx.x / 32 == 1) {
+      // The row warp: lse2 and Dvec of each stage's query block into shared
+      // memory by plain loads and stores, published by the lanes' q_full
+      // arrivals (release; the consumers' wait acquires). The consumers read
+      // them there, with the L2 latency paid here, ahead of them. (Staged by
+      // the copy engine they raced with the consumers' plain loads in
+      // racecheck's eyes; read from global memory by the consumers, their
+      // latency stalled the softmax.) lse2 and Dvec rows are t_pad long, so
+      // the 64 rows of a block are always in bounds.
+      const int lane = threadIdx.x % 32;
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int it = 0; it < num_iters; ++it) {
+        const int h = kv_head * static_cast<int>(p.group_size) + it / num_m_blocks;
+        const int m_begin = (m_block_begin + it % num_m_blocks) * kBlockM;
+        // Lanes 0-15: lse2, lanes 16-31: Dvec; four rows each.
+        const float* src = (lane < 16 ? args.lse2 : args.dvec) +
+                           (static_cast<int64_t>(b) * p.num_heads_q + h) * args.t_pad + m_begin +
+                           4 * (lane % 16);
+        const float4 v = __ldg(reinterpret_cast<const float4*>(src));
+        MbarWait(&q_empty[stage], phase ^ 1);
+        reinterpret_cast<float4*>(s_rows + stage * 2 * kBlockM)[lane] = v;
+        MbarArrive(&q_full[stage]);
         if (++stage == kStages) {
           stage = 0;
           phase ^= 1;
@@ -233,34 +279,57 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   const int kk0 = Tr::kDqSplitKeys ? 4 * cg : 0;
   const int dq_col0 = Tr::kDqSplitKeys ? 0 : 64 * cg;
 
-  // lse2 or Dvec of query block (h, m_begin) at this thread's accumulator
-  // columns 8 j + 2 t4, + 1. Read from global memory (L2) rather than staged
-  // by the producer: shared bytes written by the copy engine and read by
-  // plain loads were the only ones racecheck flagged (NOTES.md).
-  const auto load_rows = [&](const float* base, int h, int m_begin, float2 (&out)[8]) {
-    const float* row = base + (static_cast<int64_t>(b) * p.num_heads_q + h) * args.t_pad +
-                       m_begin + 2 * t4;
+  // Queries [q_lo[rh], q_hi[rh]) see this thread's key row key0 + 16 warp +
+  // g + 8 rh (none for rows past S). Blocks not fully visible compare
+  // against these, in 32-bit ints, without branches.
+  int q_lo[2], q_hi[2];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) out[j] = __ldg(reinterpret_cast<const float2*>(row + 8 * j));
+  for (int rh = 0; rh < 2; ++rh) {
+    const int key = key0 + 16 * warp + g + 8 * rh;
+    int64_t lo = 0, hi = 0;
+    if (key < seqlen_k) mask.QueryRange(key, key + 1, p.seqlen_q, &lo, &hi);
+    q_lo[rh] = static_cast<int>(lo);
+    q_hi[rh] = static_cast<int>(hi);
+  }
+
+  // lse2 (which = 0) or Dvec (1) of the stage's query block at this thread's
+  // accumulator columns 8 j + 2 t4, + 1, from the row warp's copy.
+  const auto load_rows = [&](int stage, int which, float2 (&out)[8]) {
+    const float* row = s_rows + (2 * stage + which) * kBlockM + 2 * t4;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = *reinterpret_cast<const float2*>(row + 8 * j);
   };
 
-  // dq_acc [B, T, H, D] += dQ of query block (h, m_begin) (unscaled; the
-  // convert kernel scales): query row m_begin + 16 warp + g + 8 rh, columns
-  // dq_col0 + 8 j + 2 t4, + 1.
-  const auto add_dq = [&](const float (&dq)[32], int h, int m_begin) {
-    const int64_t dq_row0 =
-        (static_cast<int64_t>(b) * seqlen_q + m_begin) * p.num_heads_q + h;  // row m_begin
-    const int64_t dq_row_stride = p.num_heads_q * kHeadDim;  // floats between query rows
+  // dq_acc [B, T, H, D] += this warpgroup's dQ of query block (h, m_begin)
+  // (unscaled; the convert kernel scales): columns [col0, +64). The fragment
+  // goes to the warpgroup's staging tile in the 128-byte-swizzled
+  // layout of the dq_acc map's box (row r: 16-byte chunk c at c ^ (r % 8)),
+  // then one thread hands it to the copy engine as two bulk tensor
+  // reductions. Float2 atomics from every thread, the earlier way, took a
+  // third of the kernel's time (NOTES.md). Rows past T fall outside the map
+  // and are dropped. The store of a warp covers the 8 chunks of each row
+  // twice: two wavefronts for 256 bytes, no conflicts.
+  const auto reduce_dq = [&](const float (&dq)[32], int h, int m_begin, int col0) {
+    unsigned char* tile = s_dq + cg * Tr::kDqTileBytes;
 #pragma unroll
-    for (int rh = 0; rh < 2; ++rh) {
-      const int r = 16 * warp + g + 8 * rh;
-      if (m_begin + r >= seqlen_q) continue;
-      float* dst = args.dq_acc + dq_row0 * kHeadDim + r * dq_row_stride + dq_col0 + 2 * t4;
+    for (int j = 0; j < 8; ++j) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        atomicAdd(reinterpret_cast<float2*>(dst + 8 * j),
-                  make_float2(dq[4 * j + 2 * rh], dq[4 * j + 2 * rh + 1]));
+      for (int rh = 0; rh < 2; ++rh) {
+        // Row r = 16 warp + g + 8 rh (r % 8 = g), columns 8 j + 2 t4, + 1:
+        // panel j / 4, chunk 2 (j % 4) + t4 / 2, byte 8 (t4 % 2) in it.
+        const int r = 16 * warp + g + 8 * rh;
+        const int chunk = (2 * (j % 4) + t4 / 2) ^ g;
+        *reinterpret_cast<float2*>(tile + (j / 4) * Tr::kDqPanelBytes + r * 128 + chunk * 16 +
+                                   8 * (t4 % 2)) = make_float2(dq[4 * j + 2 * rh],
+                                                               dq[4 * j + 2 * rh + 1]);
       }
+    }
+    FenceProxyAsync();
+    NamedBarrierSync(3 + cg, 128);  // ids 3, 4: this warpgroup's tile is complete
+    if (wg_tid == 0) {
+      TmaReduceAdd4d(tile, &args.tma_dq, col0, h, m_begin, b);
+      TmaReduceAdd4d(tile + Tr::kDqPanelBytes, &args.tma_dq, col0 + 32, h, m_begin, b);
+      BulkCommitGroup();
     }
   };
 
@@ -291,8 +360,6 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
                           DescAdd(desc_q_k, q_off + (ks / 4) * Tr::kQPanelBytes + k_off), ks > 0);
     }
     WgmmaCommit();
-    float2 lse2[8];
-    load_rows(args.lse2, h, m_begin, lse2);
 
     // dP^T = V_c dO^T.
 #pragma unroll
@@ -302,30 +369,30 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
                           DescAdd(desc_do_k, q_off + (ks / 4) * Tr::kQPanelBytes + k_off), ks > 0);
     }
     WgmmaCommit();
-    float2 dvec[8];
-    load_rows(args.dvec, h, m_begin, dvec);
 
     // Accumulator element i of the 64 x 64 tiles: key row 16 warp + g + 8 rh,
     // query column 8 j + 2 t4 + e, with j = i / 4, rh = (i / 2) % 2, e = i % 2.
     const bool full = mask.BlockFullyVisible(m_begin, m_begin + kBlockM, key0, key0 + 64);
+    float2 lse2[8];
+    load_rows(stage, 0, lse2);
     WgmmaWaitFenced<1>(s);  // S^T done; dP^T may still run
     // P^T = exp2(S^T * scale_log2 - lse2[query]); lse2 = +inf (rows past T,
     // rows that see no key) gives exactly 0. P^T and dS^T become A fragments
     // (rounded to Elem, as in FlashAttention-2): n8 tiles 2 kk and 2 kk + 1
     // form k16 slice kk (see wgmma.cuh).
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int i = 0; i < 32; ++i) {
+      const float2 l = lse2[i / 4];
+      s[i] = FastExp2(fmaf(s[i], scale_log2, -((i & 1) ? l.y : l.x)));
+    }
+    // One branch per block, none per element (a per-element mask call made
+    // ptxas wrap every exponential in its own branch).
+    if (!full) {
 #pragma unroll
-      for (int rh = 0; rh < 2; ++rh) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int i = 4 * j + 2 * rh + e;
-          float x = FastExp2(fmaf(s[i], scale_log2, -(e ? lse2[j].y : lse2[j].x)));
-          if (!full && !mask.Allowed(m_begin + 8 * j + 2 * t4 + e, key0 + 16 * warp + g + 8 * rh)) {
-            x = 0.f;
-          }
-          s[i] = x;
-        }
+      for (int i = 0; i < 32; ++i) {
+        const int query = m_begin + 8 * (i / 4) + 2 * t4 + (i & 1);
+        const int rh = (i / 2) % 2;
+        if (query < q_lo[rh] || query >= q_hi[rh]) s[i] = 0.f;
       }
     }
     uint32_t pa[4][4], dsa[4][4];
@@ -348,6 +415,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     }
     WgmmaCommit();
 
+    float2 dvec[8];
+    load_rows(stage, 1, dvec);
     WgmmaWaitFenced<1>(dp);  // dP^T done; dV may still run
     // dS^T = P^T o (dP^T - Dvec[query]).
 #pragma unroll
@@ -391,6 +460,9 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     // 1 for both, or 1 + cg per warpgroup; 0 is __syncthreads'). Buffer ds_buf
     // was last read by dQ of block it - 2, which each warpgroup waited for
     // before block it - 1's barrier.
+    // The staging tiles too: their last reductions (block it - 1) have read
+    // them once the issuing thread's bulk groups have (before this barrier).
+    if (wg_tid == 0) BulkWaitGroupRead<0>();
     if constexpr (Tr::kDqSplitKeys) {
       NamedBarrierSync(1 + cg, 128);
     } else {
@@ -405,9 +477,9 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     for (int x = 0; x < kDqSteps; ++x) {
       // k16 slice kk: keys [16 kk, +16), 2048 bytes into dS^T and into K.
       const int kk = kk0 + x;
-      Wgmma<Elem, 64>::SSMN(
-          dq, DescAdd(desc_ds_mn, ds_buf * Tr::kDsBytes + kk * 2048),
-          DescAdd(desc_k_mn, (dq_col0 / 64) * Tr::kKvPanelBytes + kk * 2048), x > 0);
+      Wgmma<Elem, 64>::SSMN(dq, DescAdd(desc_ds_mn, ds_buf * Tr::kDsBytes + kk * 2048),
+                            DescAdd(desc_k_mn, (dq_col0 / 64) * Tr::kKvPanelBytes + kk * 2048),
+                            x > 0);
     }
     WgmmaCommit();
     WgmmaFenceOperands(dsa);
@@ -420,17 +492,21 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
 
     // dV and dQ done (dK may still run): add dQ into dq_acc.
     WgmmaWaitFenced<1>(acc_dv, pa, dq);
-    add_dq(dq, h, m_begin);
+    reduce_dq(dq, h, m_begin, dq_col0);
 
-    // dK done: the stage's Q and dO are free.
+    // dK done: the stage's Q, dO, lse2 and Dvec are free. Every thread
+    // arrives (not one per warp): racecheck orders the row warp's next
+    // stores after each reading thread's own arrival only.
     WgmmaWaitFenced<0>(acc_dk, dsa);
-    __syncwarp();
-    if (lane == 0) MbarArrive(&q_empty[stage]);
+    MbarArrive(&q_empty[stage]);
     if (++stage == kStages) {
       stage = 0;
       phase ^= 1;
     }
   }
+
+  // The reductions must land before the convert kernel reads dq_acc.
+  if (wg_tid == 0) BulkWaitGroup<0>();
 
   // Epilogue: dK = scale * acc_dk, dV = acc_dv into [B, S, K, D] (dk and dv
   // share k's strides), straight from the accumulator fragment. Keys no query

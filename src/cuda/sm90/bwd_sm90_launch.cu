@@ -90,8 +90,8 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
   args.dq_acc = s.dq_acc;
   args.t_pad = s.t_pad;
   cudaError_t err = cudaSuccess;
-  // T == 0: no query block is visited (QueryRange is empty), so the Q and dO
-  // maps stay zeroed (unused) and the kernel writes dK = dV = 0.
+  // T == 0: no query block is visited (QueryRange is empty), so the Q, dO and
+  // dQ maps stay zeroed (unused) and the kernel writes dK = dV = 0.
   if (p.seqlen_q > 0) {
     err = sm90::EncodeTensorMap(&args.tma_q, encode, p.dtype, p.q, p.batch, p.seqlen_q,
                                 p.num_heads_q, p.head_dim, p.q_batch_stride, p.q_row_stride,
@@ -100,6 +100,10 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
       err = sm90::EncodeTensorMap(&args.tma_do, encode, p.dtype, p.d_o, p.batch, p.seqlen_q,
                                   p.num_heads_q, p.head_dim, p.o_batch_stride, p.o_row_stride,
                                   p.o_head_stride, tile.block_m, &args.do_heads_inner);
+    }
+    if (err == cudaSuccess) {
+      err = sm90::EncodeDqAccTensorMap(&args.tma_dq, encode, s.dq_acc, p.batch, p.seqlen_q,
+                                       p.num_heads_q, p.head_dim, tile.block_m);
     }
   }
   if (err == cudaSuccess) {

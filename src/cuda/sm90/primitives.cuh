@@ -89,15 +89,34 @@ __device__ __forceinline__ void TmaLoad4d(void* smem_dst, const CUtensorMap* map
       : "memory");
 }
 
-// Plain (non-tensor) bulk copy of `bytes` contiguous bytes (a multiple of 16,
-// both addresses 16-byte aligned) that completes on an mbarrier like TmaLoad4d.
-__device__ __forceinline__ void BulkLoad(void* smem_dst, const void* gmem_src, uint32_t bytes,
-                                         uint64_t* bar) {
+// out[box at {c0, c1, c2, c3}] += the smem tile (the map's element type and
+// swizzle), by the copy engine. Tracked per thread in bulk groups: commit with
+// BulkCommitGroup, then BulkWaitGroupRead before reusing the tile and
+// BulkWaitGroup before exiting. Box elements out of bounds are dropped.
+__device__ __forceinline__ void TmaReduceAdd4d(const void* smem_src, const CUtensorMap* map, int c0,
+                                               int c1, int c2, int c3) {
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-      ::"r"(SmemAddr(smem_dst)), "l"(reinterpret_cast<uint64_t>(gmem_src)), "r"(bytes),
-      "r"(SmemAddr(bar))
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"
+      " [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(SmemAddr(smem_src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
+}
+
+__device__ __forceinline__ void BulkCommitGroup() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+
+// This thread's bulk groups, all but the newest N, have finished reading
+// shared memory (their global writes may still be in flight).
+template <int N>
+__device__ __forceinline__ void BulkWaitGroupRead() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+
+// ... and have completed.
+template <int N>
+__device__ __forceinline__ void BulkWaitGroup() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // Orders this thread's ordinary shared-memory stores before later reads of

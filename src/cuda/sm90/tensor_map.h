@@ -1,4 +1,4 @@
-// Tensor maps for the Hopper kernels' TMA loads (forward and backward),
+// Tensor maps for the Hopper kernels' TMA copies (forward and backward),
 // encoded through the driver entry point the runtime hands out, so nothing
 // links libcuda.
 #pragma once
@@ -102,6 +102,26 @@ inline cudaError_t EncodeTensorMap(CUtensorMap* map, EncodeTiledFn encode, DType
   strides[2] = batch_stride * 2;
   box[3] = 1;
   const CUresult res = encode(map, type, 4, const_cast<void*>(ptr), dims, strides, box,
+                              elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// A 4-D map over the backward's fp32 dQ accumulator [B, rows, heads, D]
+// (contiguous), boxes of 32 columns (128 bytes) x box_rows rows of one head,
+// 128-byte swizzle: the target of the Hopper backward's bulk reductions.
+inline cudaError_t EncodeDqAccTensorMap(CUtensorMap* map, EncodeTiledFn encode, float* ptr,
+                                        int64_t batch, int64_t rows, int64_t heads,
+                                        int64_t head_dim, int box_rows) {
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t row_bytes = static_cast<cuuint64_t>(heads * head_dim) * 4;
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_dim) * 4, row_bytes,
+                                 row_bytes * static_cast<cuuint64_t>(rows)};
+  const cuuint32_t box[4] = {32, 1, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUresult res = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, ptr, dims, strides, box,
                               elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
