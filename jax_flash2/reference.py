@@ -140,10 +140,15 @@ def forward_from_config(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, dr
   compute = jnp.promote_types(q.dtype, jnp.float32)
   batch, seqlen_q, num_heads, head_dim = q.shape
   scores, _ = masked_scores(q, k, alibi_slopes, q_segment_ids, kv_segment_ids, config)
-  row_max = jnp.max(scores, axis=-1, keepdims=True)
-  # Rows that see no key: keep them finite (exp(-inf) = 0) and report LSE -inf.
+  visible = scores > -jnp.inf
+  # The softmax and the LSE do not depend on the shift, so the row max needs
+  # no gradient. Rows that see no key: shift 0, LSE -inf.
+  row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
   safe_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-  weights = jnp.exp(scores - safe_max)
+  # exp only of visible scores, selected on both sides: no -inf enters exp or
+  # its derivative (XLA's GPU backend gave NaN dq in float32 otherwise, at
+  # D = 256 causal T = 257).
+  weights = jnp.where(visible, jnp.exp(jnp.where(visible, scores - safe_max, 0.0)), 0.0)
   row_sum = jnp.sum(weights, axis=-1, keepdims=True)
   seen = row_sum > 0
   probs = weights / jnp.where(seen, row_sum, 1.0)

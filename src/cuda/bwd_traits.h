@@ -44,9 +44,10 @@ inline constexpr BwdTileSizes kBwdTileTableLargeSmem[] = {
     {256, 64, 4, 4},
 };
 
-// The largest block_m of both tables: Dvec and LSE rows are padded to it so
-// that every tile of them is a whole, aligned, in-bounds 16-byte copy.
-inline constexpr int kBwdRowPad = 64;
+// The largest block_m of the backward kernels (these tables' and the Hopper
+// kernel's, sm90/bwd_sm90.h): Dvec and LSE rows are padded to it so that
+// every tile of them is a whole, aligned, in-bounds 16-byte copy.
+inline constexpr int kBwdRowPad = 128;
 
 constexpr BwdTileSizes BwdTileFor(int64_t head_dim) {
   for (const BwdTileSizes& t : kBwdTileTable) {

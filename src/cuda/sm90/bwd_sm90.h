@@ -40,16 +40,19 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
 namespace sm90 {
 
 // One row per head dim. A CTA owns kBlockN = 128 keys of one (batch, K/V
-// head), 64 per consumer warpgroup, and loops over block_m = 64 query rows at
-// a time (of every query head of its group). Shared memory, 2-byte elements:
-//   K, V (block_n x D each), `stages` x (Q, dO) (block_m x D each), two dS^T
-//   buffers (block_n x block_m), and in fp32 the dQ staging tiles (block_m x
-//   64 per consumer warpgroup) and `stages` x (lse2, Dvec) (block_m each):
-//   D = 64:  32 KB + 2 x 16 KB + 32 KB + 32 KB + 1 KB = 129 KB
+// head), 64 per consumer warpgroup, and loops over block_m query rows at a
+// time (of every query head of its group): 128 at D = 64, where the five
+// products are half as long per query, so that the per-block costs (waits,
+// barriers, the dQ reduction) are paid half as often; 64 at D = 128, whose
+// dK, dV accumulators leave no registers for more. Shared memory, 2-byte
+// elements: K, V (block_n x D each), `stages` x (Q, dO) (block_m x D each),
+// two dS^T buffers (block_n x block_m), and in fp32 the dQ staging tiles
+// (64 x 64 per consumer warpgroup) and `stages` x (lse2, Dvec) (block_m each):
+//   D = 64:  32 KB + 2 x 32 KB + 64 KB + 32 KB + 2 KB = 194 KB
 //   D = 128: 64 KB + 2 x 32 KB + 32 KB + 32 KB + 1 KB = 193 KB
-// Registers per consumer thread: dK, dV (D / 2 fp32 each), S^T and dP^T (32
-// fp32 each), dQ (32 fp32), P^T and dS^T as A fragments (16 b32 each): about
-// 230 at D = 128 at the peak (S^T, dP^T live beside dK, dV).
+// Registers per consumer thread: dK, dV (D / 2 fp32 each), S^T and dP^T
+// (block_m / 2 fp32 each), dQ (32 fp32), P^T and dS^T as A fragments
+// (block_m / 4 b32 each): about 230 at the peak (S^T, dP^T beside dK, dV).
 struct BwdSm90Tile {
   int head_dim;
   int block_m;
@@ -58,7 +61,7 @@ struct BwdSm90Tile {
 };
 
 inline constexpr BwdSm90Tile kBwdSm90TileTable[] = {
-    {64, 64, 128, 2},
+    {64, 128, 128, 2},
     {128, 64, 128, 2},
 };
 
@@ -78,16 +81,12 @@ inline constexpr int kBwdSm90Threads = 128 * (1 + kBwdConsumerWarpgroups);
 inline constexpr int kBwdProducerRegs = 24;
 inline constexpr int kBwdConsumerRegs = 240;
 
-// dQ = dS K is split between the consumer warpgroups by keys at D = 64 and
-// by columns at D = 128 (bwd_sm90_kernel.cuh says why).
-constexpr bool BwdSm90DqSplitKeys(int head_dim) { return head_dim == 64; }
-
 constexpr int BwdSm90SmemBytes(const BwdSm90Tile& t) {
   const int kv = 2 * t.block_n * t.head_dim * 2;
   const int q_do = t.stages * 2 * t.block_m * t.head_dim * 2;
   const int ds = 2 * t.block_n * t.block_m * 2;
-  // fp32 dQ staging: 64 columns per consumer warpgroup.
-  const int dq = kBwdConsumerWarpgroups * t.block_m * 64 * 4;
+  // fp32 dQ staging: 64 x 64 per consumer warpgroup.
+  const int dq = kBwdConsumerWarpgroups * 64 * 64 * 4;
   const int rows = t.stages * 2 * t.block_m * 4;  // lse2 and Dvec per stage
   const int barriers = (1 + 2 * t.stages) * 8;     // kv_full; q_full, q_empty per stage
   return kv + q_do + ds + dq + rows + barriers + 1024;  // 1 KB: alignment slack
@@ -102,7 +101,7 @@ struct BwdSm90Args {
   CUtensorMap tma_do;
   CUtensorMap tma_k;
   CUtensorMap tma_v;
-  CUtensorMap tma_dq;  // fp32 dq_acc [B, T, H, D], boxes of 32 columns x block_m rows
+  CUtensorMap tma_dq;  // fp32 dq_acc [B, T, H, D], boxes of 32 columns x 64 rows
   FlashParams p;
   const float* lse2 = nullptr;  // [B, H, t_pad]
   const float* dvec = nullptr;  // [B, H, t_pad]

@@ -10,9 +10,10 @@
 // One CTA per (key block of kBlockN = 128 keys, batch, K/V head); consumer
 // warpgroup c owns keys [64 c, 64 c + 64) of the block and keeps their dK, dV
 // (64 x D fp32) in registers while the CTA loops over every query head of the
-// K/V head's group and every query block of kBlockM = 64 rows that can see the
-// key block (so GQA sums dK, dV over the group in registers, as the sm80
-// kernel does). Per query block, in warpgroup c (64 keys x 64 queries):
+// K/V head's group and every query block of kBlockM rows (128 at D = 64, 64 at
+// D = 128; bwd_sm90.h) that can see the key block (so GQA sums dK, dV over the
+// group in registers, as the sm80 kernel does). Per query block, in warpgroup
+// c (64 keys x kBlockM queries):
 //   S^T  = K_c Q^T                    wgmma SS, both operands K-major (over D)
 //   dP^T = V_c dO^T                   wgmma SS
 //   P^T  = exp2(S^T * scale * log2(e) - lse2)   (0 where masked)
@@ -27,13 +28,13 @@
 // A-fragment layout of the next products (the forward's P V trick), which is
 // why the kernel computes the transposed products, keys as the M dimension.
 //
-// dQ needs dS over all 128 keys of the block. At D = 128 the two warpgroups
-// split dQ's columns (64 each; wgmma's N), which needs both halves of dS^T in
-// shared memory: a named barrier over both warpgroups each query block, and
-// two dS^T buffers so one warpgroup may write the next block's while the other
-// still reads this one's. At D = 64 each warpgroup computes dQ over its own 64
-// keys (N = 64 = D) and both add into dq_acc: twice the reduced bytes, but no
-// barrier between the warpgroups.
+// dQ needs dS over all 128 keys of the block, so each warpgroup reads both
+// halves of dS^T from shared memory: a named barrier over both warpgroups each
+// query block, and two dS^T buffers so one warpgroup may write the next
+// block's while the other still reads this one's. The warpgroups split dQ
+// into 64 x 64 tiles: by columns at D = 128, by queries at D = 64. (Splitting
+// it by keys, each warpgroup over its own 64, needs no barrier but reduces
+// twice the bytes into dq_acc; it measured slower, NOTES.md.)
 //
 // What made it fast (NOTES.md has the numbers): no branch per exponential
 // (the mask compares 32-bit query bounds, only on blocks that need it); dQ
@@ -79,17 +80,22 @@ struct BwdSm90Traits {
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one Q or dO tile
   static constexpr int kKvPanelBytes = kBlockN * 128;
   static constexpr int kQPanelBytes = kBlockM * 128;
-  static constexpr int kDsBytes = kBlockN * kBlockM * 2;  // dS^T: [key][query], 128-byte rows
-  static constexpr int kAcc = kHeadDim / 2;                // fp32 dK (or dV) accumulators
-  // dQ: split over keys at D = 64, over columns at D = 128 (see above); 64
-  // columns per warpgroup either way.
-  static constexpr bool kDqSplitKeys = BwdSm90DqSplitKeys(kHeadDim);
+  // dS^T: [key][query], in panels of 64 queries (128-byte rows) of kBlockN keys.
+  static constexpr int kDsBytes = kBlockN * kBlockM * 2;
+  static constexpr int kDsPanelBytes = kBlockN * 128;
+  static constexpr int kAcc = kHeadDim / 2;       // fp32 dK (or dV) accumulators
+  static constexpr int kSAcc = kBlockM / 2;       // fp32 S^T (or dP^T) accumulators
+  static constexpr int kSlices = kBlockM / 16;    // k16 slices of P^T, dS^T over queries
+  // dQ (kBlockM x D) is split between the warpgroups into 64 x 64 tiles: by
+  // queries at D = 64 (block_m = 128), by columns at D = 128 (block_m = 64).
+  static constexpr bool kDqByQueries = kBlockM == 128;
   // A warpgroup's dQ (64 queries x 64 columns, fp32) staged for the bulk
   // reduction: two panels of 32 columns (one 128-byte swizzled row each).
-  static constexpr int kDqTileBytes = kBlockM * 64 * 4;
-  static constexpr int kDqPanelBytes = kBlockM * 128;
+  static constexpr int kDqTileBytes = 64 * 64 * 4;
+  static constexpr int kDqPanelBytes = 64 * 128;
   static_assert(kHeadDim == 64 || kHeadDim == 128);
-  static_assert(kBlockM == 64 && kBlockN == 64 * kBwdConsumerWarpgroups);
+  static_assert(kBlockM * kHeadDim == 64 * 128 && kBlockN == 64 * kBwdConsumerWarpgroups);
+  static_assert(kBlockM <= kBwdRowPad && kBwdRowPad % kBlockM == 0);
 };
 
 // Shared-memory carve-up (byte offsets from the 1024-aligned base); every
@@ -228,13 +234,22 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       for (int it = 0; it < num_iters; ++it) {
         const int h = kv_head * static_cast<int>(p.group_size) + it / num_m_blocks;
         const int m_begin = (m_block_begin + it % num_m_blocks) * kBlockM;
-        // Lanes 0-15: lse2, lanes 16-31: Dvec; four rows each.
-        const float* src = (lane < 16 ? args.lse2 : args.dvec) +
-                           (static_cast<int64_t>(b) * p.num_heads_q + h) * args.t_pad + m_begin +
-                           4 * (lane % 16);
-        const float4 v = __ldg(reinterpret_cast<const float4*>(src));
+        // float4 x of the stage: lse2 rows 4 x.. for x < kBlockM / 4, then
+        // Dvec's.
+        constexpr int kVecs = kBlockM / 4;
+        const int64_t row0 = (static_cast<int64_t>(b) * p.num_heads_q + h) * args.t_pad + m_begin;
+        float4 v[kVecs / 16];
+#pragma unroll
+        for (int k = 0; k < kVecs / 16; ++k) {
+          const int x = lane + 32 * k;
+          const float* src = (x < kVecs ? args.lse2 : args.dvec) + row0 + 4 * (x % kVecs);
+          v[k] = __ldg(reinterpret_cast<const float4*>(src));
+        }
         MbarWait(&q_empty[stage], phase ^ 1);
-        reinterpret_cast<float4*>(s_rows + stage * 2 * kBlockM)[lane] = v;
+#pragma unroll
+        for (int k = 0; k < kVecs / 16; ++k) {
+          reinterpret_cast<float4*>(s_rows + stage * 2 * kBlockM)[lane + 32 * k] = v[k];
+        }
         MbarArrive(&q_full[stage]);
         if (++stage == kStages) {
           stage = 0;
@@ -269,15 +284,14 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   const uint64_t desc_do_k = MakeDescK(SmemAddr(s_do));
   const uint64_t desc_q_mn = MakeDescMN(SmemAddr(s_q), Tr::kQPanelBytes);
   const uint64_t desc_do_mn = MakeDescMN(SmemAddr(s_do), Tr::kQPanelBytes);
-  // dS as A of dQ: 64 queries = one 128-byte row per key, so M needs one
-  // panel and the leading byte offset is unused.
-  const uint64_t desc_ds_mn = MakeDescMN(SmemAddr(s_ds), Tr::kDsBytes);
+  // dS as A of dQ: 64 queries = one 128-byte row per key (one dS^T panel),
+  // so M needs one panel and the leading byte offset is unused.
+  const uint64_t desc_ds_mn = MakeDescMN(SmemAddr(s_ds), Tr::kDsPanelBytes);
   const uint64_t desc_k_mn = MakeDescMN(SmemAddr(s_k), Tr::kKvPanelBytes);
-  // dQ split (see the file comment): k16 steps over keys [16 kk0, +16 kDqSteps),
-  // columns [dq_col0, +64) = K panel dq_col0 / 64.
-  constexpr int kDqSteps = Tr::kDqSplitKeys ? 4 : kBlockN / 16;
-  const int kk0 = Tr::kDqSplitKeys ? 4 * cg : 0;
-  const int dq_col0 = Tr::kDqSplitKeys ? 0 : 64 * cg;
+  // This warpgroup's dQ tile (see Traits): queries [dq_row0, +64) = dS^T panel
+  // dq_row0 / 64, columns [dq_col0, +64) = K panel dq_col0 / 64.
+  const int dq_row0 = Tr::kDqByQueries ? 64 * cg : 0;
+  const int dq_col0 = Tr::kDqByQueries ? 0 : 64 * cg;
 
   // Queries [q_lo[rh], q_hi[rh]) see this thread's key row key0 + 16 warp +
   // g + 8 rh (none for rows past S). Blocks not fully visible compare
@@ -293,15 +307,28 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   }
 
   // lse2 (which = 0) or Dvec (1) of the stage's query block at this thread's
-  // accumulator columns 8 j + 2 t4, + 1, from the row warp's copy.
-  const auto load_rows = [&](int stage, int which, float2 (&out)[8]) {
-    const float* row = s_rows + (2 * stage + which) * kBlockM + 2 * t4;
+  // accumulator columns 8 j + 2 t4, + 1, from the row warp's copy. At
+  // block_m = 64 they are loaded into registers before the waits whose
+  // products need them; at 128 there are no registers for them, and each is
+  // read from shared memory where it is used (kRowsInRegs).
+  constexpr bool kRowsInRegs = kBlockM == 64;
+  const auto row_ptr = [&](int stage, int which) {
+    return s_rows + (2 * stage + which) * kBlockM + 2 * t4;
+  };
+  const auto load_rows = [&](int stage, int which, float2 (&out)[kBlockM / 8]) {
+    if constexpr (kRowsInRegs) {
+      const float* row = row_ptr(stage, which);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) out[j] = *reinterpret_cast<const float2*>(row + 8 * j);
+      for (int j = 0; j < kBlockM / 8; ++j) out[j] = *reinterpret_cast<const float2*>(row + 8 * j);
+    }
+  };
+  const auto row_value = [&](const float2 (&loaded)[kBlockM / 8], int stage, int which, int j) {
+    if constexpr (kRowsInRegs) return loaded[j];
+    return *reinterpret_cast<const float2*>(row_ptr(stage, which) + 8 * j);
   };
 
-  // dq_acc [B, T, H, D] += this warpgroup's dQ of query block (h, m_begin)
-  // (unscaled; the convert kernel scales): columns [col0, +64). The fragment
+  // dq_acc [B, T, H, D] += this warpgroup's dQ tile: rows [row0, +64),
+  // columns [col0, +64) (unscaled; the convert kernel scales). The fragment
   // goes to the warpgroup's staging tile in the 128-byte-swizzled
   // layout of the dq_acc map's box (row r: 16-byte chunk c at c ^ (r % 8)),
   // then one thread hands it to the copy engine as two bulk tensor
@@ -309,7 +336,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   // third of the kernel's time (NOTES.md). Rows past T fall outside the map
   // and are dropped. The store of a warp covers the 8 chunks of each row
   // twice: two wavefronts for 256 bytes, no conflicts.
-  const auto reduce_dq = [&](const float (&dq)[32], int h, int m_begin, int col0) {
+  const auto reduce_dq = [&](const float (&dq)[32], int h, int row0, int col0) {
     unsigned char* tile = s_dq + cg * Tr::kDqTileBytes;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -327,8 +354,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     FenceProxyAsync();
     NamedBarrierSync(3 + cg, 128);  // ids 3, 4: this warpgroup's tile is complete
     if (wg_tid == 0) {
-      TmaReduceAdd4d(tile, &args.tma_dq, col0, h, m_begin, b);
-      TmaReduceAdd4d(tile + Tr::kDqPanelBytes, &args.tma_dq, col0 + 32, h, m_begin, b);
+      TmaReduceAdd4d(tile, &args.tma_dq, col0, h, row0, b);
+      TmaReduceAdd4d(tile + Tr::kDqPanelBytes, &args.tma_dq, col0 + 32, h, row0, b);
       BulkCommitGroup();
     }
   };
@@ -349,15 +376,16 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     const int ds_buf = it % 2;
 
     // S^T = K_c Q^T (unscaled).
-    float s[32], dp[32];
+    float s[Tr::kSAcc], dp[Tr::kSAcc];
     MbarWait(&q_full[stage], phase);
     WgmmaFence();
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks) {
       // k16 step ks: panel ks / 4, 32 bytes per step inside a 128-byte row.
       const uint32_t k_off = (ks % 4) * 32;
-      Wgmma<Elem, 64>::SS(s, DescAdd(desc_k_rows, (ks / 4) * Tr::kKvPanelBytes + k_off),
-                          DescAdd(desc_q_k, q_off + (ks / 4) * Tr::kQPanelBytes + k_off), ks > 0);
+      Wgmma<Elem, kBlockM>::SS(s, DescAdd(desc_k_rows, (ks / 4) * Tr::kKvPanelBytes + k_off),
+                               DescAdd(desc_q_k, q_off + (ks / 4) * Tr::kQPanelBytes + k_off),
+                               ks > 0);
     }
     WgmmaCommit();
 
@@ -365,15 +393,17 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks) {
       const uint32_t k_off = (ks % 4) * 32;
-      Wgmma<Elem, 64>::SS(dp, DescAdd(desc_v_rows, (ks / 4) * Tr::kKvPanelBytes + k_off),
-                          DescAdd(desc_do_k, q_off + (ks / 4) * Tr::kQPanelBytes + k_off), ks > 0);
+      Wgmma<Elem, kBlockM>::SS(dp, DescAdd(desc_v_rows, (ks / 4) * Tr::kKvPanelBytes + k_off),
+                               DescAdd(desc_do_k, q_off + (ks / 4) * Tr::kQPanelBytes + k_off),
+                               ks > 0);
     }
     WgmmaCommit();
 
-    // Accumulator element i of the 64 x 64 tiles: key row 16 warp + g + 8 rh,
-    // query column 8 j + 2 t4 + e, with j = i / 4, rh = (i / 2) % 2, e = i % 2.
+    // Accumulator element i of the 64 x kBlockM tiles: key row 16 warp + g +
+    // 8 rh, query column 8 j + 2 t4 + e, with j = i / 4, rh = (i / 2) % 2,
+    // e = i % 2.
     const bool full = mask.BlockFullyVisible(m_begin, m_begin + kBlockM, key0, key0 + 64);
-    float2 lse2[8];
+    float2 lse2[kBlockM / 8];
     load_rows(stage, 0, lse2);
     WgmmaWaitFenced<1>(s);  // S^T done; dP^T may still run
     // P^T = exp2(S^T * scale_log2 - lse2[query]); lse2 = +inf (rows past T,
@@ -381,118 +411,128 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     // (rounded to Elem, as in FlashAttention-2): n8 tiles 2 kk and 2 kk + 1
     // form k16 slice kk (see wgmma.cuh).
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const float2 l = lse2[i / 4];
-      s[i] = FastExp2(fmaf(s[i], scale_log2, -((i & 1) ? l.y : l.x)));
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const float2 l = row_value(lse2, stage, 0, j);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = 4 * j + r;
+        s[i] = FastExp2(fmaf(s[i], scale_log2, -((r & 1) ? l.y : l.x)));
+      }
     }
     // One branch per block, none per element (a per-element mask call made
     // ptxas wrap every exponential in its own branch).
     if (!full) {
 #pragma unroll
-      for (int i = 0; i < 32; ++i) {
+      for (int i = 0; i < Tr::kSAcc; ++i) {
         const int query = m_begin + 8 * (i / 4) + 2 * t4 + (i & 1);
         const int rh = (i / 2) % 2;
         if (query < q_lo[rh] || query >= q_hi[rh]) s[i] = 0.f;
       }
     }
-    uint32_t pa[4][4], dsa[4][4];
+    // dV += P^T dO (wgmma RS: P^T from registers, dO MN-major). At block_m =
+    // 64 it is issued before dS^T is computed, to run under that math; at
+    // 128, S^T in fp32 (for dS^T), P^T, dP^T, dK and dV do not all fit in
+    // registers, so it is issued after, as FlashAttention-3 does.
+    uint32_t pa[Tr::kSlices][4], dsa[Tr::kSlices][4];
+    const auto issue_dv = [&] {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
+      for (int kk = 0; kk < Tr::kSlices; ++kk) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        pa[kk][r] = PackFloat2<Elem>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+        for (int r = 0; r < 4; ++r) {
+          pa[kk][r] = PackFloat2<Elem>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+        }
       }
-    }
-    // dV += P^T dO (wgmma RS: P^T from registers, dO MN-major), running
-    // while dS^T is computed.
-    WgmmaFenceOperands(pa);
-    WgmmaFenceOperands(acc_dv);
-    WgmmaFence();
+      WgmmaFenceOperands(pa);
+      WgmmaFenceOperands(acc_dv);
+      WgmmaFence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      // k16 slice kk: queries [16 kk, +16) = 2048 bytes into the MN-major tile.
-      Wgmma<Elem, kHeadDim>::RS(acc_dv, pa[kk], DescAdd(desc_do_mn, q_off + kk * 2048), 1);
-    }
-    WgmmaCommit();
+      for (int kk = 0; kk < Tr::kSlices; ++kk) {
+        // k16 slice kk: queries [16 kk, +16) = 2048 bytes into the MN-major tile.
+        Wgmma<Elem, kHeadDim>::RS(acc_dv, pa[kk], DescAdd(desc_do_mn, q_off + kk * 2048), 1);
+      }
+      WgmmaCommit();
+    };
+    constexpr bool kDvUnderDs = kBlockM == 64;
+    if constexpr (kDvUnderDs) issue_dv();
 
-    float2 dvec[8];
+    float2 dvec[kBlockM / 8];
     load_rows(stage, 1, dvec);
-    WgmmaWaitFenced<1>(dp);  // dP^T done; dV may still run
+    WgmmaWaitFenced<kDvUnderDs ? 1 : 0>(dp);  // dP^T done; dV may still run
     // dS^T = P^T o (dP^T - Dvec[query]).
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const float2 d = row_value(dvec, stage, 1, j);
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int i = 4 * j + r;
-        dp[i] = s[i] * (dp[i] - ((r & 1) ? dvec[j].y : dvec[j].x));
+        dp[i] = s[i] * (dp[i] - ((r & 1) ? d.y : d.x));
       }
     }
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
+    for (int kk = 0; kk < Tr::kSlices; ++kk) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         dsa[kk][r] = PackFloat2<Elem>(dp[8 * kk + 2 * r], dp[8 * kk + 2 * r + 1]);
       }
     }
+    if constexpr (!kDvUnderDs) issue_dv();
 
     // dS^T into buffer ds_buf in the 128-byte swizzled layout TMA would give
-    // a [key][query] tile: row r = key, 16-byte chunk c at (c ^ (r % 8)).
-    // Fragment r of slice kk holds key row 16 warp + g (+8 for r odd) and
-    // queries 16 kk + 8 (r / 2) + 2 t4, + 1: chunk 2 kk + r / 2, bytes 4 t4.
-    // The 8 rows g of a warp hit 8 distinct chunks: no bank conflicts. Stored
-    // before the dK wgmmas are issued: their A fragments (dsa) may not be
-    // touched, not even read, until those complete.
+    // a [key][query] tile, per panel of 64 queries: row r = key, 16-byte chunk
+    // c at (c ^ (r % 8)). Fragment r of slice kk holds key row 16 warp + g
+    // (+8 for r odd) and queries 16 kk + 8 (r / 2) + 2 t4, + 1: panel kk / 4,
+    // chunk 2 (kk % 4) + r / 2, bytes 4 t4. The 8 rows g of a warp hit 8
+    // distinct chunks: no bank conflicts. Stored before the dK wgmmas are
+    // issued: their A fragments (dsa) may not be touched, not even read,
+    // until those complete.
     {
       unsigned char* ds_tile = s_ds + ds_buf * Tr::kDsBytes;
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
+      for (int kk = 0; kk < Tr::kSlices; ++kk) {
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int row = 64 * cg + 16 * warp + g + 8 * (r % 2);
-          const int chunk = (2 * kk + r / 2) ^ g;  // row % 8 == g
-          *reinterpret_cast<uint32_t*>(ds_tile + row * 128 + chunk * 16 + 4 * t4) = dsa[kk][r];
+          const int chunk = (2 * (kk % 4) + r / 2) ^ g;  // row % 8 == g
+          *reinterpret_cast<uint32_t*>(ds_tile + (kk / 4) * Tr::kDsPanelBytes + row * 128 +
+                                       chunk * 16 + 4 * t4) = dsa[kk][r];
         }
       }
     }
     FenceProxyAsync();
 
-    // The dS^T rows dQ reads are complete: both warpgroups' at D = 128 (ids:
-    // 1 for both, or 1 + cg per warpgroup; 0 is __syncthreads'). Buffer ds_buf
-    // was last read by dQ of block it - 2, which each warpgroup waited for
-    // before block it - 1's barrier.
-    // The staging tiles too: their last reductions (block it - 1) have read
-    // them once the issuing thread's bulk groups have (before this barrier).
+    // dQ reads the dS^T rows of both warpgroups: barrier 1 over both (0 is
+    // __syncthreads'). Buffer ds_buf was last read by dQ of block it - 2,
+    // which each warpgroup waited for before block it - 1's barrier. The
+    // staging tiles too: their last reductions (block it - 1) have read them
+    // once the issuing thread's bulk groups have (before this barrier).
     if (wg_tid == 0) BulkWaitGroupRead<0>();
-    if constexpr (Tr::kDqSplitKeys) {
-      NamedBarrierSync(1 + cg, 128);
-    } else {
-      NamedBarrierSync(1, 256);
-    }
+    NamedBarrierSync(1, 256);
 
-    // dQ = dS K over this warpgroup's keys / columns (see the file comment),
+    // dQ = dS K for this warpgroup's 64 x 64 tile, over all kBlockN keys,
     // then dK += dS^T Q (wgmma RS, Q MN-major).
     float dq[32];
     WgmmaFence();
 #pragma unroll
-    for (int x = 0; x < kDqSteps; ++x) {
-      // k16 slice kk: keys [16 kk, +16), 2048 bytes into dS^T and into K.
-      const int kk = kk0 + x;
-      Wgmma<Elem, 64>::SSMN(dq, DescAdd(desc_ds_mn, ds_buf * Tr::kDsBytes + kk * 2048),
-                            DescAdd(desc_k_mn, (dq_col0 / 64) * Tr::kKvPanelBytes + kk * 2048),
-                            x > 0);
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      // k16 slice kk: keys [16 kk, +16), 2048 bytes into a dS^T panel and K.
+      Wgmma<Elem, 64>::SSMN(
+          dq,
+          DescAdd(desc_ds_mn,
+                  ds_buf * Tr::kDsBytes + (dq_row0 / 64) * Tr::kDsPanelBytes + kk * 2048),
+          DescAdd(desc_k_mn, (dq_col0 / 64) * Tr::kKvPanelBytes + kk * 2048), kk > 0);
     }
     WgmmaCommit();
     WgmmaFenceOperands(dsa);
     WgmmaFenceOperands(acc_dk);
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
+    for (int kk = 0; kk < Tr::kSlices; ++kk) {
       Wgmma<Elem, kHeadDim>::RS(acc_dk, dsa[kk], DescAdd(desc_q_mn, q_off + kk * 2048), 1);
     }
     WgmmaCommit();
 
     // dV and dQ done (dK may still run): add dQ into dq_acc.
     WgmmaWaitFenced<1>(acc_dv, pa, dq);
-    reduce_dq(dq, h, m_begin, dq_col0);
+    reduce_dq(dq, h, m_begin + dq_row0, dq_col0);
 
     // dK done: the stage's Q, dO, lse2 and Dvec are free. Every thread
     // arrives (not one per warp): racecheck orders the row warp's next

@@ -103,7 +103,7 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
     }
     if (err == cudaSuccess) {
       err = sm90::EncodeDqAccTensorMap(&args.tma_dq, encode, s.dq_acc, p.batch, p.seqlen_q,
-                                       p.num_heads_q, p.head_dim, tile.block_m);
+                                       p.num_heads_q, p.head_dim, /*box_rows=*/64);
     }
   }
   if (err == cudaSuccess) {
