@@ -41,7 +41,9 @@
 #undef CHECK_CUDA
 
 using jax_flash2::DType;
+using jax_flash2::selftest::FromBits;
 using jax_flash2::selftest::HostVariants;
+using jax_flash2::selftest::ToBits;
 using jax_flash2::selftest::VariantScore;
 using jax_flash2::FlashParams;
 using jax_flash2::cuda::DeviceInfo;
@@ -58,31 +60,8 @@ using jax_flash2::cuda::DeviceInfo;
 
 namespace {
 
-uint16_t ToBits(double x, DType dt) {
-  if (dt == DType::kFloat16) {
-    __half h = __float2half_rn(static_cast<float>(x));
-    uint16_t u;
-    std::memcpy(&u, &h, 2);
-    return u;
-  }
-  __nv_bfloat16 h = __float2bfloat16_rn(static_cast<float>(x));
-  uint16_t u;
-  std::memcpy(&u, &h, 2);
-  return u;
-}
-
-double FromBits(uint16_t u, DType dt) {
-  if (dt == DType::kFloat16) {
-    __half h;
-    std::memcpy(&h, &u, 2);
-    return __half2float(h);
-  }
-  __nv_bfloat16 h;
-  std::memcpy(&h, &u, 2);
-  return __bfloat162float(h);
-}
-
-double Round(double x, DType dt) { return FromBits(ToBits(x, dt), dt); }
+// x rounded to dt (selftest_util.h's conversions).
+double Round(double x, DType dt) { return FromBits(dt, ToBits(dt, static_cast<float>(x))); }
 
 struct Case {
   std::string name;
@@ -108,8 +87,8 @@ Tensor RandomTensor(size_t n, DType dt, std::mt19937_64& rng) {
   t.bits.resize(n);
   t.val.resize(n);
   for (size_t i = 0; i < n; ++i) {
-    t.bits[i] = ToBits(dist(rng), dt);
-    t.val[i] = FromBits(t.bits[i], dt);
+    t.bits[i] = ToBits(dt, static_cast<float>(dist(rng)));
+    t.val[i] = FromBits(dt, t.bits[i]);
   }
   return t;
 }
@@ -124,7 +103,7 @@ ErrStats Compare(const std::vector<uint16_t>& out, const std::vector<double>& re
   double num = 0, den = 0, nnum = 0;
   ErrStats e;
   for (size_t i = 0; i < ref.size(); ++i) {
-    const double o = FromBits(out[i], dt);
+    const double o = FromBits(dt, out[i]);
     if (!std::isfinite(o)) e.finite = false;
     num += (o - ref[i]) * (o - ref[i]);
     const double n = Round(naive[i], dt);
@@ -214,8 +193,8 @@ bool RunCase(const Case& c, const std::vector<DevVariant>& variants, int* failed
         lse[li(b, h, t)] = m == -INFINITY ? -INFINITY : static_cast<float>(m + std::log(l));
         for (int64_t d = 0; d < D; ++d) {
           const double x = l > 0 ? acc[d] / l : 0.0;
-          o.bits[qi(b, t, h) + d] = ToBits(x, dt);
-          o.val[qi(b, t, h) + d] = FromBits(o.bits[qi(b, t, h) + d], dt);
+          o.bits[qi(b, t, h) + d] = ToBits(dt, static_cast<float>(x));
+          o.val[qi(b, t, h) + d] = FromBits(dt, o.bits[qi(b, t, h) + d]);
         }
       }
     }
