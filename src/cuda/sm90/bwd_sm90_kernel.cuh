@@ -161,6 +161,16 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   const int num_m_blocks =
       q_end > q_begin ? static_cast<int>((q_end + kBlockM - 1) / kBlockM) - m_block_begin : 0;
   const int num_iters = num_m_blocks * static_cast<int>(p.group_size);
+  // Iteration it of every role's loop: query head h of the group, query rows
+  // from m_begin.
+  struct QueryBlock {
+    int h;
+    int m_begin;
+  };
+  const auto query_block = [&](int it) {
+    return QueryBlock{kv_head * static_cast<int>(p.group_size) + it / num_m_blocks,
+                      (m_block_begin + it % num_m_blocks) * kBlockM};
+  };
 
   if (threadIdx.x == 0) {
     MbarInit(kv_full, 1);
@@ -195,29 +205,24 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
                   args.v_heads_inner ? kv_head : n_begin, args.v_heads_inner ? n_begin : kv_head,
                   b);
       }
-      int stage = 0;
-      uint32_t phase = 0;
+      RingPos<kStages> ring;
       for (int it = 0; it < num_iters; ++it) {
-        const int h = kv_head * static_cast<int>(p.group_size) + it / num_m_blocks;
-        const int m_begin = (m_block_begin + it % num_m_blocks) * kBlockM;
+        const auto [h, m_begin] = query_block(it);
         // Slot free? (Parity phase ^ 1: the first pass finds every slot free.)
-        MbarWait(&q_empty[stage], phase ^ 1);
-        MbarArriveExpectTx(&q_full[stage], 2 * Tr::kQBytes);
-        unsigned char* q_dst = s_q + stage * Tr::kQBytes;
-        unsigned char* do_dst = s_do + stage * Tr::kQBytes;
+        MbarWait(&q_empty[ring.stage], ring.phase ^ 1);
+        MbarArriveExpectTx(&q_full[ring.stage], 2 * Tr::kQBytes);
+        unsigned char* q_dst = s_q + ring.stage * Tr::kQBytes;
+        unsigned char* do_dst = s_do + ring.stage * Tr::kQBytes;
 #pragma unroll
         for (int panel = 0; panel < Tr::kPanels; ++panel) {
-          TmaLoad4d(q_dst + panel * Tr::kQPanelBytes, &args.tma_q, &q_full[stage],
+          TmaLoad4d(q_dst + panel * Tr::kQPanelBytes, &args.tma_q, &q_full[ring.stage],
                     panel * Tr::kPanelCols, args.q_heads_inner ? h : m_begin,
                     args.q_heads_inner ? m_begin : h, b);
-          TmaLoad4d(do_dst + panel * Tr::kQPanelBytes, &args.tma_do, &q_full[stage],
+          TmaLoad4d(do_dst + panel * Tr::kQPanelBytes, &args.tma_do, &q_full[ring.stage],
                     panel * Tr::kPanelCols, args.do_heads_inner ? h : m_begin,
                     args.do_heads_inner ? m_begin : h, b);
         }
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
+        ring.Advance();
       }
     } else if (threadIdx.x / 32 == 1) {
       // The row warp: lse2 and Dvec of each stage's query block into shared
@@ -226,14 +231,12 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // them there, with the L2 latency paid here, ahead of them. (Staged by
       // the copy engine they raced with the consumers' plain loads in
       // racecheck's eyes; read from global memory by the consumers, their
-      // latency stalled the softmax.) lse2 and Dvec rows are t_pad long, so
-      // the 64 rows of a block are always in bounds.
+      // latency stalled the softmax.) lse2 and Dvec rows are t_pad long, a
+      // multiple of kBlockM, so the rows of a block are always in bounds.
       const int lane = threadIdx.x % 32;
-      int stage = 0;
-      uint32_t phase = 0;
+      RingPos<kStages> ring;
       for (int it = 0; it < num_iters; ++it) {
-        const int h = kv_head * static_cast<int>(p.group_size) + it / num_m_blocks;
-        const int m_begin = (m_block_begin + it % num_m_blocks) * kBlockM;
+        const auto [h, m_begin] = query_block(it);
         // float4 x of the stage: lse2 rows 4 x.. for x < kBlockM / 4, then
         // Dvec's.
         constexpr int kVecs = kBlockM / 4;
@@ -245,16 +248,13 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
           const float* src = (x < kVecs ? args.lse2 : args.dvec) + row0 + 4 * (x % kVecs);
           v[k] = __ldg(reinterpret_cast<const float4*>(src));
         }
-        MbarWait(&q_empty[stage], phase ^ 1);
+        MbarWait(&q_empty[ring.stage], ring.phase ^ 1);
 #pragma unroll
         for (int k = 0; k < kVecs / 16; ++k) {
-          reinterpret_cast<float4*>(s_rows + stage * 2 * kBlockM)[lane + 32 * k] = v[k];
+          reinterpret_cast<float4*>(s_rows + ring.stage * 2 * kBlockM)[lane + 32 * k] = v[k];
         }
-        MbarArrive(&q_full[stage]);
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
+        MbarArrive(&q_full[ring.stage]);
+        ring.Advance();
       }
     }
     return;
@@ -367,44 +367,38 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   // stays in flight into the next block: ptxas serialized every wgmma,
   // warnings C7514/C7515, when one did.)
   if (num_iters > 0) MbarWait(kv_full, 0);
-  int stage = 0;
-  uint32_t phase = 0;
+  RingPos<kStages> ring;
   for (int it = 0; it < num_iters; ++it) {
-    const int h = kv_head * static_cast<int>(p.group_size) + it / num_m_blocks;
-    const int m_begin = (m_block_begin + it % num_m_blocks) * kBlockM;
-    const uint32_t q_off = stage * Tr::kQBytes;
+    const auto [h, m_begin] = query_block(it);
+    const uint32_t q_off = ring.stage * Tr::kQBytes;
     const int ds_buf = it % 2;
 
-    // S^T = K_c Q^T (unscaled).
+    // acc = (64 key rows of K or V) x (Q or dO of the stage)^T, both
+    // K-major over D, committed as one group: S^T and dP^T (unscaled).
+    const auto issue_keys_x_queries = [&](float (&acc)[Tr::kSAcc], uint64_t desc_rows,
+                                          uint64_t desc_tile) {
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+        // k16 step ks: panel ks / 4, 32 bytes per step inside a 128-byte row.
+        const uint32_t k_off = (ks % 4) * 32;
+        Wgmma<Elem, kBlockM>::SS(acc, DescAdd(desc_rows, (ks / 4) * Tr::kKvPanelBytes + k_off),
+                                 DescAdd(desc_tile, q_off + (ks / 4) * Tr::kQPanelBytes + k_off),
+                                 ks > 0);
+      }
+      WgmmaCommit();
+    };
     float s[Tr::kSAcc], dp[Tr::kSAcc];
-    MbarWait(&q_full[stage], phase);
+    MbarWait(&q_full[ring.stage], ring.phase);
     WgmmaFence();
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      // k16 step ks: panel ks / 4, 32 bytes per step inside a 128-byte row.
-      const uint32_t k_off = (ks % 4) * 32;
-      Wgmma<Elem, kBlockM>::SS(s, DescAdd(desc_k_rows, (ks / 4) * Tr::kKvPanelBytes + k_off),
-                               DescAdd(desc_q_k, q_off + (ks / 4) * Tr::kQPanelBytes + k_off),
-                               ks > 0);
-    }
-    WgmmaCommit();
-
-    // dP^T = V_c dO^T.
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      const uint32_t k_off = (ks % 4) * 32;
-      Wgmma<Elem, kBlockM>::SS(dp, DescAdd(desc_v_rows, (ks / 4) * Tr::kKvPanelBytes + k_off),
-                               DescAdd(desc_do_k, q_off + (ks / 4) * Tr::kQPanelBytes + k_off),
-                               ks > 0);
-    }
-    WgmmaCommit();
+    issue_keys_x_queries(s, desc_k_rows, desc_q_k);    // S^T = K_c Q^T
+    issue_keys_x_queries(dp, desc_v_rows, desc_do_k);  // dP^T = V_c dO^T
 
     // Accumulator element i of the 64 x kBlockM tiles: key row 16 warp + g +
     // 8 rh, query column 8 j + 2 t4 + e, with j = i / 4, rh = (i / 2) % 2,
     // e = i % 2.
     const bool full = mask.BlockFullyVisible(m_begin, m_begin + kBlockM, key0, key0 + 64);
     float2 lse2[kBlockM / 8];
-    load_rows(stage, 0, lse2);
+    load_rows(ring.stage, 0, lse2);
     WgmmaWaitFenced<1>(s);  // S^T done; dP^T may still run
     // P^T = exp2(S^T * scale_log2 - lse2[query]); lse2 = +inf (rows past T,
     // rows that see no key) gives exactly 0. P^T and dS^T become A fragments
@@ -412,7 +406,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     // form k16 slice kk (see wgmma.cuh).
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
-      const float2 l = row_value(lse2, stage, 0, j);
+      const float2 l = row_value(lse2, ring.stage, 0, j);
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int i = 4 * j + r;
@@ -456,12 +450,12 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     if constexpr (kDvUnderDs) issue_dv();
 
     float2 dvec[kBlockM / 8];
-    load_rows(stage, 1, dvec);
+    load_rows(ring.stage, 1, dvec);
     WgmmaWaitFenced<kDvUnderDs ? 1 : 0>(dp);  // dP^T done; dV may still run
     // dS^T = P^T o (dP^T - Dvec[query]).
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
-      const float2 d = row_value(dvec, stage, 1, j);
+      const float2 d = row_value(dvec, ring.stage, 1, j);
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int i = 4 * j + r;
@@ -538,11 +532,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     // arrives (not one per warp): racecheck orders the row warp's next
     // stores after each reading thread's own arrival only.
     WgmmaWaitFenced<0>(acc_dk, dsa);
-    MbarArrive(&q_empty[stage]);
-    if (++stage == kStages) {
-      stage = 0;
-      phase ^= 1;
-    }
+    MbarArrive(&q_empty[ring.stage]);
+    ring.Advance();
   }
 
   // The reductions must land before the convert kernel reads dq_acc.

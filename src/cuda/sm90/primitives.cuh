@@ -119,6 +119,22 @@ __device__ __forceinline__ void BulkWaitGroup() {
   asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// A position in a ring of kStages shared-memory stages whose full/empty
+// mbarriers flip parity on every pass: the stage and the parity its barriers
+// are on. The first pass waits on parity 0 for "full" and, with phase ^ 1, on
+// "empty" slots that are free from the start.
+template <int kStages>
+struct RingPos {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void Advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
 // Orders this thread's ordinary shared-memory stores before later reads of
 // the same bytes by the async proxy (wgmma operands, TMA stores). Each writing
 // thread executes it before the barrier that hands the tile to the readers.
