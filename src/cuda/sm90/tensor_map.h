@@ -67,39 +67,40 @@ inline EncodeTiledFn GetEncodeTiled() {
   return fn;
 }
 
-// A 4-D map over one [B, rows, heads, D] tensor (element strides given),
-// boxes of 64 columns (128 bytes, the swizzle width) x box_rows rows of one
-// head, 128-byte swizzle, zero fill out of bounds. The middle dimensions go
-// in increasing stride order; *heads_inner reports the order chosen.
-inline cudaError_t EncodeTensorMap(CUtensorMap* map, EncodeTiledFn encode, DType dtype, const void* ptr,
-                            int64_t batch, int64_t rows, int64_t heads, int64_t head_dim,
-                            int64_t batch_stride, int64_t row_stride, int64_t head_stride,
-                            int box_rows, bool* heads_inner) {
+// A 4-D map over one [B, rows, heads, D] tensor of elem_bytes-byte elements
+// (element strides given), boxes of box_cols columns (box_cols * elem_bytes =
+// 128 bytes, the swizzle width) x box_rows rows of one head, 128-byte
+// swizzle, zero fill out of bounds. The middle dimensions go in increasing
+// stride order; *heads_inner reports the order chosen.
+inline cudaError_t EncodeRowsTensorMap(CUtensorMap* map, EncodeTiledFn encode,
+                                       CUtensorMapDataType type, int elem_bytes, const void* ptr,
+                                       int64_t batch, int64_t rows, int64_t heads,
+                                       int64_t head_dim, int64_t batch_stride, int64_t row_stride,
+                                       int64_t head_stride, int box_cols, int box_rows,
+                                       bool* heads_inner) {
   *heads_inner = head_stride <= row_stride;
-  const CUtensorMapDataType type = dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                                             : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   cuuint64_t dims[4], strides[3];
   cuuint32_t box[4];
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   dims[0] = static_cast<cuuint64_t>(head_dim);
-  box[0] = 64;
+  box[0] = box_cols;
   if (*heads_inner) {
     dims[1] = heads;
     dims[2] = rows;
-    strides[0] = head_stride * 2;
-    strides[1] = row_stride * 2;
+    strides[0] = head_stride * elem_bytes;
+    strides[1] = row_stride * elem_bytes;
     box[1] = 1;
     box[2] = box_rows;
   } else {
     dims[1] = rows;
     dims[2] = heads;
-    strides[0] = row_stride * 2;
-    strides[1] = head_stride * 2;
+    strides[0] = row_stride * elem_bytes;
+    strides[1] = head_stride * elem_bytes;
     box[1] = box_rows;
     box[2] = 1;
   }
   dims[3] = batch;
-  strides[2] = batch_stride * 2;
+  strides[2] = batch_stride * elem_bytes;
   box[3] = 1;
   const CUresult res = encode(map, type, 4, const_cast<void*>(ptr), dims, strides, box,
                               elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -108,24 +109,26 @@ inline cudaError_t EncodeTensorMap(CUtensorMap* map, EncodeTiledFn encode, DType
   return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// A 4-D map over the backward's fp32 dQ accumulator [B, rows, heads, D]
-// (contiguous), boxes of 32 columns (128 bytes) x box_rows rows of one head,
-// 128-byte swizzle: the target of the Hopper backward's bulk reductions.
+// The maps of q, k, v, o, dO (fp16/bf16): boxes of 64 columns.
+inline cudaError_t EncodeTensorMap(CUtensorMap* map, EncodeTiledFn encode, DType dtype,
+                                   const void* ptr, int64_t batch, int64_t rows, int64_t heads,
+                                   int64_t head_dim, int64_t batch_stride, int64_t row_stride,
+                                   int64_t head_stride, int box_rows, bool* heads_inner) {
+  const CUtensorMapDataType type = dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                             : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  return EncodeRowsTensorMap(map, encode, type, 2, ptr, batch, rows, heads, head_dim, batch_stride,
+                             row_stride, head_stride, 64, box_rows, heads_inner);
+}
+
+// The backward's fp32 dQ accumulator [B, rows, heads, D] (contiguous), the
+// target of the Hopper backward's bulk reductions: boxes of 32 columns.
 inline cudaError_t EncodeDqAccTensorMap(CUtensorMap* map, EncodeTiledFn encode, float* ptr,
                                         int64_t batch, int64_t rows, int64_t heads,
                                         int64_t head_dim, int box_rows) {
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
-                              static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(batch)};
-  const cuuint64_t row_bytes = static_cast<cuuint64_t>(heads * head_dim) * 4;
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_dim) * 4, row_bytes,
-                                 row_bytes * static_cast<cuuint64_t>(rows)};
-  const cuuint32_t box[4] = {32, 1, static_cast<cuuint32_t>(box_rows), 1};
-  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  const CUresult res = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, ptr, dims, strides, box,
-                              elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+  bool heads_inner;  // true: the head stride D is below the row stride H * D
+  return EncodeRowsTensorMap(map, encode, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, ptr, batch, rows,
+                             heads, head_dim, rows * heads * head_dim, heads * head_dim, head_dim,
+                             32, box_rows, &heads_inner);
 }
 
 }  // namespace jax_flash2::cuda::sm90
