@@ -18,6 +18,7 @@
 // Usage: bwd_selftest          all cases, then times D = 128
 //        bwd_selftest small    three tiny cases (for the sanitizers)
 //        bwd_selftest time     times D = 32, 64, 128, 256 only
+//        bwd_selftest --probe  exits 0 at once: checks that a carried binary loads
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -393,6 +394,7 @@ bool TimeBackward(const DeviceInfo& dev, int64_t D, bool causal) {
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
+  if (mode == "--probe") return 0;
   const bool small = mode == "small";
   DeviceInfo dev;
   if (jax_flash2::cuda::GetCurrentDeviceInfo(&dev) != cudaSuccess) return 2;
