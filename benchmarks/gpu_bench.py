@@ -126,9 +126,9 @@ def grid(args):
 DECODE_STEPS = 32
 
 
-def decode_steps(fn):
+def decode_steps(fn, unroll=1):
   def run(qs, k, v):
-    return jax.lax.scan(lambda carry, q: (carry, fn(q, k, v)), 0, qs)[1]
+    return jax.lax.scan(lambda carry, q: (carry, fn(q, k, v)), 0, qs, unroll=unroll)[1]
 
   return jax.jit(run)
 
@@ -148,7 +148,7 @@ def decode(args):
         if name == "xla" and seqlen_k > 32768:
           continue
         try:
-          t = time_jax(decode_steps(fn), (qs, k, v), iters=3) / DECODE_STEPS
+          t = time_jax(decode_steps(fn, args.decode_unroll), (qs, k, v), iters=3) / DECODE_STEPS
           row[name] = (t * 1e6, kv_bytes / t / 1e9)
         except Exception as e:  # noqa: BLE001
           row[name] = None
@@ -162,7 +162,7 @@ def fmt(x):
   return "-" if x is None else f"{x[0]:.0f} / {x[1]:.0f}"
 
 
-def markdown(grid_rows, decode_rows, command):
+def markdown(grid_rows, decode_rows, command, decode_unroll):
   names = ["jax_flash2", "cudnn", "xla", "torch_fa2"]
   lines = [f"Command: `{command}`", f"Device: {jax.devices()[0].device_kind}, jax {jax.__version__}", "",
            "TFLOP/s, forward / forward+backward (bf16, B*T = 16k, H*D = 2048):", "",
@@ -170,7 +170,7 @@ def markdown(grid_rows, decode_rows, command):
   for r in grid_rows:
     lines.append(f"| {r['D']} | {r['causal']} | {r['T']} | " + " | ".join(fmt(r.get(n)) for n in names) + " |")
   lines += ["", "Decode (bf16, T = 1, H = 32, K = 4, D = 128; per step of a jitted scan over "
-            f"{DECODE_STEPS} queries): microseconds / GB/s of K+V:", "",
+            f"{DECODE_STEPS} queries, unroll {decode_unroll}): microseconds / GB/s of K+V:", "",
             "| B | S | jax_flash2 | cudnn | xla |", "|---|---|---|---|---|"]
   for r in decode_rows:
     lines.append(f"| {r['B']} | {r['S']} | " + " | ".join(fmt(r.get(n)) for n in ("jax_flash2", "cudnn", "xla")) + " |")
@@ -186,11 +186,13 @@ def main():
   parser.add_argument("--no-decode", action="store_true")
   parser.add_argument("--no-grid", action="store_true", help="the decode table alone")
   parser.add_argument("--xla-max-seqlen", type=int, default=4096)
+  parser.add_argument("--decode-unroll", type=int, default=1,
+                      help="scan unroll of the decode steps: >1 drops the loop's per-step cost")
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
   grid_rows = [] if args.no_grid else grid(args)
   decode_rows = [] if args.no_decode else decode(args)
-  text = markdown(grid_rows, decode_rows, "python " + " ".join(sys.argv))
+  text = markdown(grid_rows, decode_rows, "python " + " ".join(sys.argv), args.decode_unroll)
   print(text)
   if args.out:
     with open(args.out, "w") as f:

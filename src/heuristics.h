@@ -16,12 +16,14 @@ namespace jax_flash2 {
 //
 // A grid that already fills ~80% of the slots is not split: splitting would
 // only add the combine pass. Otherwise, for every split count s, the last wave
-// is (blocks * s / slots) / ceil(...) full; we take the smallest s within 85%
-// of the best such efficiency, since each split adds partial O traffic and a
-// share of the combine. Counts that leave ceil(n_blocks / s) unchanged from
+// is (blocks * s / slots) / ceil(...) full; we take the smallest s within
+// min_efficiency (85%) of the best such efficiency, since each split adds
+// partial O traffic and a share of the combine. The memory-bound decode kernel
+// asks for 95%: there an idle SM is lost bandwidth, and a split's partials are
+// small beside the keys it streams. Counts that leave ceil(n_blocks / s) unchanged from
 // s - 1 give the same per-block work with more blocks, so they are skipped.
 inline int ChooseNumSplits(int64_t batch_heads_mblocks, int64_t num_n_blocks, int block_slots,
-                           int max_splits) {
+                           int max_splits, double min_efficiency = 0.85) {
   if (batch_heads_mblocks <= 0 || num_n_blocks <= 1 || block_slots <= 0 || max_splits <= 1) {
     return 1;
   }
@@ -40,7 +42,7 @@ inline int ChooseNumSplits(int64_t batch_heads_mblocks, int64_t num_n_blocks, in
     if (eligible(s)) best = std::max(best, efficiency(s));
   }
   for (int64_t s = 1; s <= cap; ++s) {
-    if (eligible(s) && efficiency(s) >= 0.85 * best) return static_cast<int>(s);
+    if (eligible(s) && efficiency(s) >= min_efficiency * best) return static_cast<int>(s);
   }
   return 1;
 }

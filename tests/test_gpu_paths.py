@@ -39,14 +39,22 @@ def _forward_calls_during(fn) -> dict[str, int]:
 
 
 # (B, T, S, H, K, D, causal, expected path on cc 9.0). The Hopper kernel takes
-# grids that fill the GPU; small ones go to the sm80 split-KV path.
+# grids that fill the GPU; small ones go to the sm80 split-KV path, and calls
+# whose T * group size fits 16 rows to the decode kernel (on every GPU).
 PATH_CASES = [
     (8, 1000, 1000, 16, 16, 128, True, "sm90"),
     (8, 1025, 1500, 16, 4, 64, False, "sm90"),  # GQA by index, T != S
     (8, 1000, 1000, 16, 16, 96, False, "sm80"),  # no Hopper tile for D = 96
     (2, 300, 300, 4, 4, 128, False, "sm80"),  # a small grid: split-KV
-    (1, 1, 4096, 8, 2, 128, False, "sm80"),  # decode: split-KV and GQA packing
+    (1, 1, 4096, 8, 2, 128, False, "decode"),  # GQA group packed, split-KV
+    (2, 2, 3001, 16, 2, 64, True, "decode"),  # 16 packed rows, causal, ragged tail
+    (1, 3, 4097, 8, 2, 128, True, "decode"),  # 3 queries x 4 heads = 12 rows
+    (1, 5, 4096, 16, 2, 128, False, "sm80"),  # 40 packed rows: the prefill kernel
 ]
+
+
+def _expected_path(expected: str) -> str:
+  return expected if _is_hopper() or expected == "decode" else "sm80"
 
 
 @pytest.mark.parametrize("case", PATH_CASES, ids=lambda c: f"B{c[0]}T{c[1]}S{c[2]}D{c[5]}-{c[7]}")
@@ -57,7 +65,7 @@ def test_forward_path(rng, case):
                                                           return_lse=True))
   fn.lower(q, k, v).compile()  # compile outside the counted window
   calls = _forward_calls_during(lambda: fn(q, k, v))
-  path = expected if _is_hopper() else "sm80"
+  path = _expected_path(expected)
   assert calls[path] == 1 and sum(calls.values()) == 1, calls
   out, lse = fn(q, k, v)
   (ref_out, ref_lse), _ = oracle(q, k, v, np.ones(q.shape), np.zeros(lse.shape), causal=causal)
@@ -134,3 +142,36 @@ def test_hopper_backward_kill_switch():
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=300, check=True).stdout
   assert "'sm90': 0" in out and "'sm80': 1" in out, out
+
+
+def test_decode_with_score_options_uses_prefill_kernel(rng):
+  """The decode kernel has no softcap/ALiBi/segments/dropout: such decode calls
+  run the prefill kernel, with a workspace sized for either."""
+  q, k, v = random_inputs(rng, 2, 1, 3001, 16, 2, 128, jnp.bfloat16)
+  fn = jax.jit(lambda q, k, v: jax_flash2.flash_attention(q, k, v, softcap=5.0, return_lse=True))
+  fn.lower(q, k, v).compile()
+  calls = _forward_calls_during(lambda: fn(q, k, v))
+  assert calls["sm80"] == 1 and sum(calls.values()) == 1, calls
+  out, lse = fn(q, k, v)
+  (ref_out, ref_lse), _ = oracle(q, k, v, np.ones(q.shape), np.zeros(lse.shape), softcap=5.0)
+  base_out, base_lse = naive_same_dtype(q, k, v, softcap=5.0)
+  assert_close_to_oracle("out", out, ref_out, base_out, q.dtype)
+  assert_close_to_oracle("lse", lse, ref_lse, base_lse, q.dtype)
+
+
+def test_decode_kernel_kill_switch():
+  """JAX_FLASH2_DECODE_KERNEL=0 (read once per process) sends decode shapes to
+  the prefill kernel's split-KV path; checked in a fresh process."""
+  code = textwrap.dedent("""
+      import jax, jax.numpy as jnp
+      import jax_flash2
+      from jax_flash2 import _ext
+      q = jnp.ones((1, 1, 8, 128), jnp.bfloat16)
+      k = jnp.ones((1, 4096, 2, 128), jnp.bfloat16)
+      jax.block_until_ready(jax_flash2.flash_attention(q, k, k))
+      print(_ext.cuda_ext.forward_call_counts())
+  """)
+  env = dict(os.environ, JAX_FLASH2_DECODE_KERNEL="0", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300, check=True).stdout
+  assert "'decode': 0" in out and "'sm80': 1" in out, out

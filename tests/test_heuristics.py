@@ -36,15 +36,16 @@ def test_degenerate_inputs():
   assert choose(8, 100, 264, 1) == 1  # splitting disabled
 
 
+@pytest.mark.parametrize("min_efficiency", [0.85, 0.95])
 @pytest.mark.parametrize("seed", range(5))
-def test_choice_is_the_smallest_within_85_percent_of_best(seed):
+def test_choice_is_the_smallest_within_min_efficiency_of_best(seed, min_efficiency):
   rng = np.random.default_rng(seed)
   for _ in range(200):
     blocks = int(rng.integers(1, 300))
     n_blocks = int(rng.integers(1, 2000))
     slots = int(rng.integers(1, 600))
     max_splits = int(rng.integers(1, 200))
-    s = choose(blocks, n_blocks, slots, max_splits)
+    s = choose(blocks, n_blocks, slots, max_splits, min_efficiency)
     assert 1 <= s <= max(1, min(max_splits, n_blocks, slots))
     if blocks * 5 >= slots * 4 or n_blocks <= 1 or max_splits <= 1:
       assert s == 1
@@ -54,5 +55,5 @@ def test_choice_is_the_smallest_within_85_percent_of_best(seed):
                 if c == 1 or -(-n_blocks // c) != -(-n_blocks // (c - 1))]
     best = max(_efficiency(blocks, c, slots) for c in eligible)
     assert s in eligible
-    assert _efficiency(blocks, s, slots) >= 0.85 * best - 1e-12
-    assert all(_efficiency(blocks, c, slots) < 0.85 * best for c in eligible if c < s)
+    assert _efficiency(blocks, s, slots) >= min_efficiency * best - 1e-12
+    assert all(_efficiency(blocks, c, slots) < min_efficiency * best for c in eligible if c < s)

@@ -30,6 +30,7 @@ NB_MODULE(_cpu_ext, m) {
         "Instruction set the CPU kernels were selected for on this machine.");
   m.def("choose_num_splits", &jax_flash2::ChooseNumSplits, nb::arg("batch_heads_mblocks"),
         nb::arg("num_n_blocks"), nb::arg("block_slots"), nb::arg("max_splits"),
+        nb::arg("min_efficiency") = 0.85,
         "The CUDA forward's split-KV count (src/heuristics.h), for unit tests.");
   m.def("philox4x32",
         [](uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {

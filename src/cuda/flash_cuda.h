@@ -36,11 +36,12 @@ size_t ForwardScratchBytes(const FlashParams& p, const DeviceInfo& dev);
 cudaError_t RunForward(const FlashParams& p, void* scratch, const DeviceInfo& dev,
                        cudaStream_t stream);
 
-// Forward calls run so far in this process by the sm80 and the Hopper (sm90)
-// kernels: lets tests assert which path served a call.
+// Forward calls run so far in this process by the sm80 prefill, the Hopper
+// (sm90) and the decode kernels: lets tests assert which path served a call.
 struct ForwardCallCounts {
   int64_t sm80 = 0;
   int64_t sm90 = 0;
+  int64_t decode = 0;
 };
 ForwardCallCounts GetForwardCallCounts();
 

@@ -5,11 +5,14 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
+#include "../flash_mask.h"
 #include "../heuristics.h"
 #include "flash_cuda.h"
 #include "fwd_launch.h"
@@ -29,6 +32,8 @@ constexpr int kBlocksPerSm = 2;
 constexpr int kCombineWarps = 4;
 
 struct FwdPlan {
+  bool decode = false;  // the decode kernel (decode_kernel.cu); else the prefill one
+  int bucket = 0;       // the kernel's compile-time head dim
   FwdTileSizes tile;
   int pack = 1;
   int num_m_blocks = 0;
@@ -39,11 +44,52 @@ struct FwdPlan {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Everything that decides the grid and the scratch size, so that
-// ForwardScratchBytes and RunForward cannot disagree.
-FwdPlan MakeFwdPlan(const FlashParams& p, const DeviceInfo& dev) {
+// Decode-shaped: the packed rows of one K/V head fit one m16 tile.
+bool IsDecodeShape(const FlashParams& p) { return p.seqlen_q * p.group_size <= kDecodeRows; }
+
+// JAX_FLASH2_DECODE_KERNEL=0 sends decode shapes to the prefill kernel (read
+// once per process): for side-by-side timings and as a way out.
+bool DecodeKernelEnabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("JAX_FLASH2_DECODE_KERNEL");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return enabled;
+}
+
+// The decode kernel serves decode shapes without score variants or dropout,
+// on GPUs with its shared memory (143 KB at d128: not sm86/sm89's 99 KB).
+bool UseDecodeKernel(const FlashParams& p, const DeviceInfo& dev) {
+  return IsDecodeShape(p) && !HasScoreVariants(p) && p.dropout_seeds == nullptr &&
+         static_cast<size_t>(DecodeSmemBytes(DecodeTileFor(p.head_dim))) <=
+             dev.max_smem_per_block_optin &&
+         DecodeKernelEnabled();
+}
+
+// Splits of the decode kernel: its blocks stream disjoint keys (memory bound),
+// so the wave should fill the GPU closely (95%, not the prefill's 85%).
+FwdPlan MakeDecodePlan(const FlashParams& p, const DeviceInfo& dev) {
+  FwdPlan plan;
+  plan.decode = true;
+  const DecodeTileSizes tile = DecodeTileFor(p.head_dim);
+  plan.bucket = tile.head_dim;
+  plan.pack = static_cast<int>(p.group_size);
+  plan.num_m_blocks = 1;
+  const int64_t chunks = CeilDiv(p.seqlen_k, tile.warp_keys);
+  const int64_t block_steps = CeilDiv(chunks, kDecodeWarps);  // chunk rounds of the warps
+  const int splits = ChooseNumSplits(p.batch * p.num_heads_kv, block_steps,
+                                     dev.sm_count * tile.blocks_per_sm, kMaxSplits, 0.95);
+  if (splits > 1) {
+    plan.n_blocks_per_split = static_cast<int>(CeilDiv(block_steps, splits) * kDecodeWarps);
+    plan.num_splits = static_cast<int>(CeilDiv(chunks, plan.n_blocks_per_split));
+  }
+  return plan;
+}
+
+FwdPlan MakePrefillPlan(const FlashParams& p, const DeviceInfo& dev) {
   FwdPlan plan;
   plan.tile = FwdTileFor(p.head_dim);
+  plan.bucket = plan.tile.head_dim;
   // Pack a GQA group into the M dimension when the queries alone would leave
   // most of a block empty (decode): each K/V head is then streamed once for
   // its whole group instead of once per query head.
@@ -69,6 +115,12 @@ FwdPlan MakeFwdPlan(const FlashParams& p, const DeviceInfo& dev) {
   return plan;
 }
 
+// Everything that decides the grid and the scratch size, so that
+// ForwardScratchBytes and RunForward cannot disagree.
+FwdPlan MakeFwdPlan(const FlashParams& p, const DeviceInfo& dev) {
+  return UseDecodeKernel(p, dev) ? MakeDecodePlan(p, dev) : MakePrefillPlan(p, dev);
+}
+
 // Scratch: partial LSEs first (padded to 256 bytes), then partial O.
 size_t PartialLseBytes(const FlashParams& p, const FwdPlan& plan) {
   const size_t n = static_cast<size_t>(plan.num_splits) * p.batch * p.num_heads_q * p.seqlen_q;
@@ -81,23 +133,38 @@ size_t ScratchBytes(const FlashParams& p, const FwdPlan& plan) {
   return PartialLseBytes(p, plan) + n * p.head_dim * sizeof(float);
 }
 
-// One warp per (b, h, t) row: LSE = log sum_i exp(LSE_i), O = sum_i
-// exp(LSE_i - LSE) O_i, over the splits i.
+// One block per (b, h, t) row: LSE = log sum_i exp(LSE_i), O = sum_i
+// exp(LSE_i - LSE) O_i, over the splits i. Its time is a chain of memory
+// round trips (split decode calls have few rows), so each step issues all of
+// its loads at once: every lane its splits' LSEs, then each warp a quarter of
+// the splits' partial rows, summed across the warps in shared memory. (One
+// warp per row, walking the splits in batches of 8, took 9 us at B1 S32k
+// under ncu, against 23 us for the decode kernel itself.)
 template <typename Elem>
 __global__ void __launch_bounds__(kCombineWarps * 32)
     FwdCombineKernel(const __grid_constant__ FwdArgs args) {
-  __shared__ float weights[kCombineWarps][kMaxSplits];
+  constexpr int kLseSlots = kMaxSplits / 32;  // splits lane, lane + 32, ... of each lane
+  constexpr int kColSlots = 256 / 128;        // columns lane * 4 + 128 j, head_dim <= 256
+  __shared__ float weights[kMaxSplits];
+  __shared__ float4 warp_sums[kCombineWarps - 1][kColSlots][32];
+  WaitForPrimaryGrid();  // the partials are the main kernel's (early_combine)
   const FlashParams& p = args.p;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int64_t rows = p.batch * p.num_heads_q * p.seqlen_q;  // [B, H, T], LSE order
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineWarps + warp;
-  if (row >= rows) return;  // whole warps only: no block-wide barrier below
+  const int64_t row = blockIdx.x;
   const int num_splits = args.num_splits;
   const float* lse_part = args.lse_partial + row;
 
+  // Every warp reduces the LSEs itself (no barrier before the weights).
+  float lse_i[kLseSlots];
   float mx = -INFINITY;
-  for (int s = lane; s < num_splits; s += 32) mx = fmaxf(mx, lse_part[s * rows]);
+#pragma unroll
+  for (int i = 0; i < kLseSlots; ++i) {
+    const int s = lane + 32 * i;
+    lse_i[i] = s < num_splits ? lse_part[s * rows] : -INFINITY;
+    mx = fmaxf(mx, lse_i[i]);
+  }
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
   // Empty splits carry -inf and weigh 0. When every split is empty the max
@@ -105,42 +172,67 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   // then gets O = 0 and LSE = -inf, like an unsplit row that sees no key.
   const bool empty = mx == -INFINITY;
   float sum = 0.f;
-  if (!empty) {
-    for (int s = lane; s < num_splits; s += 32) sum += expf(lse_part[s * rows] - mx);
-  }
+#pragma unroll
+  for (int i = 0; i < kLseSlots; ++i) sum += empty ? 0.f : expf(lse_i[i] - mx);
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
   const float lse = empty ? -INFINITY : mx + logf(sum);
-  for (int s = lane; s < num_splits; s += 32) {
-    weights[warp][s] = empty ? 0.f : expf(lse_part[s * rows] - lse);
+  if (warp == 0) {
+#pragma unroll
+    for (int i = 0; i < kLseSlots; ++i) {
+      const int s = lane + 32 * i;
+      if (s < num_splits) weights[s] = empty ? 0.f : expf(lse_i[i] - lse);
+    }
   }
-  __syncwarp();
+  __syncthreads();
 
+  // Warp w sums splits w, w + 4, ...; head_dim is a multiple of 8, so a
+  // lane's 4 columns never straddle its end.
+  const int64_t head_dim = p.head_dim;
+  const float* o_part = args.o_partial + row * head_dim;
+  const int64_t split_stride = rows * head_dim;
+  float4 acc[kColSlots];
+#pragma unroll
+  for (int j = 0; j < kColSlots; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+  for (int s = warp; s < num_splits; s += kCombineWarps) {
+    const float w = weights[s];
+#pragma unroll
+    for (int j = 0; j < kColSlots; ++j) {
+      const int d = lane * 4 + 128 * j;
+      if (d < head_dim) {
+        const float4 v = *reinterpret_cast<const float4*>(o_part + s * split_stride + d);
+        acc[j].x += w * v.x;
+        acc[j].y += w * v.y;
+        acc[j].z += w * v.z;
+        acc[j].w += w * v.w;
+      }
+    }
+  }
+  if (warp > 0) {
+#pragma unroll
+    for (int j = 0; j < kColSlots; ++j) warp_sums[warp - 1][j][lane] = acc[j];
+  }
+  __syncthreads();
+  if (warp != 0) return;
   const int64_t t = row % p.seqlen_q;
   const int64_t bh = row / p.seqlen_q;
   const int64_t head = bh % p.num_heads_q;
   const int64_t b = bh / p.num_heads_q;
   Elem* o_row = static_cast<Elem*>(p.o) + b * p.o_batch_stride + t * p.o_row_stride +
                 head * p.o_head_stride;
-  const int64_t head_dim = p.head_dim;
-  const float* o_part = args.o_partial + row * head_dim;
-  const int64_t split_stride = rows * head_dim;
-  // head_dim is a multiple of 8, so 4 columns per lane never straddle the end.
-  for (int d = lane * 4; d < head_dim; d += 128) {
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    // Unrolled so that several splits' loads are in flight at once: rolled,
-    // each iteration waited a full memory latency for its one load.
-#pragma unroll 8
-    for (int s = 0; s < num_splits; ++s) {
-      const float w = weights[warp][s];
-      const float4 v = *reinterpret_cast<const float4*>(o_part + s * split_stride + d);
-      acc.x += w * v.x;
-      acc.y += w * v.y;
-      acc.z += w * v.z;
-      acc.w += w * v.w;
+#pragma unroll
+  for (int j = 0; j < kColSlots; ++j) {
+    const int d = lane * 4 + 128 * j;
+    if (d >= head_dim) continue;
+    float4 total = acc[j];
+#pragma unroll
+    for (int w = 0; w < kCombineWarps - 1; ++w) {
+      const float4 x = warp_sums[w][j][lane];
+      total = make_float4(total.x + x.x, total.y + x.y, total.z + x.z, total.w + x.w);
     }
-    const uint2 packed = make_uint2(PackFloat2<Elem>(acc.x, acc.y), PackFloat2<Elem>(acc.z, acc.w));
-    *reinterpret_cast<uint2*>(o_row + d) = packed;
+    *reinterpret_cast<uint2*>(o_row + d) =
+        make_uint2(PackFloat2<Elem>(total.x, total.y), PackFloat2<Elem>(total.z, total.w));
   }
   if (lane == 0) p.lse[row] = lse;
 }
@@ -159,8 +251,9 @@ cudaError_t LaunchBucket(const FwdArgs& args, int bucket, cudaStream_t stream) {
 }
 
 template <typename Elem>
-cudaError_t LaunchForward(const FwdArgs& args, int bucket, cudaStream_t stream) {
-  const cudaError_t err = LaunchBucket<Elem>(args, bucket, stream);
+cudaError_t LaunchForward(const FwdArgs& args, const FwdPlan& plan, cudaStream_t stream) {
+  const cudaError_t err = plan.decode ? LaunchDecodeKernel<Elem>(args, plan.bucket, stream)
+                                      : LaunchBucket<Elem>(args, plan.bucket, stream);
   if (err != cudaSuccess || args.num_splits <= 1) return err;
   return LaunchFwdCombine<Elem>(args, stream);
 }
@@ -170,9 +263,16 @@ cudaError_t LaunchForward(const FwdArgs& args, int bucket, cudaStream_t stream) 
 template <typename Elem>
 cudaError_t LaunchFwdCombine(const FwdArgs& args, cudaStream_t stream) {
   const int64_t rows = args.p.batch * args.p.num_heads_q * args.p.seqlen_q;
-  const int64_t blocks = CeilDiv(rows, kCombineWarps);
-  FwdCombineKernel<Elem><<<static_cast<unsigned>(blocks), kCombineWarps * 32, 0, stream>>>(args);
-  return cudaGetLastError();
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(rows));
+  config.blockDim = dim3(kCombineWarps * 32);
+  config.stream = stream;
+  cudaLaunchAttribute early;
+  early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  early.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &early;
+  config.numAttrs = args.early_combine ? 1 : 0;
+  return cudaLaunchKernelEx(&config, FwdCombineKernel<Elem>, args);
 }
 
 std::string Unsupported(const FlashParams& p, const DeviceInfo& dev) {
@@ -224,28 +324,32 @@ std::string Unsupported(const FlashParams& p, const DeviceInfo& dev) {
 
 size_t ForwardScratchBytes(const FlashParams& p, const DeviceInfo& dev) {
   if (!Unsupported(p, dev).empty() || p.batch * p.seqlen_q * p.num_heads_q == 0) return 0;
-  return ScratchBytes(p, MakeFwdPlan(p, dev));
+  const size_t bytes = ScratchBytes(p, MakePrefillPlan(p, dev));
+  // The lowering sizes the workspace without the score options, which decide
+  // between the decode and prefill kernels: enough for either.
+  return IsDecodeShape(p) ? std::max(bytes, ScratchBytes(p, MakeDecodePlan(p, dev))) : bytes;
 }
 
 namespace {
 
 // Calls served by each forward kernel in this process, for tests and
 // kernel_info: which path ran is otherwise invisible to the caller.
-std::atomic<int64_t> forward_calls[2];
+std::atomic<int64_t> forward_calls[3];  // sm80 prefill, sm90, decode
 
 #if JF2_HAVE_SM90
-// The Hopper kernel serves cc 9.0 calls it supports that the sm80 plan would
-// run as one plain grid; split-KV and GQA-packed decode stay on the sm80
-// kernels, which implement them.
+// The Hopper kernel serves cc 9.0 calls it supports that the sm80 prefill
+// plan would run as one plain grid; split-KV and GQA-packed prefill and the
+// decode kernel's calls stay on the sm80 kernels, which implement them.
 bool UseSm90Forward(const FlashParams& p, const DeviceInfo& dev, const FwdPlan& plan) {
-  return dev.cc_major == 9 && plan.num_splits == 1 && plan.pack == 1 && Sm90ForwardSupports(p);
+  return dev.cc_major == 9 && !plan.decode && plan.num_splits == 1 && plan.pack == 1 &&
+         Sm90ForwardSupports(p);
 }
 #endif
 
 }  // namespace
 
 ForwardCallCounts GetForwardCallCounts() {
-  return {forward_calls[0].load(), forward_calls[1].load()};
+  return {forward_calls[0].load(), forward_calls[1].load(), forward_calls[2].load()};
 }
 
 cudaError_t RunForward(const FlashParams& p, void* scratch, const DeviceInfo& dev,
@@ -259,7 +363,7 @@ cudaError_t RunForward(const FlashParams& p, void* scratch, const DeviceInfo& de
     return RunForwardSm90(p, dev, stream);
   }
 #endif
-  ++forward_calls[0];
+  ++forward_calls[plan.decode ? 2 : 0];
   FwdArgs args;
   args.p = p;
   args.pack = plan.pack;
@@ -267,6 +371,7 @@ cudaError_t RunForward(const FlashParams& p, void* scratch, const DeviceInfo& de
   args.kv_stages = plan.kv_stages;
   args.num_splits = plan.num_splits;
   args.n_blocks_per_split = plan.n_blocks_per_split;
+  args.early_combine = plan.decode && dev.cc_major >= 9;
   if (plan.num_splits > 1) {
     if (scratch == nullptr) return cudaErrorInvalidValue;
     args.lse_partial = static_cast<float*>(scratch);
@@ -274,8 +379,8 @@ cudaError_t RunForward(const FlashParams& p, void* scratch, const DeviceInfo& de
                                               PartialLseBytes(p, plan));
   }
   switch (p.dtype) {
-    case DType::kFloat16: return LaunchForward<__half>(args, plan.tile.head_dim, stream);
-    case DType::kBFloat16: return LaunchForward<__nv_bfloat16>(args, plan.tile.head_dim, stream);
+    case DType::kFloat16: return LaunchForward<__half>(args, plan, stream);
+    case DType::kBFloat16: return LaunchForward<__nv_bfloat16>(args, plan, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -50,6 +50,38 @@ constexpr int FwdSmemBytes(const FwdTileSizes& t, int stages, bool dropout) {
          (dropout ? t.block_m / 16 * 2 * 32 * 4 : 0);
 }
 
+// The decode kernel (decode_kernel.cu): calls whose packed rows, T * group
+// size, fit one m16 tile. Its warps split the keys, each streaming its own
+// warp_keys-key chunks through a private `stages`-deep ring, and the block
+// merges the four warps' softmax states at the end. Two stages of 32 keys
+// (16 at d256) keep ~128 KB per block in flight, which the memory-bound
+// decode needs, and fit sm80's 163 KB; blocks_per_sm is what the split
+// planner assumes resident (d64's 76 KB allows two).
+struct DecodeTileSizes {
+  int head_dim;  // bucket
+  int warp_keys;
+  int stages;
+  int blocks_per_sm;
+};
+
+inline constexpr int kDecodeWarps = 4;
+inline constexpr int kDecodeRows = 16;
+
+inline constexpr DecodeTileSizes kDecodeTileTable[] = {
+    {64, 32, 2, 2}, {128, 32, 2, 1}, {256, 16, 2, 1}};
+
+constexpr DecodeTileSizes DecodeTileFor(int64_t head_dim) {
+  for (const DecodeTileSizes& t : kDecodeTileTable) {
+    if (head_dim <= t.head_dim) return t;
+  }
+  return DecodeTileSizes{0, 0, 0, 0};
+}
+
+// Q tile, then each warp's stages of K and V tiles (2-byte elements).
+constexpr int DecodeSmemBytes(const DecodeTileSizes& t) {
+  return (kDecodeRows + kDecodeWarps * t.stages * 2 * t.warp_keys) * (t.head_dim + kSmemPad) * 2;
+}
+
 template <int kHeadDim_>
 struct FwdTraits {
   static constexpr FwdTileSizes kTile = FwdTileFor(kHeadDim_);

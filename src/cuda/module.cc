@@ -53,6 +53,7 @@ NB_MODULE(_cuda_ext, m) {
     nb::dict d;
     d["sm80"] = counts.sm80;
     d["sm90"] = counts.sm90;
+    d["decode"] = counts.decode;
     return d;
   });
   m.def("backward_call_counts", [] {

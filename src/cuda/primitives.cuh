@@ -122,6 +122,21 @@ __device__ __forceinline__ float FastExp2(float x) {
   return y;
 }
 
+// Programmatic dependent launch (sm90+; no-ops before): a primary kernel
+// lets its dependent grid be scheduled early, and the dependent waits here
+// until the primary grid has completed and its writes are visible.
+__device__ __forceinline__ void AllowDependentLaunch() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+#endif
+}
+
+__device__ __forceinline__ void WaitForPrimaryGrid() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // x, opaque to the optimiser: code that uses it cannot move above this point.
 // The runtime-option branches (softcap, ALiBi, segments) pass their indices
 // through it so that their address arithmetic is not hoisted out of the main

@@ -4,6 +4,7 @@
 //   fwd_selftest            all cases + timings
 //   fwd_selftest --small    small cases only, no timings (for compute-sanitizer memcheck)
 //   fwd_selftest --tiny     a few small cases (for compute-sanitizer racecheck)
+//   fwd_selftest --decode-time [substring]   the decode timings alone (those named so)
 //   fwd_selftest --probe    exits 0 at once: checks that a carried binary loads
 //
 // Outputs and scratch are poisoned with NaN before each run, so an element the
@@ -177,9 +178,11 @@ bool RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
   return ok;
 }
 
-// Median milliseconds of one RunForward over `reps` runs, rotating among
-// `sets` input copies so that L2 does not hold the inputs between runs.
-double TimeForward(const Case& c, const cuda::DeviceInfo& dev, int sets, int reps, int* splits_out) {
+// Median milliseconds of one RunForward over `reps` runs (each the mean of
+// `batch` back-to-back calls), rotating among `sets` input copies so that L2
+// does not hold the inputs between runs.
+double TimeForward(const Case& c, const cuda::DeviceInfo& dev, int sets, int reps, int* splits_out,
+                   int batch = 1) {
   const FlashParams p0 = CaseParams(c);
   const int64_t nq = c.B * c.T * c.H * c.D, nk = c.B * c.S * c.K * c.D;
   std::vector<FlashParams> ps(sets, p0);
@@ -207,8 +210,8 @@ double TimeForward(const Case& c, const cuda::DeviceInfo& dev, int sets, int rep
   scratch_bytes = cuda::ForwardScratchBytes(ps[0], dev);
   if (scratch_bytes) CHECK_CUDA(cudaMalloc(&scratch, scratch_bytes));
   *splits_out = scratch_bytes > 0;
-  const std::vector<float> ms =
-      TimeRuns(c.name, reps, [&](int r) { return cuda::RunForward(ps[r % sets], scratch, dev, 0); });
+  const std::vector<float> ms = TimeRunsBatched(
+      c.name, reps, batch, [&](int r) { return cuda::RunForward(ps[r % sets], scratch, dev, 0); });
   for (void* b : bufs) CHECK_CUDA(cudaFree(b));
   if (scratch) CHECK_CUDA(cudaFree(scratch));
   return ms[reps / 2];
@@ -220,6 +223,7 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "--probe") return 0;
   const bool tiny = mode == "--tiny";
+  const bool decode_time = mode == "--decode-time";  // the decode timings alone
   const bool small = tiny || mode == "--small";
   cuda::DeviceInfo dev;
   CHECK_CUDA(cuda::GetCurrentDeviceInfo(&dev));
@@ -227,6 +231,36 @@ int main(int argc, char** argv) {
               dev.cc_major, dev.cc_minor, dev.max_smem_per_block_optin);
 
   int failures = 0;
+  const DType bf = DType::kBFloat16, fp = DType::kFloat16;
+  // The decode table of benchmarks/gpu_bench.py; JAX_FLASH2_DECODE_KERNEL=0
+  // times the prefill kernel's split-KV path instead.
+  const std::vector<Case> decode = {
+      {"decode B1 T1 S4k H32 K4 D128 bf16", bf, 1, 1, 4096, 32, 4, 128, -1, -1},
+      {"decode B1 T1 S32k H32 K4 D128 bf16", bf, 1, 1, 32768, 32, 4, 128, -1, -1},
+      {"decode B1 T1 S128k H32 K4 D128 bf16", bf, 1, 1, 131072, 32, 4, 128, -1, -1},
+      {"decode B8 T1 S4k H32 K4 D128 bf16", bf, 8, 1, 4096, 32, 4, 128, -1, -1},
+      {"decode B8 T1 S32k H32 K4 D128 bf16", bf, 8, 1, 32768, 32, 4, 128, -1, -1},
+      {"decode B8 T1 S128k H32 K4 D128 bf16", bf, 8, 1, 131072, 32, 4, 128, -1, -1},
+      {"decode B1 T2 S32k H32 K4 D128 causal bf16", bf, 1, 2, 32768, 32, 4, 128, -1, 0},
+      {"decode B1 T16 S32k H32 K4 D128 bf16 (prefill)", bf, 1, 16, 32768, 32, 4, 128, -1, 0},
+  };
+  const std::string decode_filter = decode_time && argc > 2 ? argv[2] : "";
+  auto time_decode = [&] {
+    for (const Case& c : decode) {
+      if (c.name.find(decode_filter) == std::string::npos) continue;
+      int split;
+      const double bytes = 2.0 * c.B * c.S * c.K * c.D * 2;
+      // Enough copies that the rotation spans 4x the H200's 60 MB L2.
+      const int sets = std::max(4, static_cast<int>(240e6 / bytes) + 1);
+      const double ms = TimeForward(c, dev, sets, 30, &split, 20);
+      std::printf("TIME %-44s %8.4f ms  %6.0f GB/s of K+V  (split-KV %s)\n", c.name.c_str(), ms,
+                  bytes / ms / 1e6, split ? "on" : "off");
+    }
+  };
+  if (decode_time) {
+    time_decode();
+    return 0;
+  }
   {  // Unsupported messages (host only).
     Case c{"", DType::kFloat32, 1, 1, 1, 1, 1, 64, -1, -1};
     const bool f32 = !cuda::Unsupported(CaseParams(c), dev).empty();
@@ -240,7 +274,6 @@ int main(int argc, char** argv) {
     failures += !ok;
   }
 
-  const DType bf = DType::kBFloat16, fp = DType::kFloat16;
   std::vector<Case> cases = {
       {"T1 S1 D64 bf16", bf, 1, 1, 1, 2, 2, 64, -1, -1},
       {"T17 S257 D32 causal fp16", fp, 2, 17, 257, 4, 4, 32, -1, 0},
@@ -252,6 +285,16 @@ int main(int argc, char** argv) {
       {"T17 S1000 D256 fp16", fp, 1, 17, 1000, 2, 2, 256, -1, -1},
       {"T1 S2000 D128 MHA decode bf16", bf, 2, 1, 2000, 4, 4, 128, -1, -1},
       {"T5 S3000 D64 causal GQA8 fp16", fp, 1, 5, 3000, 16, 2, 64, -1, 0},
+      // The decode kernel (T * group <= 16 rows, no score options): causal
+      // over the last chunk and a ragged tail, window, T > S (rows that see
+      // no key), every bucket with padded head dims, [B, H, T, D] strides.
+      {"decode T2 S3001 GQA8 D128 causal fp16", fp, 2, 2, 3001, 16, 2, 128, -1, 0},
+      {"decode T3 S777 GQA4 D64 win(100,0) bf16", bf, 1, 3, 777, 8, 2, 64, 100, 0},
+      {"decode T1 S5000 GQA4 D256 bf16", bf, 1, 1, 5000, 4, 1, 256, -1, -1},
+      {"decode T1 S1000 GQA2 D40 fp16", fp, 3, 1, 1000, 6, 3, 40, -1, -1},
+      {"decode T16 S333 MHA D96 causal bf16", bf, 1, 16, 333, 4, 4, 96, -1, 0},
+      {"decode T5 S3 D32 causal (empty rows) fp16", fp, 2, 5, 3, 2, 2, 32, -1, 0},
+      {"decode T2 S1500 GQA4 D200 bhtd bf16", bf, 2, 2, 1500, 8, 2, 200, -1, -1, true},
   };
   // Score options: softcap, ALiBi, segment ids (packed, and random ids that
   // leave queries with no key: O = 0, LSE = -inf), alone and with causal,
@@ -293,8 +336,8 @@ int main(int argc, char** argv) {
   };
   cases.insert(cases.end(), dropout.begin(), dropout.end());
   if (tiny) {  // one of each path: causal + empty rows, window, packed GQA split, options
-    cases = {cases[1], cases[2], cases[5], cases[9], options[3], options[6], dropout[1],
-             dropout[5]};
+    cases = {cases[1], cases[2], cases[5], cases[9], cases[10], cases[15], options[3],
+             options[6], dropout[1], dropout[5]};
   }
   if (!small) {
     std::vector<Case> big = {
@@ -312,6 +355,8 @@ int main(int argc, char** argv) {
         {"decode T1 S32768 H32 K4 D128 bf16", bf, 1, 1, 32768, 32, 4, 128, -1, 0},
         {"decode T16 S8000 H32 K4 D128 causal fp16", fp, 2, 16, 8000, 32, 4, 128, -1, 0},
         {"decode T3 S4096 win(100,0) K8 D64 bf16", bf, 1, 3, 4096, 8, 1, 64, 100, 0},
+        {"decode B8 T1 S32768 H32 K4 D128 bf16", bf, 8, 1, 32768, 32, 4, 128, -1, -1},
+        {"decode B3 T2 S100001 H8 K1 D64 causal fp16", fp, 3, 2, 100001, 8, 1, 64, -1, 0},
         {"T1000 S1000 D256 causal softcap alibi bf16", bf, 1, 1000, 1000, 2, 2, 256, -1, 0, false,
          10.f, true},
     };
@@ -335,19 +380,7 @@ int main(int argc, char** argv) {
       if (c.wr == 0) flops /= 2;
       std::printf("TIME %-36s %8.3f ms  %6.1f TFLOP/s\n", c.name.c_str(), ms, flops / ms / 1e9);
     }
-    const std::vector<Case> decode = {
-        {"decode B1 T1 S32k H32 K4 D128 bf16", bf, 1, 1, 32768, 32, 4, 128, -1, 0},
-        {"decode B1 T16 S32k H32 K4 D128 bf16", bf, 1, 16, 32768, 32, 4, 128, -1, 0},
-        {"decode B1 T1 S128k H32 K4 D128 bf16", bf, 1, 1, 131072, 32, 4, 128, -1, 0},
-        {"decode B8 T1 S4k H32 K4 D128 bf16", bf, 8, 1, 4096, 32, 4, 128, -1, 0},
-    };
-    for (const Case& c : decode) {
-      int split;
-      const double ms = TimeForward(c, dev, 4, 100, &split);
-      const double bytes = 2.0 * c.B * c.S * c.K * c.D * 2;
-      std::printf("TIME %-36s %8.4f ms  %6.0f GB/s of K+V  (split-KV %s)\n", c.name.c_str(), ms,
-                  bytes / ms / 1e6, split ? "on" : "off");
-    }
+    time_decode();
   }
   std::printf("%s: %d failure(s)\n", failures ? "FAILED" : "ALL PASSED", failures);
   return failures ? 1 : 0;

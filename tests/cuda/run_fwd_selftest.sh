@@ -13,7 +13,7 @@ BIN=build/fwd_selftest
 
 source tests/cuda/selftest_lib.sh
 build_selftest $BIN build/fwd_obj "" src/cuda/device_info.cu src/cuda/fwd_launch.cu \
-  src/cuda/fwd_hdim*.cu \
+  src/cuda/fwd_hdim*.cu src/cuda/decode_kernel.cu \
   tests/cuda/fwd_selftest.cu || exit 1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 rc=0

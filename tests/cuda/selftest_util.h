@@ -80,6 +80,22 @@ std::vector<float> TimeRuns(const std::string& what, int reps, Run run) {
   return ms;
 }
 
+// The same with `batch` calls back to back between each pair of events
+// (milliseconds per call): the GPU never waits for the host to launch, so a
+// call of a few microseconds is not timed with its launch latency.
+template <class Run>
+std::vector<float> TimeRunsBatched(const std::string& what, int reps, int batch, Run run) {
+  int r = 0;
+  const std::vector<float> ms = TimeRuns(what, reps, [&](int) {
+    cudaError_t err = cudaSuccess;
+    for (int i = 0; i < batch && err == cudaSuccess; ++i) err = run(r++);
+    return err;
+  });
+  std::vector<float> per_call(ms.size());
+  for (size_t i = 0; i < ms.size(); ++i) per_call[i] = ms[i] / batch;
+  return per_call;
+}
+
 // Fills n 16-bit elements (bf16 or fp16 bits) with hashed pseudo-random
 // values in [-amplitude, amplitude).
 static __global__ void FillRandom(uint16_t* x, int64_t n, uint32_t seed, bool bf16,

@@ -1,0 +1,323 @@
+// Decode forward for sm80+: calls whose packed rows (T * group size queries
+// of one K/V head) fit one m16 mma tile, so the work is streaming K and V.
+//
+// The prefill kernel (fwd_kernel.cuh) splits a block's query rows over its
+// warps; with at most 16 rows that leaves one warp doing all the math of a
+// block while the others only copy, and the math, not the memory, set the
+// time (1.4 TB/s at B1 S32k on the H200). Here every warp owns the same 16
+// rows and a quarter of the block's keys instead: warp w takes key chunks w,
+// w + 4, w + 8, ... (kBlockN keys each), streams them through its own
+// cp.async ring (no block barrier in the loop), and keeps its own online
+// softmax state. At the end the block merges the four states through shared
+// memory, as the split-KV combine merges splits:
+//   M = max_w m_w,  L = sum_w 2^((m_w - M) c) l_w,  O = sum_w 2^((m_w - M) c) O_w / L
+// with c = scale * log2(e). Grid (splits, B, K): each block is one K/V head's
+// share of keys; splits > 1 write normalised partials that
+// FwdCombineKernel merges (fwd_launch.cu).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cmath>
+
+#include "fwd_kernel.cuh"
+#include "fwd_launch.h"
+#include "kernel_traits.h"
+#include "primitives.cuh"
+#include "smem_optin.h"
+
+namespace jax_flash2::cuda {
+namespace {
+
+// The member names fwd_kernel.cuh's helpers (ComputeS, AccumulatePV,
+// LoadKvTile) read: one m16 tile per warp, kBlockN keys per warp step, and a
+// copy map for one warp (each warp fills its own ring).
+template <int kHeadDim_>
+struct DecodeTraits {
+  static constexpr DecodeTileSizes kTile = DecodeTileFor(kHeadDim_);
+  static_assert(kTile.head_dim == kHeadDim_, "not a decode head-dim bucket");
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kTile.warp_keys;
+  static constexpr int kStages = kTile.stages;
+  static constexpr int kMTiles = 1;
+  static constexpr int kNTiles = kBlockN / 8;
+  static constexpr int kDTiles = kHeadDim / 8;
+  static constexpr int kSmemStride = kHeadDim + kSmemPad;
+  static constexpr int kChunksPerRow = kHeadDim / 8;
+  static constexpr int kThreads = 32;
+};
+
+template <typename Elem, int kHeadDim>
+__global__ void __launch_bounds__(kDecodeWarps * 32)
+    DecodeKernel(const __grid_constant__ FwdArgs args) {
+  using Tr = DecodeTraits<kHeadDim>;
+  constexpr int kKeys = Tr::kBlockN;
+  constexpr int kStages = Tr::kStages;
+  constexpr int kStride = Tr::kSmemStride;
+  constexpr int kNT = Tr::kNTiles;
+  constexpr int kDT = Tr::kDTiles;
+  constexpr int kTileElems = kKeys * kStride;
+
+  // The split combine (if any) may be scheduled now: it waits for this grid.
+  AllowDependentLaunch();
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // Q (16 rows), then per warp kStages x (K tile, V tile).
+  Elem* s_q = reinterpret_cast<Elem*>(smem_raw);
+  const FlashParams& p = args.p;
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4;
+  const int t4 = lane % 4;
+  Elem* s_ring = s_q + kDecodeRows * kStride + warp * kStages * 2 * kTileElems;
+
+  const int split = blockIdx.x;
+  const int b = blockIdx.y;
+  const int kv_head = blockIdx.z;
+  const int group = static_cast<int>(p.group_size);
+  const int seqlen_q = static_cast<int>(p.seqlen_q);
+  const int seqlen_k = static_cast<int>(p.seqlen_k);
+  const int head_dim = static_cast<int>(p.head_dim);
+  const int num_rows = seqlen_q * group;  // <= kDecodeRows (the host's choice)
+
+  // Key chunks any row may see, within this block's split; every row sees
+  // [full_begin, full_end), so only chunks crossing its edges are masked.
+  const WindowMask mask = MakeWindowMask(p);
+  int64_t lo, hi;
+  mask.KeyRange(0, seqlen_q, &lo, &hi);
+  int c_begin = static_cast<int>(lo / kKeys);
+  int c_end = hi > lo ? static_cast<int>((hi + kKeys - 1) / kKeys) : c_begin;
+  if (args.num_splits > 1) {
+    c_begin = max(c_begin, split * args.n_blocks_per_split);
+    c_end = min(c_end, (split + 1) * args.n_blocks_per_split);
+  }
+  mask.KeyRange(seqlen_q - 1, seqlen_q, &lo, &hi);
+  const int full_begin = static_cast<int>(lo);
+  mask.KeyRange(0, 1, &lo, &hi);
+  const int full_end = static_cast<int>(hi);
+  // This warp's chunks: c_begin + warp + i * kDecodeWarps, i < num_mine.
+  const int num_mine = max(0, (c_end - c_begin - warp + kDecodeWarps - 1) / kDecodeWarps);
+
+  const Elem* k_head =
+      static_cast<const Elem*>(p.k) + b * p.k_batch_stride + kv_head * p.k_head_stride;
+  const Elem* v_head =
+      static_cast<const Elem*>(p.v) + b * p.v_batch_stride + kv_head * p.v_head_stride;
+
+  // Q by the whole block: row r is query r / group of head kv_head * group +
+  // r % group; rows past num_rows are zero-filled (and never written).
+  {
+    const Elem* q = static_cast<const Elem*>(p.q);
+    constexpr int kChunks = kDecodeRows * Tr::kChunksPerRow;
+    for (int idx = tid; idx < kChunks; idx += kDecodeWarps * 32) {
+      const int r = idx / Tr::kChunksPerRow;
+      const int c = (idx % Tr::kChunksPerRow) * 8;
+      const bool valid = r < num_rows && c < head_dim;
+      const Elem* src = q;
+      if (valid) {
+        const int head = kv_head * group + r % group;
+        src = q + b * p.q_batch_stride + (r / group) * p.q_row_stride + head * p.q_head_stride + c;
+      }
+      CpAsync16(s_q + r * kStride + c, src, valid);
+    }
+    CpAsyncCommit();
+  }
+  auto load_chunk = [&](int i) {
+    Elem* k_dst = s_ring + (i % kStages) * 2 * kTileElems;
+    const int key0 = (c_begin + warp + i * kDecodeWarps) * kKeys;
+    fwd::LoadKvTile<Tr, kKeys>(k_dst, k_head, p.k_row_stride, key0, seqlen_k, head_dim, lane);
+    fwd::LoadKvTile<Tr, kKeys>(k_dst + kTileElems, v_head, p.v_row_stride, key0, seqlen_k,
+                               head_dim, lane);
+  };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < num_mine) load_chunk(i);
+    CpAsyncCommit();  // empty groups too: the wait counts below stay fixed
+  }
+  CpAsyncWait<kStages - 1>();  // this thread's Q chunks (the oldest group)
+  __syncthreads();             // everyone's
+
+  // ldmatrix lane addresses as in fwd_kernel.cuh (rows 0-15 for every warp).
+  const uint32_t q_addr =
+      SmemAddress(s_q) + ((lane % 8 + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8) * 2;
+  const uint32_t k_addr =
+      SmemAddress(s_ring) + (((lane / 16) * 8 + lane % 8) * kStride + ((lane / 8) % 2) * 8) * 2;
+  const uint32_t v_addr = SmemAddress(s_ring + kTileElems) +
+                          ((((lane / 8) % 2) * 8 + lane % 8) * kStride + (lane / 16) * 8) * 2;
+  const float scale_log2 = p.softmax_scale_log2;
+
+  float o[1][kDT][4];
+  float row_max[2];
+  float row_sum[2];  // this lane's columns; quad-reduced at the merge
+  int key_lo[2], key_hi[2];
+#pragma unroll
+  for (int dt = 0; dt < kDT; ++dt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[0][dt][i] = 0.f;
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_max[h] = -INFINITY;
+    row_sum[h] = 0.f;
+    const int t = min((g + 8 * h) / group, seqlen_q - 1);
+    mask.KeyRange(t, t + 1, &lo, &hi);
+    key_lo[h] = static_cast<int>(lo);
+    key_hi[h] = static_cast<int>(hi);
+  }
+
+  for (int i = 0; i < num_mine; ++i) {
+    if (i + kStages - 1 < num_mine) load_chunk(i + kStages - 1);
+    CpAsyncCommit();
+    CpAsyncWait<kStages - 1>();  // chunk i has landed (for this lane)
+    __syncwarp();                // and for the warp
+    const uint32_t stage_bytes = (i % kStages) * 2 * kTileElems * 2;
+    const int key0 = (c_begin + warp + i * kDecodeWarps) * kKeys;
+    float s[1][kNT][4];
+    fwd::ComputeS<Tr, Elem, 1>(s, q_addr, k_addr + stage_bytes, head_dim);
+    if (key0 < full_begin || key0 + kKeys > full_end) {
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + nt * 8 + 2 * t4 + (e & 1);
+          if (key < key_lo[e / 2] || key >= key_hi[e / 2]) s[0][nt][e] = -INFINITY;
+        }
+      }
+    }
+    // Online softmax, as in the prefill kernel (see there for the -inf guard).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = row_max[h];
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[0][nt][2 * h], s[0][nt][2 * h + 1]));
+      mx = fwd::QuadMax(mx);
+      const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+      const float correction = FastExp2(row_max[h] * scale_log2 - max_scaled);
+      row_max[h] = mx;
+      row_sum[h] *= correction;
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt) {
+        o[0][dt][2 * h] *= correction;
+        o[0][dt][2 * h + 1] *= correction;
+      }
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pv = FastExp2(fmaf(s[0][nt][2 * h + e], scale_log2, -max_scaled));
+          s[0][nt][2 * h + e] = pv;
+          row_sum[h] += pv;
+        }
+      }
+    }
+    fwd::AccumulatePV<Tr, Elem, 1>(s, o, v_addr + stage_bytes, head_dim);
+    __syncwarp();  // the warp is done reading this stage before it is refilled
+  }
+
+  // Merge the warps' states through the (now idle) rings.
+  CpAsyncWait<0>();
+  __syncthreads();
+  float* merge_max = reinterpret_cast<float*>(s_q + kDecodeRows * kStride);  // [warp][row]
+  float* merge_sum = merge_max + kDecodeWarps * kDecodeRows;                 // [warp][row]
+  float* merge_o = merge_sum + kDecodeWarps * kDecodeRows;  // [warp][row][kHeadDim]
+  static_assert((2 + kHeadDim) * kDecodeWarps * kDecodeRows * 4 <=
+                kDecodeWarps * kStages * 2 * kTileElems * 2);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = warp * kDecodeRows + g + 8 * h;
+    const float l = fwd::QuadSum(row_sum[h]);
+    if (t4 == 0) {
+      merge_max[r] = row_max[h];
+      merge_sum[r] = l;
+    }
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+      *reinterpret_cast<float2*>(merge_o + r * kHeadDim + dt * 8 + 2 * t4) =
+          make_float2(o[0][dt][2 * h], o[0][dt][2 * h + 1]);
+    }
+  }
+  __syncthreads();
+
+  // Thread -> (row, 4 columns every 32): 8 threads per row.
+  constexpr int kThreadsPerRow = kDecodeWarps * 32 / kDecodeRows;
+  const int r = tid / kThreadsPerRow;
+  if (r >= num_rows) return;
+  float mx = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kDecodeWarps; ++w) mx = fmaxf(mx, merge_max[w * kDecodeRows + r]);
+  float weight[kDecodeWarps];
+  float l = 0.f;
+#pragma unroll
+  for (int w = 0; w < kDecodeWarps; ++w) {
+    // A row no warp saw a key of keeps max -inf: weights 0, O 0, LSE -inf.
+    weight[w] = mx == -INFINITY ? 0.f : FastExp2((merge_max[w * kDecodeRows + r] - mx) * scale_log2);
+    l += weight[w] * merge_sum[w * kDecodeRows + r];
+  }
+  const float inv_l = l > 0.f ? 1.f / l : 0.f;
+  const float lse = l > 0.f ? mx * p.softmax_scale + logf(l) : -INFINITY;
+  const int t = r / group;
+  const int head = kv_head * group + r % group;
+  const int64_t lse_index = (b * p.num_heads_q + head) * seqlen_q + t;
+  const bool write_partial = args.num_splits > 1;
+  const int64_t part = split * p.batch * p.num_heads_q * seqlen_q + lse_index;
+  Elem* o_row = static_cast<Elem*>(p.o) + b * p.o_batch_stride + t * p.o_row_stride +
+                head * p.o_head_stride;
+  // head_dim is a multiple of 8: a thread's 4 columns never straddle its end.
+  for (int d = (tid % kThreadsPerRow) * 4; d < head_dim; d += kThreadsPerRow * 4) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) {
+      const float4 x = *reinterpret_cast<const float4*>(merge_o + (w * kDecodeRows + r) * kHeadDim + d);
+      acc.x += weight[w] * x.x;
+      acc.y += weight[w] * x.y;
+      acc.z += weight[w] * x.z;
+      acc.w += weight[w] * x.w;
+    }
+    acc = make_float4(acc.x * inv_l, acc.y * inv_l, acc.z * inv_l, acc.w * inv_l);
+    if (write_partial) {
+      *reinterpret_cast<float4*>(args.o_partial + part * head_dim + d) = acc;
+    } else {
+      *reinterpret_cast<uint2*>(o_row + d) =
+          make_uint2(PackFloat2<Elem>(acc.x, acc.y), PackFloat2<Elem>(acc.z, acc.w));
+    }
+  }
+  if (tid % kThreadsPerRow == 0) {
+    if (write_partial) {
+      args.lse_partial[part] = lse;
+    } else {
+      p.lse[lse_index] = lse;
+    }
+  }
+}
+
+template <typename Elem, int kHeadDim>
+cudaError_t LaunchDecodeFor(const FwdArgs& args, cudaStream_t stream) {
+  using Tr = DecodeTraits<kHeadDim>;
+  const auto kernel = &DecodeKernel<Elem, kHeadDim>;
+  constexpr int kSmemBytes = DecodeSmemBytes(Tr::kTile);
+  static std::atomic<uint64_t> opted_in{0};
+  const cudaError_t err =
+      OptInSharedMemoryOnce(reinterpret_cast<const void*>(kernel), opted_in, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(args.num_splits, static_cast<unsigned>(args.p.batch),
+                  static_cast<unsigned>(args.p.num_heads_kv));
+  kernel<<<grid, kDecodeWarps * 32, kSmemBytes, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+template <typename Elem>
+cudaError_t LaunchDecodeKernel(const FwdArgs& args, int bucket, cudaStream_t stream) {
+  switch (bucket) {
+    case 64: return LaunchDecodeFor<Elem, 64>(args, stream);
+    case 128: return LaunchDecodeFor<Elem, 128>(args, stream);
+    case 256: return LaunchDecodeFor<Elem, 256>(args, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template cudaError_t LaunchDecodeKernel<__half>(const FwdArgs&, int, cudaStream_t);
+template cudaError_t LaunchDecodeKernel<__nv_bfloat16>(const FwdArgs&, int, cudaStream_t);
+
+}  // namespace jax_flash2::cuda
