@@ -397,6 +397,10 @@ int main(int argc, char** argv) {
       {"T4096 S4096 D128 causal bf16", bf, 1, 4096, 4096, 2, 2, 128, -1, 0},
       {"T4096 S128 D128 causal fp16 (empty rows)", fp, 1, 4096, 128, 2, 2, 128, -1, 0},
       {"T1000 S4096 D64 fp16 B2", fp, 2, 1000, 4096, 2, 2, 64, -1, -1},
+      // More tiles than SMs without a mask: the persistent grid, each block
+      // walking several tiles (Q and the K/V ring reused across them).
+      {"T600 S400 D64 GQA4 bf16 B4 H16 (persistent)", bf, 4, 600, 400, 16, 4, 64, -1, -1},
+      {"T300 S333 D128 fp16 B3 H24 bhtd (persistent)", fp, 3, 300, 333, 24, 24, 128, -1, -1, true},
   };
   cases.insert(cases.end(), special.begin(), special.end());
   if (tiny) {
@@ -405,6 +409,7 @@ int main(int argc, char** argv) {
         {"tiny T17 S300 D64 causal fp16", fp, 1, 17, 300, 2, 2, 64, -1, 0},
         {"tiny T200 S100 D128 causal GQA2 bf16 (empty rows)", bf, 1, 200, 100, 2, 1, 128, -1, 0},
         {"tiny T130 S500 D64 window(64,16) bf16 bhtd", bf, 1, 130, 500, 2, 2, 64, 64, 16, true},
+        {"tiny T130 S200 D64 H140 bf16 B2 (persistent)", bf, 2, 130, 200, 140, 140, 64, -1, -1},
     };
   } else if (small) {
     std::vector<Case> keep;
@@ -433,6 +438,11 @@ int main(int argc, char** argv) {
         {"B1 T=S=16384 H16 D128 bf16 causal", bf, 1, 16384, 16384, 16, 16, 128, -1, 0},
         {"B4 T=S=4096 H16 D64 bf16", bf, 4, 4096, 4096, 16, 16, 64, -1, -1},
         {"B1 T=S=16384 H32 D64 bf16 causal", bf, 1, 16384, 16384, 32, 32, 64, -1, 0},
+        // Short sequences of the benchmark grid (B T = 16k, H D = 2048).
+        {"B32 T=S=512 H32 D64 bf16", bf, 32, 512, 512, 32, 32, 64, -1, -1},
+        {"B8 T=S=2048 H32 D64 bf16", bf, 8, 2048, 2048, 32, 32, 64, -1, -1},
+        {"B32 T=S=512 H16 D128 bf16", bf, 32, 512, 512, 16, 16, 128, -1, -1},
+        {"B8 T=S=2048 H16 D128 bf16", bf, 8, 2048, 2048, 16, 16, 128, -1, -1},
     };
     for (const Case& c : timed) TimeCase(c, dev, 20);
   }

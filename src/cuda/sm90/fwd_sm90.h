@@ -89,7 +89,7 @@ inline constexpr int kConsumerRegs = 232;
 // slack to align the tiles to the 1024-byte swizzle atom.
 constexpr int FwdSm90SmemBytes(const FwdSm90Tile& t) {
   const int tiles = (t.block_m + 2 * t.stages * t.block_n) * t.head_dim * 2;
-  const int barriers = (1 + 4 * t.stages) * 8;  // q_full; k/v full and empty per stage
+  const int barriers = (2 + 4 * t.stages) * 8;  // q full/empty; k/v full and empty per stage
   return tiles + barriers + 1024;
 }
 
@@ -105,6 +105,7 @@ struct FwdSm90Args {
   CUtensorMap tma_v;
   FlashParams p;
   int num_m_blocks = 0;
+  int num_tiles = 0;  // num_m_blocks * H * B; the grid has one block per tile, or fewer
   bool q_heads_inner = true;
   bool k_heads_inner = true;
   bool v_heads_inner = true;

@@ -2,14 +2,20 @@
 // shared-memory stages synchronised by mbarriers, wgmma for both products,
 // and warp specialisation (one producer warpgroup, two consumer warpgroups).
 //
-// One thread block computes O for kBlockM = 128 query rows of one (batch,
-// head); grid (m_blocks, H, B), the m-blocks of a head in reverse order so
-// that under a causal mask the longest blocks start first.
+// A tile is kBlockM = 128 query rows of one (batch, head); tiles are
+// numbered with the m-blocks of a head fastest, in reverse order so that under
+// a causal mask the longest blocks start first. Block i computes tiles i,
+// i + gridDim.x, ...: one each when the grid has a block per tile, several
+// when the host makes the grid persistent (one block per SM; tiles of equal
+// cost only). Then the producer loads the next tile's Q and first K/V stages
+// while the consumers finish the current one, and the load latency at the
+// start of each tile is hidden.
 //
-// Producer (warpgroup 0, one thread; setmaxnreg down to kProducerRegs):
-//   Q tile once -> q_full; then for each visible key block n, from the last
-//   down: wait k_empty[stage], K_n -> k_full[stage]; wait v_empty[stage],
-//   V_n -> v_full[stage].
+// Producer (warpgroup 0, one thread; setmaxnreg down to kProducerRegs), per
+//   tile: wait q_empty, Q -> q_full; then for each visible key block n, from
+//   the last down: wait k_empty[stage], K_n -> k_full[stage]; wait
+//   v_empty[stage], V_n -> v_full[stage]. The ring position carries over
+//   from tile to tile.
 // Consumers (warpgroups 1, 2; setmaxnreg up to kConsumerRegs), 64 rows each,
 // per key block n:
 //   S = Q K_n^T                       wgmma SS, fp32, both operands in smem
@@ -17,8 +23,9 @@
 //   m' = max(m, rowmax S);  P = exp2(S * scale_log2 - m' * scale_log2)
 //   l = l * exp2((m - m') * scale_log2) + rowsum P;  O = O * (same)
 //   O += P V_n                        wgmma RS: P (bf16/fp16) in registers
-// releasing K_n once S is done and V_n once PV is done; at the end O / l and
-// LSE = m * scale + log(l), written straight from the accumulator registers.
+// releasing K_n once S is done, V_n once PV is done and Q after the tile's
+// last S; at the end O / l and LSE = m * scale + log(l), written straight
+// from the accumulator registers.
 // Three schedules of that loop (Sm90Schedule, fwd_sm90.h): kSerial runs it
 // as written; kOverlap pipelines it by one block so that O += P_{n+1} V_{n+1}
 // executes on the tensor cores while the softmax of block n runs (see the
@@ -91,7 +98,9 @@ __device__ __forceinline__ float QuadSum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-template <typename Elem, int kHeadDim, Sm90Schedule kSchedule>
+// kPersistent: the grid may be smaller than the tile count (see the top).
+// Otherwise each block runs its one tile, and the loops below compile to that.
+template <typename Elem, int kHeadDim, Sm90Schedule kSchedule, bool kPersistent>
 __global__ void __launch_bounds__(kFwdSm90Threads, 1)
     FwdSm90Kernel(const __grid_constant__ FwdSm90Args args) {
   using Tr = FwdSm90Traits<kHeadDim>;
@@ -112,30 +121,40 @@ __global__ void __launch_bounds__(kFwdSm90Threads, 1)
   // as S = Q K^T has completed, a V slot only after O += P V, so the next K
   // can land while the current V is still being read.
   uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + Smem::kBars);
-  uint64_t* k_full = q_full + 1;
+  uint64_t* q_empty = q_full + 1;
+  uint64_t* k_full = q_empty + 1;
   uint64_t* v_full = k_full + kStages;
   uint64_t* k_empty = v_full + kStages;
   uint64_t* v_empty = k_empty + kStages;
 
   const FlashParams& p = args.p;
-  const int m_block = args.num_m_blocks - 1 - static_cast<int>(blockIdx.x);
-  const int head = blockIdx.y;
-  const int b = blockIdx.z;
-  const int kv_head = head / static_cast<int>(p.group_size);  // GQA by index
   const int seqlen_q = static_cast<int>(p.seqlen_q);
-  const int row_begin = m_block * kBlockM;
-  const int row_end = min(row_begin + kBlockM, seqlen_q);
-
-  // Key blocks [n_first, n_end) that some query of this block may see.
   const WindowMask mask = MakeWindowMask(p);
-  int64_t key_begin, key_end;
-  mask.KeyRange(row_begin, row_end, &key_begin, &key_end);
-  const int n_first = static_cast<int>(key_begin / kBlockN);
-  const int n_end =
-      key_end > key_begin ? static_cast<int>((key_end + kBlockN - 1) / kBlockN) : n_first;
+
+  // Where tile `tile` lies, and the key blocks [n_first, n_end) that some
+  // query of it may see.
+  struct Tile {
+    int head, b, row_begin, row_end, n_first, n_end;
+  };
+  auto locate = [&](int tile) {
+    Tile t;
+    const int num_m = args.num_m_blocks;
+    const int hb = tile / num_m;
+    t.head = hb % static_cast<int>(p.num_heads_q);
+    t.b = hb / static_cast<int>(p.num_heads_q);
+    t.row_begin = (num_m - 1 - tile % num_m) * kBlockM;
+    t.row_end = min(t.row_begin + kBlockM, seqlen_q);
+    int64_t key_begin, key_end;
+    mask.KeyRange(t.row_begin, t.row_end, &key_begin, &key_end);
+    t.n_first = static_cast<int>(key_begin / kBlockN);
+    t.n_end =
+        key_end > key_begin ? static_cast<int>((key_end + kBlockN - 1) / kBlockN) : t.n_first;
+    return t;
+  };
 
   if (threadIdx.x == 0) {
     MbarInit(q_full, 1);
+    MbarInit(q_empty, Tr::kConsumerWarps);
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       MbarInit(&k_full[s], 1);
@@ -154,48 +173,61 @@ __global__ void __launch_bounds__(kFwdSm90Threads, 1)
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
     SetMaxNRegDec<kProducerRegs>();
-    if (threadIdx.x == 0 && n_first < n_end) {
+    if (threadIdx.x == 0 && p.seqlen_k > 0) {  // S == 0: no tile loads anything
       PrefetchTensorMap(&args.tma_q);
       PrefetchTensorMap(&args.tma_k);
       PrefetchTensorMap(&args.tma_v);
-      // The two middle coordinates are (head, row) or (row, head), by the
-      // tensor map's dimension order (see FwdSm90Args).
-      const int q1 = args.q_heads_inner ? head : row_begin;
-      const int q2 = args.q_heads_inner ? row_begin : head;
-      MbarArriveExpectTx(q_full, Tr::kQBytes);
-#pragma unroll
-      for (int panel = 0; panel < Tr::kPanels; ++panel) {
-        TmaLoad4d(reinterpret_cast<unsigned char*>(s_q) + panel * Tr::kQPanelBytes, &args.tma_q,
-                  q_full, panel * Tr::kPanelCols, q1, q2, b);
-      }
       int stage = 0;
       uint32_t phase = 0;
-      for (int n = n_end - 1; n >= n_first; --n) {
-        const int key0 = n * kBlockN;
-        // Slot free? (Parity phase ^ 1: the first pass over the ring finds
-        // every slot free.)
-        MbarWait(&k_empty[stage], phase ^ 1);
-        MbarArriveExpectTx(&k_full[stage], Tr::kKvBytes);
-        unsigned char* k_dst = reinterpret_cast<unsigned char*>(s_k) + stage * Tr::kKvBytes;
+      uint32_t q_phase = 0;
+      for (int tile = blockIdx.x; tile < args.num_tiles; tile += gridDim.x) {
+        const Tile t = locate(tile);
+        if (t.n_first >= t.n_end) continue;  // the consumers write O = 0 alone
+        const int kv_head = t.head / static_cast<int>(p.group_size);  // GQA by index
+        const int b = t.b;
+        if constexpr (kPersistent) {
+          // The consumers are done with the previous tile's Q (first tile: free).
+          MbarWait(q_empty, q_phase ^ 1);
+          q_phase ^= 1;
+        }
+        // The two middle coordinates are (head, row) or (row, head), by the
+        // tensor map's dimension order (see FwdSm90Args).
+        const int q1 = args.q_heads_inner ? t.head : t.row_begin;
+        const int q2 = args.q_heads_inner ? t.row_begin : t.head;
+        MbarArriveExpectTx(q_full, Tr::kQBytes);
 #pragma unroll
         for (int panel = 0; panel < Tr::kPanels; ++panel) {
-          TmaLoad4d(k_dst + panel * Tr::kKvPanelBytes, &args.tma_k, &k_full[stage],
-                    panel * Tr::kPanelCols, args.k_heads_inner ? kv_head : key0,
-                    args.k_heads_inner ? key0 : kv_head, b);
+          TmaLoad4d(reinterpret_cast<unsigned char*>(s_q) + panel * Tr::kQPanelBytes, &args.tma_q,
+                    q_full, panel * Tr::kPanelCols, q1, q2, b);
         }
-        MbarWait(&v_empty[stage], phase ^ 1);
-        MbarArriveExpectTx(&v_full[stage], Tr::kKvBytes);
-        unsigned char* v_dst = reinterpret_cast<unsigned char*>(s_v) + stage * Tr::kKvBytes;
+        for (int n = t.n_end - 1; n >= t.n_first; --n) {
+          const int key0 = n * kBlockN;
+          // Slot free? (Parity phase ^ 1: the first pass over the ring finds
+          // every slot free.)
+          MbarWait(&k_empty[stage], phase ^ 1);
+          MbarArriveExpectTx(&k_full[stage], Tr::kKvBytes);
+          unsigned char* k_dst = reinterpret_cast<unsigned char*>(s_k) + stage * Tr::kKvBytes;
 #pragma unroll
-        for (int panel = 0; panel < Tr::kPanels; ++panel) {
-          TmaLoad4d(v_dst + panel * Tr::kKvPanelBytes, &args.tma_v, &v_full[stage],
-                    panel * Tr::kPanelCols, args.v_heads_inner ? kv_head : key0,
-                    args.v_heads_inner ? key0 : kv_head, b);
+          for (int panel = 0; panel < Tr::kPanels; ++panel) {
+            TmaLoad4d(k_dst + panel * Tr::kKvPanelBytes, &args.tma_k, &k_full[stage],
+                      panel * Tr::kPanelCols, args.k_heads_inner ? kv_head : key0,
+                      args.k_heads_inner ? key0 : kv_head, b);
+          }
+          MbarWait(&v_empty[stage], phase ^ 1);
+          MbarArriveExpectTx(&v_full[stage], Tr::kKvBytes);
+          unsigned char* v_dst = reinterpret_cast<unsigned char*>(s_v) + stage * Tr::kKvBytes;
+#pragma unroll
+          for (int panel = 0; panel < Tr::kPanels; ++panel) {
+            TmaLoad4d(v_dst + panel * Tr::kKvPanelBytes, &args.tma_v, &v_full[stage],
+                      panel * Tr::kPanelCols, args.v_heads_inner ? kv_head : key0,
+                      args.v_heads_inner ? key0 : kv_head, b);
+          }
+          if (++stage == kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
         }
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
+        if constexpr (!kPersistent) break;
       }
     }
     return;
@@ -209,33 +241,18 @@ __global__ void __launch_bounds__(kFwdSm90Threads, 1)
   const int lane = wg_tid % 32;
   const int g = lane / 4;               // accumulator row (and g + 8)
   const int t4 = lane % 4;              // accumulator column pair
-  const int wg_row0 = row_begin + 64 * cg;
   const float scale_log2 = p.softmax_scale_log2;
 
-  // Keys [full_begin, full_end) are visible to all 64 rows of this warpgroup
-  // (rows past T included: that only makes the test stricter). A key block
-  // inside it skips the per-element mask.
-  int64_t lo, hi;
-  mask.KeyRange(wg_row0 + 63, wg_row0 + 64, &lo, &hi);
-  const int full_begin = static_cast<int>(lo);
-  mask.KeyRange(wg_row0, wg_row0 + 1, &lo, &hi);
-  const int full_end = static_cast<int>(hi);
-
-  // Keys [key_lo[h], key_hi[h]) visible to the two rows this thread holds.
+  // Per tile (set at the top of each): keys [full_begin, full_end) are
+  // visible to all 64 rows of this warpgroup (rows past T included: that only
+  // makes the test stricter), so a key block inside it skips the per-element
+  // mask; keys [key_lo[h], key_hi[h]) are visible to the two rows this thread
+  // holds.
+  int full_begin, full_end;
   int key_lo[2], key_hi[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int t = wg_row0 + warp * 16 + g + 8 * h;
-    mask.KeyRange(t, t + 1, &lo, &hi);
-    key_lo[h] = static_cast<int>(lo);
-    key_hi[h] = static_cast<int>(hi);
-  }
-
   float o[Tr::kOAcc];
-#pragma unroll
-  for (int i = 0; i < Tr::kOAcc; ++i) o[i] = 0.f;
-  float row_max[2] = {-INFINITY, -INFINITY};
-  float row_sum[2] = {0.f, 0.f};  // this lane's columns only; quad-reduced at the end
+  float row_max[2];
+  float row_sum[2];  // this lane's columns only; quad-reduced at the end
 
   // Descriptors: Q rows of this warpgroup (panel 0); K and V of stage 0.
   const uint64_t desc_q = MakeDescK(SmemAddr(s_q) + 64 * cg * 128);
@@ -349,118 +366,151 @@ __global__ void __launch_bounds__(kFwdSm90Threads, 1)
     if constexpr (kPingpong) NamedBarrierArrive(2 - cg, 256);
   };
 
-  if (n_first < n_end) {
-    if (kPingpong && cg == 1) NamedBarrierArrive(1, 256);
-    MbarWait(q_full, 0);
-    int stage = 0;
-    uint32_t phase = 0;
-    float s[Tr::kSAcc];
-    uint32_t pa[Tr::kPSlices][4];
-    float correction[2];
-    if constexpr (kSchedule == Sm90Schedule::kSerial) {
-      // Per key block: S = Q K^T; wait; softmax; O *= c; O += P V; wait.
-      for (int n = n_end - 1; n >= n_first; --n) {
+  int stage = 0;
+  uint32_t phase = 0;
+  uint32_t q_phase = 0;
+  for (int tile = blockIdx.x; tile < args.num_tiles; tile += gridDim.x) {
+    const Tile tl = locate(tile);
+    const int wg_row0 = tl.row_begin + 64 * cg;
+    int64_t lo, hi;
+    mask.KeyRange(wg_row0 + 63, wg_row0 + 64, &lo, &hi);
+    full_begin = static_cast<int>(lo);
+    mask.KeyRange(wg_row0, wg_row0 + 1, &lo, &hi);
+    full_end = static_cast<int>(hi);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int t = wg_row0 + warp * 16 + g + 8 * h;
+      mask.KeyRange(t, t + 1, &lo, &hi);
+      key_lo[h] = static_cast<int>(lo);
+      key_hi[h] = static_cast<int>(hi);
+      row_max[h] = -INFINITY;
+      row_sum[h] = 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < Tr::kOAcc; ++i) o[i] = 0.f;
+
+    if (tl.n_first < tl.n_end) {
+      const int n_first = tl.n_first;
+      const int n_end = tl.n_end;
+      if (kPingpong && cg == 1) NamedBarrierArrive(1, 256);
+      MbarWait(q_full, q_phase);
+      q_phase ^= 1;
+      float s[Tr::kSAcc];
+      uint32_t pa[Tr::kPSlices][4];
+      float correction[2];
+      if constexpr (kSchedule == Sm90Schedule::kSerial) {
+        // Per key block: S = Q K^T; wait; softmax; O *= c; O += P V; wait.
+        for (int n = n_end - 1; n >= n_first; --n) {
+          MbarWait(&k_full[stage], phase);
+          WgmmaFence();
+          issue_s(s, stage);
+          WgmmaWaitFenced<0>(s);
+          release(&k_empty[stage]);
+          softmax(s, n, correction);
+          convert_p(s, pa);
+          rescale_o(correction);
+          MbarWait(&v_full[stage], phase);
+          WgmmaFenceOperands(pa);
+          WgmmaFence();
+          issue_pv(pa, stage);
+          WgmmaWaitFenced<0>(o);
+          release(&v_empty[stage]);
+          if (++stage == kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+        if constexpr (kPersistent) release(q_empty);  // every S of the tile is done
+      } else {  // kOverlap, kPingpong
+        // Software-pipelined by one key block. Prologue: S and P of the first
+        // (last-indexed) block. Steady state, for block n with P_{n+1} in pa:
+        //   issue S_n = Q K_n^T; issue O += P_{n+1} V_{n+1}
+        //   wait S_n (PV still running) -> release K_n; softmax S_n
+        //   wait PV -> release V_{n+1}; O *= c_n; pa = P_n
+        // Epilogue: O += P V of the last block. The tensor cores run PV while
+        // the softmax runs on the CUDA cores and MUFU.
+        int n = n_end - 1;
         MbarWait(&k_full[stage], phase);
+        take_turn();
         WgmmaFence();
         issue_s(s, stage);
+        pass_turn();
         WgmmaWaitFenced<0>(s);
         release(&k_empty[stage]);
-        softmax(s, n, correction);
+        softmax(s, n, correction);  // correction is 0 here and O is still 0
         convert_p(s, pa);
-        rescale_o(correction);
-        MbarWait(&v_full[stage], phase);
-        WgmmaFenceOperands(pa);
-        WgmmaFence();
-        issue_pv(pa, stage);
-        WgmmaWaitFenced<0>(o);
-        release(&v_empty[stage]);
+        int v_stage = stage;
+        uint32_t v_phase = phase;
         if (++stage == kStages) {
           stage = 0;
           phase ^= 1;
         }
-      }
-    } else {  // kOverlap, kPingpong
-      // Software-pipelined by one key block. Prologue: S and P of the first
-      // (last-indexed) block. Steady state, for block n with P_{n+1} in pa:
-      //   issue S_n = Q K_n^T; issue O += P_{n+1} V_{n+1}
-      //   wait S_n (PV still running) -> release K_n; softmax S_n
-      //   wait PV -> release V_{n+1}; O *= c_n; pa = P_n
-      // Epilogue: O += P V of the last block. The tensor cores run PV while
-      // the softmax runs on the CUDA cores and MUFU.
-      int n = n_end - 1;
-      MbarWait(&k_full[stage], phase);
-      take_turn();
-      WgmmaFence();
-      issue_s(s, stage);
-      pass_turn();
-      WgmmaWaitFenced<0>(s);
-      release(&k_empty[stage]);
-      softmax(s, n, correction);  // correction is 0 here and O is still 0
-      convert_p(s, pa);
-      int v_stage = stage;
-      uint32_t v_phase = phase;
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
-      for (--n; n >= n_first; --n) {
-        // Both waits come before the fence: a wait loop between the fence
-        // and a wgmma makes ptxas inject another fence (C7519).
-        MbarWait(&k_full[stage], phase);
+        for (--n; n >= n_first; --n) {
+          // Both waits come before the fence: a wait loop between the fence
+          // and a wgmma makes ptxas inject another fence (C7519).
+          MbarWait(&k_full[stage], phase);
+          MbarWait(&v_full[v_stage], v_phase);
+          take_turn();
+          WgmmaFenceOperands(pa);
+          WgmmaFenceOperands(o);
+          WgmmaFence();  // orders the register writes of pa and o before the wgmmas
+          issue_s(s, stage);
+          issue_pv(pa, v_stage);
+          pass_turn();
+          WgmmaWaitFenced<1>(s);  // S_n done; the PV group may still run
+          release(&k_empty[stage]);
+          softmax(s, n, correction);
+          WgmmaWaitFenced<0>(o, pa);
+          release(&v_empty[v_stage]);
+          rescale_o(correction);
+          convert_p(s, pa);
+          v_stage = stage;
+          v_phase = phase;
+          if (++stage == kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+        if constexpr (kPersistent) release(q_empty);  // every S is done: the next Q may land
         MbarWait(&v_full[v_stage], v_phase);
         take_turn();
         WgmmaFenceOperands(pa);
         WgmmaFenceOperands(o);
-        WgmmaFence();  // orders the register writes of pa and o before the wgmmas
-        issue_s(s, stage);
+        WgmmaFence();
         issue_pv(pa, v_stage);
         pass_turn();
-        WgmmaWaitFenced<1>(s);  // S_n done; the PV group may still run
-        release(&k_empty[stage]);
-        softmax(s, n, correction);
-        WgmmaWaitFenced<0>(o, pa);
+        WgmmaWaitFenced<0>(o);
         release(&v_empty[v_stage]);
-        rescale_o(correction);
-        convert_p(s, pa);
-        v_stage = stage;
-        v_phase = phase;
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
+        if (kPingpong && cg == 0) NamedBarrierSync(1, 256);
+        // Both warpgroups leave the tile together: otherwise warpgroup 1's
+        // first hand-over of the next tile could join this tile's last turn.
+        if constexpr (kPingpong) NamedBarrierSync(3, 256);
       }
-      MbarWait(&v_full[v_stage], v_phase);
-      take_turn();
-      WgmmaFenceOperands(pa);
-      WgmmaFenceOperands(o);
-      WgmmaFence();
-      issue_pv(pa, v_stage);
-      pass_turn();
-      WgmmaWaitFenced<0>(o);
-      release(&v_empty[v_stage]);
-      if (kPingpong && cg == 0) NamedBarrierSync(1, 256);
     }
-  }
 
-  // Epilogue: O / l and LSE, straight from the accumulator fragment.
-  const int64_t num_heads = p.num_heads_q;
+    // Epilogue: O / l and LSE, straight from the accumulator fragment.
+    const int64_t num_heads = p.num_heads_q;
+    const int head = tl.head;
+    const int b = tl.b;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float l = QuadSum(row_sum[h]);
-    const int t = wg_row0 + warp * 16 + g + 8 * h;
-    if (t >= row_end) continue;
-    // l == 0 exactly when the row saw no key (its max key contributes
-    // exp2(0) = 1 otherwise): output 0 and LSE -inf rather than 0 / 0.
-    const float inv_l = l > 0.f ? 1.f / l : 0.f;
-    const float lse = l > 0.f ? row_max[h] * p.softmax_scale + logf(l) : -INFINITY;
-    Elem* o_row = static_cast<Elem*>(p.o) + b * p.o_batch_stride + t * p.o_row_stride +
-                  head * p.o_head_stride;
+    for (int h = 0; h < 2; ++h) {
+      const float l = QuadSum(row_sum[h]);
+      const int t = wg_row0 + warp * 16 + g + 8 * h;
+      if (t >= tl.row_end) continue;
+      // l == 0 exactly when the row saw no key (its max key contributes
+      // exp2(0) = 1 otherwise): output 0 and LSE -inf rather than 0 / 0.
+      const float inv_l = l > 0.f ? 1.f / l : 0.f;
+      const float lse = l > 0.f ? row_max[h] * p.softmax_scale + logf(l) : -INFINITY;
+      Elem* o_row = static_cast<Elem*>(p.o) + b * p.o_batch_stride + t * p.o_row_stride +
+                    head * p.o_head_stride;
 #pragma unroll
-    for (int j = 0; j < kHeadDim / 8; ++j) {
-      *reinterpret_cast<uint32_t*>(o_row + 8 * j + 2 * t4) =
-          PackFloat2<Elem>(o[4 * j + 2 * h] * inv_l, o[4 * j + 2 * h + 1] * inv_l);
+      for (int j = 0; j < kHeadDim / 8; ++j) {
+        *reinterpret_cast<uint32_t*>(o_row + 8 * j + 2 * t4) =
+            PackFloat2<Elem>(o[4 * j + 2 * h] * inv_l, o[4 * j + 2 * h + 1] * inv_l);
+      }
+      if (t4 == 0) p.lse[(b * num_heads + head) * seqlen_q + t] = lse;
     }
-    if (t4 == 0) p.lse[(b * num_heads + head) * seqlen_q + t] = lse;
+    if constexpr (!kPersistent) break;
   }
 }
 
