@@ -34,7 +34,7 @@ constexpr int kCombineWarps = 4;
 struct FwdPlan {
   bool decode = false;  // the decode kernel (decode_kernel.cu); else the prefill one
   int bucket = 0;       // the kernel's compile-time head dim
-  FwdTileSizes tile;
+  FwdTileSizes tile{};  // the prefill kernel's tile (unused by the decode kernel)
   int pack = 1;
   int num_m_blocks = 0;
   int num_splits = 1;
