@@ -17,8 +17,8 @@ namespace jax_flash2::cuda {
 // softcap, ALiBi or segment ids, every stride a multiple of 8 elements and
 // every pointer 16-byte aligned (TMA), sizes within the grid and tensor-map
 // limits. Split-KV and GQA packing for decode are not implemented here: such
-// calls still run (one block per 128 query rows) but the sm80 path serves
-// them better, so the dispatcher may prefer it for small T.
+// calls still run (one block per 128 query rows), but the dispatcher sends
+// them to the decode kernel or the sm80 split-KV path, which serve them better.
 bool Sm90ForwardSupports(const FlashParams& p);
 
 // Runs the forward on the current device (must be cc 9.0). Returns
