@@ -30,9 +30,10 @@
 namespace jax_flash2::cuda {
 namespace {
 
-// The member names fwd_kernel.cuh's helpers (ComputeS, AccumulatePV,
-// LoadKvTile) read: one m16 tile per warp, kBlockN keys per warp step, and a
-// copy map for one warp (each warp fills its own ring).
+// The member names fwd_kernel.cuh's helpers (ComputeS, MaskScores,
+// OnlineSoftmax, AccumulatePV, LoadKvTile) read: one m16 tile per warp,
+// kBlockN keys per warp step, and a copy map for one warp (each warp fills
+// its own ring).
 template <int kHeadDim_>
 struct DecodeTraits {
   static constexpr DecodeTileSizes kTile = DecodeTileFor(kHeadDim_);
@@ -106,6 +107,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 
   // Q by the whole block: row r is query r / group of head kv_head * group +
   // r % group; rows past num_rows are zero-filled (and never written).
+  // (fwd::LoadQTile does the same for a block of Tr::kThreads; here the
+  // traits' kThreads is one warp, for the per-warp K/V copies.)
   {
     const Elem* q = static_cast<const Elem*>(p.q);
     constexpr int kChunks = kDecodeRows * Tr::kChunksPerRow;
@@ -146,10 +149,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
                           ((((lane / 8) % 2) * 8 + lane % 8) * kStride + (lane / 16) * 8) * 2;
   const float scale_log2 = p.softmax_scale_log2;
 
+  // Shaped [m16 tile][half] for fwd_kernel.cuh's helpers (one tile here).
   float o[1][kDT][4];
-  float row_max[2];
-  float row_sum[2];  // this lane's columns; quad-reduced at the merge
-  int key_lo[2], key_hi[2];
+  float row_max[1][2];
+  float row_sum[1][2];  // this lane's columns; quad-reduced at the merge
+  int key_lo[1][2], key_hi[1][2];
 #pragma unroll
   for (int dt = 0; dt < kDT; ++dt) {
 #pragma unroll
@@ -157,12 +161,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    row_max[h] = -INFINITY;
-    row_sum[h] = 0.f;
+    row_max[0][h] = -INFINITY;
+    row_sum[0][h] = 0.f;
     const int t = min((g + 8 * h) / group, seqlen_q - 1);
     mask.KeyRange(t, t + 1, &lo, &hi);
-    key_lo[h] = static_cast<int>(lo);
-    key_hi[h] = static_cast<int>(hi);
+    key_lo[0][h] = static_cast<int>(lo);
+    key_hi[0][h] = static_cast<int>(hi);
   }
 
   for (int i = 0; i < num_mine; ++i) {
@@ -175,41 +179,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     float s[1][kNT][4];
     fwd::ComputeS<Tr, Elem, 1>(s, q_addr, k_addr + stage_bytes, head_dim);
     if (key0 < full_begin || key0 + kKeys > full_end) {
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = key0 + nt * 8 + 2 * t4 + (e & 1);
-          if (key < key_lo[e / 2] || key >= key_hi[e / 2]) s[0][nt][e] = -INFINITY;
-        }
-      }
+      fwd::MaskScores<Tr>(s, key0, key_lo, key_hi, t4);
     }
-    // Online softmax, as in the prefill kernel (see there for the -inf guard).
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = row_max[h];
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[0][nt][2 * h], s[0][nt][2 * h + 1]));
-      mx = fwd::QuadMax(mx);
-      const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-      const float correction = FastExp2(row_max[h] * scale_log2 - max_scaled);
-      row_max[h] = mx;
-      row_sum[h] *= correction;
-#pragma unroll
-      for (int dt = 0; dt < kDT; ++dt) {
-        o[0][dt][2 * h] *= correction;
-        o[0][dt][2 * h + 1] *= correction;
-      }
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pv = FastExp2(fmaf(s[0][nt][2 * h + e], scale_log2, -max_scaled));
-          s[0][nt][2 * h + e] = pv;
-          row_sum[h] += pv;
-        }
-      }
-    }
+    fwd::OnlineSoftmax<Tr>(s, o, row_max, row_sum, scale_log2);
     fwd::AccumulatePV<Tr, Elem, 1>(s, o, v_addr + stage_bytes, head_dim);
     __syncwarp();  // the warp is done reading this stage before it is refilled
   }
@@ -225,9 +197,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = warp * kDecodeRows + g + 8 * h;
-    const float l = fwd::QuadSum(row_sum[h]);
+    const float l = fwd::QuadSum(row_sum[0][h]);
     if (t4 == 0) {
-      merge_max[r] = row_max[h];
+      merge_max[r] = row_max[0][h];
       merge_sum[r] = l;
     }
 #pragma unroll

@@ -201,6 +201,69 @@ __device__ __forceinline__ void AccumulatePV(const float (&s)[Tr::kMTiles][Tr::k
   }
 }
 
+// Sets to -inf the scores of keys outside [key_lo, key_hi) of their row:
+// this lane's rows mt * 16 + g (+8) and keys key0 + nt * 8 + 2 * t4 (+1).
+template <class Tr>
+__device__ __forceinline__ void MaskScores(float (&s)[Tr::kMTiles][Tr::kNTiles][4], int key0,
+                                           const int (&key_lo)[Tr::kMTiles][2],
+                                           const int (&key_hi)[Tr::kMTiles][2], int t4) {
+#pragma unroll
+  for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+    for (int nt = 0; nt < Tr::kNTiles; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int key = key0 + nt * 8 + 2 * t4 + (i & 1);
+        if (key < key_lo[mt][i / 2] || key >= key_hi[mt][i / 2]) s[mt][nt][i] = -INFINITY;
+      }
+    }
+  }
+}
+
+// One key block of the online softmax, in place: the running max, sum and O
+// are rescaled to the new row max and S becomes the unnormalised P. row_sum
+// holds this lane's columns only (quad-reduced by the caller at the end).
+template <class Tr>
+__device__ __forceinline__ void OnlineSoftmax(float (&s)[Tr::kMTiles][Tr::kNTiles][4],
+                                              float (&o)[Tr::kMTiles][Tr::kDTiles][4],
+                                              float (&row_max)[Tr::kMTiles][2],
+                                              float (&row_sum)[Tr::kMTiles][2], float scale_log2) {
+#pragma unroll
+  for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = row_max[mt][h];
+#pragma unroll
+      for (int nt = 0; nt < Tr::kNTiles; ++nt) {
+        mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+      }
+      mx = QuadMax(mx);
+      // A row that has seen only masked keys still has max -inf: subtract 0
+      // then, so exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN. The
+      // old max is -inf exactly when o and l are still 0, and exp2(-inf) = 0
+      // rescales them harmlessly.
+      const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+      const float correction = FastExp2(row_max[mt][h] * scale_log2 - max_scaled);
+      row_max[mt][h] = mx;
+      row_sum[mt][h] *= correction;
+#pragma unroll
+      for (int dt = 0; dt < Tr::kDTiles; ++dt) {
+        o[mt][dt][2 * h] *= correction;
+        o[mt][dt][2 * h + 1] *= correction;
+      }
+#pragma unroll
+      for (int nt = 0; nt < Tr::kNTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pv = FastExp2(fmaf(s[mt][nt][2 * h + e], scale_log2, -max_scaled));
+          s[mt][nt][2 * h + e] = pv;
+          row_sum[mt][h] += pv;
+        }
+      }
+    }
+  }
+}
+
 // The forward's score transform in the kernel's units: S holds unscaled Q K^T
 // and the softmax multiplies by scale * log2(e), so a transformed natural-unit
 // score x is stored back as x / scale:
@@ -488,54 +551,9 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, 1)
     // Per-element mask only where some (query, key) pair of the block is
     // hidden: the diagonal band, window edges and the ragged last key block.
     if (key0 < full_begin || key0 + kBlockN > full_end) {  // !BlockFullyVisible
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int key = key0 + nt * 8 + 2 * t4 + (i & 1);
-            if (key < key_lo[mt][i / 2] || key >= key_hi[mt][i / 2]) s[mt][nt][i] = -INFINITY;
-          }
-        }
-      }
+      MaskScores<Tr>(s, key0, key_lo, key_hi, t4);
     }
-
-    // Online softmax: rescale the running state to the new row max.
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = row_max[mt][h];
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-          mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-        }
-        mx = QuadMax(mx);
-        // A row that has seen only masked keys still has max -inf: subtract 0
-        // then, so exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN. The
-        // old max is -inf exactly when o and l are still 0, and exp2(-inf) = 0
-        // rescales them harmlessly.
-        const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-        const float correction = FastExp2(row_max[mt][h] * scale_log2 - max_scaled);
-        row_max[mt][h] = mx;
-        row_sum[mt][h] *= correction;
-#pragma unroll
-        for (int dt = 0; dt < kDT; ++dt) {
-          o[mt][dt][2 * h] *= correction;
-          o[mt][dt][2 * h + 1] *= correction;
-        }
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pv = FastExp2(fmaf(s[mt][nt][2 * h + e], scale_log2, -max_scaled));
-            s[mt][nt][2 * h + e] = pv;
-            row_sum[mt][h] += pv;
-          }
-        }
-      }
-    }
+    OnlineSoftmax<Tr>(s, o, row_max, row_sum, scale_log2);
 
     if constexpr (kDropout) ApplyDropoutBits<Tr>(s, dropout_keep());
 
