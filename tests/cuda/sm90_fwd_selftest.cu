@@ -17,6 +17,12 @@
 //   sm90_fwd_selftest --time-only   timings only
 //   sm90_fwd_selftest --schedules serial,overlap,pingpong
 //                                   the sm90 schedules to check and time (default all)
+//   sm90_fwd_selftest --tile N      run row N of kFwdSm90TileTable where its head dim
+//                                   matches (else the package's tile)
+//   sm90_fwd_selftest --persistent 0|1
+//                                   force the one-tile or the persistent grid (unmasked)
+//   sm90_fwd_selftest --grid        time the benchmark grid's shapes instead (B T = 16k,
+//                                   H D = 2048), sm90 only
 //
 // Outputs are poisoned with NaN before each run, so an element the kernel
 // fails to write shows up as a NaN. Each launch is watched (SyncWithWatchdog,
@@ -83,6 +89,19 @@ const char* ScheduleName(Sm90Schedule s) {
 }
 
 // The schedules to check (--schedules); all three by default.
+// --tile, --persistent: applied to every sm90 run.
+cuda::sm90::FwdSm90Choice g_choice;
+
+// g_choice for this head dim: a forced tile only where it fits.
+cuda::sm90::FwdSm90Choice ChoiceFor(int64_t head_dim) {
+  cuda::sm90::FwdSm90Choice choice = g_choice;
+  if (choice.tile >= 0 && (choice.tile >= cuda::sm90::kFwdSm90NumTiles ||
+                           cuda::sm90::kFwdSm90TileTable[choice.tile].head_dim != head_dim)) {
+    choice.tile = -1;
+  }
+  return choice;
+}
+
 std::vector<Sm90Schedule> g_schedules = {Sm90Schedule::kSerial, Sm90Schedule::kOverlap,
                                          Sm90Schedule::kPingpong};
 
@@ -131,7 +150,8 @@ int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
     CHECK_CUDA(cudaMemset(d_o, 0xFF, nq * 2));
     CHECK_CUDA(cudaMemset(dlse, 0xFF, nlse * sizeof(float)));
     CHECK_CUDA(cudaDeviceSynchronize());
-    cudaError_t err = cuda::sm90::RunForwardSm90Schedule(p, dev, 0, g_schedules[si]);
+    cudaError_t err =
+        cuda::sm90::RunForwardSm90Schedule(p, dev, 0, g_schedules[si], ChoiceFor(c.D));
     if (err == cudaSuccess) err = SyncWithWatchdog(what);
     if (err != cudaSuccess) {
       std::printf("FAIL %-44s RunForwardSm90: %s\n", what.c_str(), cudaGetErrorString(err));
@@ -262,7 +282,7 @@ int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
 // of `reps`, L2 cold only in the sense that the working set exceeds it) and
 // prints one line per implementation as soon as it is measured, so a hang in
 // a later schedule still leaves the earlier numbers in the log.
-void TimeCase(const Case& c, const cuda::DeviceInfo& dev, int reps) {
+void TimeCase(const Case& c, const cuda::DeviceInfo& dev, int reps, bool with_sm80 = true) {
   FlashParams p = CaseParams(c);
   const int64_t nq = c.B * c.T * c.H * c.D, nk = c.B * c.S * c.K * c.D;
   void *q, *k, *v, *o, *scratch = nullptr;
@@ -289,10 +309,12 @@ void TimeCase(const Case& c, const cuda::DeviceInfo& dev, int reps) {
                 flops / med / 1e9);
     std::fflush(stdout);
   };
-  time("sm80", [&](int) { return cuda::RunForward(p, scratch, dev, 0); });
+  if (with_sm80) time("sm80", [&](int) { return cuda::RunForward(p, scratch, dev, 0); });
   for (Sm90Schedule sch : g_schedules) {
     const std::string impl = std::string("sm90 ") + ScheduleName(sch);
-    time(impl.c_str(), [&](int) { return cuda::sm90::RunForwardSm90Schedule(p, dev, 0, sch); });
+    time(impl.c_str(), [&](int) {
+      return cuda::sm90::RunForwardSm90Schedule(p, dev, 0, sch, ChoiceFor(c.D));
+    });
   }
   for (void* ptr : {q, k, v, o, static_cast<void*>(lse)}) CHECK_CUDA(cudaFree(ptr));
   if (scratch) CHECK_CUDA(cudaFree(scratch));
@@ -308,7 +330,7 @@ std::string Name(const char* fmt, long long a, long long b, long long c, const c
 
 int main(int argc, char** argv) {
   std::string mode, filter;
-  bool no_time = false, time_only = false;
+  bool no_time = false, time_only = false, grid = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--filter" && i + 1 < argc) {
@@ -326,6 +348,13 @@ int main(int argc, char** argv) {
         std::printf("--schedules: expected a comma-separated subset of serial,overlap,pingpong\n");
         return 2;
       }
+    } else if (a == "--tile" && i + 1 < argc) {
+      g_choice.tile = std::atoi(argv[++i]);
+    } else if (a == "--persistent" && i + 1 < argc) {
+      g_choice.persistent = std::atoi(argv[++i]);
+    } else if (a == "--grid") {
+      grid = true;
+      time_only = true;
     } else if (a == "--no-time") {
       no_time = true;
     } else if (a == "--time-only") {
@@ -397,6 +426,10 @@ int main(int argc, char** argv) {
       {"T4096 S4096 D128 causal bf16", bf, 1, 4096, 4096, 2, 2, 128, -1, 0},
       {"T4096 S128 D128 causal fp16 (empty rows)", fp, 1, 4096, 128, 2, 2, 128, -1, 0},
       {"T1000 S4096 D64 fp16 B2", fp, 2, 1000, 4096, 2, 2, 64, -1, -1},
+      // Around the tile sizes: 192-row blocks (D 64), 176-key blocks (D 128).
+      {"T385 S353 D64 causal bf16 B2", bf, 2, 385, 353, 3, 3, 64, -1, 0},
+      {"T191 S529 D128 fp16 B2", fp, 2, 191, 529, 3, 3, 128, -1, -1},
+      {"T700 S177 D128 bf16", bf, 1, 700, 177, 2, 1, 128, -1, -1},
       // More tiles than SMs without a mask: the persistent grid, each block
       // walking several tiles (Q and the K/V ring reused across them).
       {"T600 S400 D64 GQA4 bf16 B4 H16 (persistent)", bf, 4, 600, 400, 16, 4, 64, -1, -1},
@@ -444,7 +477,21 @@ int main(int argc, char** argv) {
         {"B32 T=S=512 H16 D128 bf16", bf, 32, 512, 512, 16, 16, 128, -1, -1},
         {"B8 T=S=2048 H16 D128 bf16", bf, 8, 2048, 2048, 16, 16, 128, -1, -1},
     };
-    for (const Case& c : timed) TimeCase(c, dev, 20);
+    if (grid) {
+      for (int64_t d : {64, 128}) {
+        for (bool causal : {false, true}) {
+          for (int64_t t = 512; t <= 16384; t *= 2) {
+            const std::string name = "grid D" + std::to_string(d) + " T" + std::to_string(t) +
+                                     (causal ? " causal" : "");
+            const Case c{name,
+                         bf, 16384 / t, t, t, 2048 / d, 2048 / d, d, -1, causal ? 0 : -1};
+            TimeCase(c, dev, 20, /*with_sm80=*/false);
+          }
+        }
+      }
+    } else {
+      for (const Case& c : timed) TimeCase(c, dev, 20);
+    }
   }
   std::printf("%s: %d failure(s)\n", failures ? "FAILED" : "ALL PASSED", failures);
   return failures ? 1 : 0;

@@ -28,62 +28,99 @@ cudaError_t RunForwardSm90(const FlashParams& p, const DeviceInfo& dev, cudaStre
 
 namespace sm90 {
 // Consumer schedules (a kernel template argument; see fwd_sm90_kernel.cuh).
-// All three passed the self-test on the H200; the package builds and runs
-// kOverlap only (the others exist with JF2_SM90_ALL_SCHEDULES, which the
-// self-test sets, for timing and for localising a failure).
+// All three pass the self-test on the H200; the package builds each tile
+// with the schedule of its table row only (all of them with
+// JF2_SM90_ALL_SCHEDULES, which the self-test sets, for timing and for
+// localising a failure).
 //   kSerial:   S -> softmax -> PV per key block. The simplest.
 //   kOverlap:  S_{n-1} = Q K_{n-1}^T and O += P_n V_n issued back to back; the
 //              softmax of block n-1 runs while the PV product executes
 //              (FlashAttention-3's intra-warpgroup overlap). Fastest at most
 //              shapes measured (619 vs 596 serial and 613 pingpong TFLOP/s at
 //              B4 T=S=4096 H16 D128).
-//   kPingpong: kOverlap, plus the two consumer warpgroups take turns issuing
-//              their wgmmas (named barriers), so one's softmax runs while the
-//              other's products occupy the tensor cores (+3% at D64 causal
-//              T=16k, -1 to -3% elsewhere).
+//   kPingpong: kOverlap, plus the consumer warpgroups take turns issuing
+//              their wgmmas (named barriers, round robin), so one's softmax
+//              runs while another's products occupy the tensor cores. With
+//              two warpgroups (D 128) within 1-2% of kOverlap either way;
+//              with three (D 64) 4-6% faster at T >= 2048.
 enum class Sm90Schedule : int { kSerial = 0, kOverlap = 1, kPingpong = 2 };
+
+// Self-test overrides of the host's choices (-1: the package's rule): the
+// row of kFwdSm90TileTable, and 0 / 1 for the one-tile / persistent grid.
+struct FwdSm90Choice {
+  int tile = -1;
+  int persistent = -1;
+};
 
 // RunForwardSm90 with an explicit consumer schedule (for the self-test).
 cudaError_t RunForwardSm90Schedule(const FlashParams& p, const DeviceInfo& dev,
-                                   cudaStream_t stream, Sm90Schedule schedule);
+                                   cudaStream_t stream, Sm90Schedule schedule,
+                                   FwdSm90Choice choice = {});
 }  // namespace sm90
 
 namespace sm90 {
 
-// One row per head dim. kBlockM = 128 query rows = two consumer warpgroups of
-// 64 rows; kBlockN keys per pipeline stage. Shared memory: Q (block_m x D)
-// plus `stages` x (K + V) (block_n x D each), 2-byte elements:
-//   D = 64:  16 KB + 3 x 32 KB = 112 KB
-//   D = 128: 32 KB + 2 x 64 KB = 160 KB   (a third stage would need 224 KB,
-//            right at the 227 KB opt-in limit; FA3 also uses 2 at d128)
+// The kernel's tiles. block_m query rows per block, 64 per consumer
+// warpgroup; block_n keys per pipeline stage; `unmasked` / `masked`: serves
+// calls without / with a causal or window mask (with one exception by
+// sequence length, PackageTileIndex in fwd_sm90_launch.cu). Shared memory: Q (block_m x
+// D) plus `stages` x (K + V) (block_n x D each), 2-byte elements:
+//   D 64,  192 x 128: 24 KB + 3 x 32 KB = 120 KB
+//   D 128, 128 x 176: 32 KB + 2 x 88 KB = 208 KB (a third stage does not fit)
+//   D 128, 128 x 128: 32 KB + 2 x 64 KB = 160 KB
 // Registers per consumer thread: S (block_n / 2 fp32) + O (D / 2 fp32) + P
-// (block_n / 4 b32) = 64 + 64 + 32 at D = 128.
+// (block_n / 4 b32): 88 + 64 + 44 at D 128 x 176, within 240; 64 + 32 + 32
+// at D 64, within the 160 that three consumer warpgroups leave.
+// Why these (NOTES.md has the timings): at D 64 the softmax per key costs
+// as much as the products, and a third consumer warpgroup gives the
+// scheduler more independent work to hide it; at D 128 a longer key block
+// spreads each block's fixed costs (barrier waits, the row max and sum
+// reductions, the O rescale) over more keys. Masked calls keep 128 keys:
+// their diagonal blocks pay the per-element mask over the whole block.
 struct FwdSm90Tile {
   int head_dim;
   int block_m;
   int block_n;
   int stages;
+  bool unmasked;
+  bool masked;
+  Sm90Schedule schedule;  // the package's
 };
 
 inline constexpr FwdSm90Tile kFwdSm90TileTable[] = {
-    {64, 128, 128, 3},
-    {128, 128, 128, 2},
+    {64, 192, 128, 3, true, true, Sm90Schedule::kPingpong},
+    {128, 128, 176, 2, true, false, Sm90Schedule::kOverlap},
+    {128, 128, 128, 2, false, true, Sm90Schedule::kOverlap},
+    // The tile D 64 used before (two consumer warpgroups): serves nothing,
+    // built with JF2_SM90_ALL_SCHEDULES for the self-test's comparisons.
+    {64, 128, 128, 3, false, false, Sm90Schedule::kOverlap},
 };
+inline constexpr int kFwdSm90NumTiles = sizeof(kFwdSm90TileTable) / sizeof(FwdSm90Tile);
 
-constexpr FwdSm90Tile FwdSm90TileFor(int64_t head_dim) {
-  for (const FwdSm90Tile& t : kFwdSm90TileTable) {
-    if (head_dim == t.head_dim) return t;
+// The row serving head_dim with or without a mask, or -1.
+constexpr int FwdSm90TileIndex(int64_t head_dim, bool masked) {
+  for (int i = 0; i < kFwdSm90NumTiles; ++i) {
+    const FwdSm90Tile& t = kFwdSm90TileTable[i];
+    if (t.head_dim == head_dim && (masked ? t.masked : t.unmasked)) return i;
   }
-  return FwdSm90Tile{0, 0, 0, 0};
+  return -1;
 }
 
-// Warp roles: warpgroup 0 produces (one thread issues every TMA copy),
-// warpgroups 1 and 2 consume (wgmma + softmax), 64 query rows each.
-inline constexpr int kConsumerWarpgroups = 2;
-inline constexpr int kFwdSm90Threads = 128 * (1 + kConsumerWarpgroups);
-// setmaxnreg budget: 128 x 40 + 256 x 232 = 64512 <= 65536 registers.
-inline constexpr int kProducerRegs = 40;
-inline constexpr int kConsumerRegs = 232;
+// Warp roles: warpgroup 0 produces (one thread issues every TMA copy), the
+// block_m / 64 others consume (wgmma + softmax), 64 query rows each.
+constexpr int FwdSm90ConsumerWarpgroups(const FwdSm90Tile& t) { return t.block_m / 64; }
+constexpr int FwdSm90Threads(const FwdSm90Tile& t) {
+  return 128 * (1 + FwdSm90ConsumerWarpgroups(t));
+}
+// setmaxnreg budgets, 128 x producer + consumer threads x consumer <= 65536:
+// 128 x 24 + 256 x 240 with two consumer warpgroups, 128 x 32 + 384 x 160
+// with three.
+constexpr int FwdSm90ProducerRegs(const FwdSm90Tile& t) {
+  return FwdSm90ConsumerWarpgroups(t) == 2 ? 24 : 32;
+}
+constexpr int FwdSm90ConsumerRegs(const FwdSm90Tile& t) {
+  return FwdSm90ConsumerWarpgroups(t) == 2 ? 240 : 160;
+}
 
 // Bytes of dynamic shared memory: the tiles, the mbarriers, and 1 KB of
 // slack to align the tiles to the 1024-byte swizzle atom.

@@ -1,22 +1,23 @@
 // FlashAttention-2 forward for Hopper (sm_90a): TMA loads into a K/V ring of
 // shared-memory stages synchronised by mbarriers, wgmma for both products,
-// and warp specialisation (one producer warpgroup, two consumer warpgroups).
+// and warp specialisation (one producer warpgroup, two or three consumer
+// warpgroups of 64 query rows).
 //
-// A tile is kBlockM = 128 query rows of one (batch, head); tiles are
+// A tile is kBlockM (128 or 192) query rows of one (batch, head); tiles are
 // numbered with the m-blocks of a head fastest, in reverse order so that under
-// a causal mask the longest blocks start first. Block i computes tiles i,
-// i + gridDim.x, ...: one each when the grid has a block per tile, several
-// when the host makes the grid persistent (one block per SM; tiles of equal
-// cost only). Then the producer loads the next tile's Q and first K/V stages
-// while the consumers finish the current one, and the load latency at the
-// start of each tile is hidden.
+// a causal mask the longest blocks start first. Each block computes one
+// tile when the grid has a block per tile, and several, in rounds of
+// gridDim.x tiles (see tile_of_round), when the host makes the grid
+// persistent (one block per SM, for short sequences). Then the producer
+// loads the next tile's Q and first K/V stages while the consumers finish
+// the current one, and the load latency at the start of each tile is hidden.
 //
-// Producer (warpgroup 0, one thread; setmaxnreg down to kProducerRegs), per
+// Producer (warpgroup 0, one thread; setmaxnreg down to its budget), per
 //   tile: wait q_empty, Q -> q_full; then for each visible key block n, from
 //   the last down: wait k_empty[stage], K_n -> k_full[stage]; wait
 //   v_empty[stage], V_n -> v_full[stage]. The ring position carries over
 //   from tile to tile.
-// Consumers (warpgroups 1, 2; setmaxnreg up to kConsumerRegs), 64 rows each,
+// Consumers (warpgroups 1.., setmaxnreg up to their budget), 64 rows each,
 // per key block n:
 //   S = Q K_n^T                       wgmma SS, fp32, both operands in smem
 //   mask (diagonal / window / ragged blocks only)
@@ -29,9 +30,9 @@
 // Three schedules of that loop (Sm90Schedule, fwd_sm90.h): kSerial runs it
 // as written; kOverlap pipelines it by one block so that O += P_{n+1} V_{n+1}
 // executes on the tensor cores while the softmax of block n runs (see the
-// loop); kPingpong adds turns between the two consumer warpgroups so that
-// their wgmma batches alternate. Without turns, each waits only on the shared
-// K/V stages, and one's softmax overlaps the other's wgmma only as far as they
+// loop); kPingpong adds turns between the consumer warpgroups so that their
+// wgmma batches alternate. Without turns, each waits only on the shared K/V
+// stages, and one's softmax overlaps another's wgmma only as far as they
 // happen to drift apart.
 //
 // Masking follows WindowMask (flash_mask.h); key blocks outside the window of
@@ -54,11 +55,10 @@
 
 namespace jax_flash2::cuda::sm90 {
 
-template <int kHeadDim_>
+template <int kTileIndex>
 struct FwdSm90Traits {
-  static constexpr FwdSm90Tile kTile = FwdSm90TileFor(kHeadDim_);
-  static_assert(kTile.head_dim == kHeadDim_, "no sm90 tile for this head dim");
-  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr FwdSm90Tile kTile = kFwdSm90TileTable[kTileIndex];
+  static constexpr int kHeadDim = kTile.head_dim;
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
@@ -71,7 +71,9 @@ struct FwdSm90Traits {
   static constexpr int kSAcc = kBlockN / 2;   // fp32 S accumulators per thread
   static constexpr int kOAcc = kHeadDim / 2;  // fp32 O accumulators per thread
   static constexpr int kPSlices = kBlockN / 16;  // k16 slices of P
+  static constexpr int kConsumerWarpgroups = FwdSm90ConsumerWarpgroups(kTile);
   static constexpr int kConsumerWarps = 4 * kConsumerWarpgroups;
+  static constexpr int kThreads = FwdSm90Threads(kTile);
   static_assert(kBlockM == 64 * kConsumerWarpgroups, "each consumer warpgroup owns 64 rows");
   static_assert(kHeadDim % kPanelCols == 0 && kBlockN % 16 == 0 && kBlockN <= 256);
 };
@@ -100,10 +102,11 @@ __device__ __forceinline__ float QuadSum(float x) {
 
 // kPersistent: the grid may be smaller than the tile count (see the top).
 // Otherwise each block runs its one tile, and the loops below compile to that.
-template <typename Elem, int kHeadDim, Sm90Schedule kSchedule, bool kPersistent>
-__global__ void __launch_bounds__(kFwdSm90Threads, 1)
+template <typename Elem, int kTileIndex, Sm90Schedule kSchedule, bool kPersistent>
+__global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]), 1)
     FwdSm90Kernel(const __grid_constant__ FwdSm90Args args) {
-  using Tr = FwdSm90Traits<kHeadDim>;
+  using Tr = FwdSm90Traits<kTileIndex>;
+  constexpr int kHeadDim = Tr::kHeadDim;
   using Smem = FwdSm90Smem<Tr>;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
@@ -152,6 +155,17 @@ __global__ void __launch_bounds__(kFwdSm90Threads, 1)
     return t;
   };
 
+  // The tile this block takes in round r of the walk: rounds of gridDim.x
+  // tiles, every other one in reverse block order. Under a causal mask the
+  // tiles of a head run longest first, so a block that drew a long tile in
+  // one round draws a short one in the next (a static stride would hand
+  // some blocks only long tiles whenever gridDim.x is a multiple of the
+  // m-blocks per head).
+  const auto tile_of_round = [&](int r) {
+    return r * static_cast<int>(gridDim.x) +
+           ((r & 1) ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x));
+  };
+
   if (threadIdx.x == 0) {
     MbarInit(q_full, 1);
     MbarInit(q_empty, Tr::kConsumerWarps);
@@ -160,7 +174,7 @@ __global__ void __launch_bounds__(kFwdSm90Threads, 1)
       MbarInit(&k_full[s], 1);
       MbarInit(&v_full[s], 1);
       // Every consumer warp arrives once its own wait for the last wgmma
-      // reading the slot has returned: all 8 warps, so no warp's view of a
+      // reading the slot has returned: all of them, so no warp's view of a
       // warpgroup-wide wgmma is assumed to cover another's.
       MbarInit(&k_empty[s], Tr::kConsumerWarps);
       MbarInit(&v_empty[s], Tr::kConsumerWarps);
@@ -172,7 +186,7 @@ __global__ void __launch_bounds__(kFwdSm90Threads, 1)
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
-    SetMaxNRegDec<kProducerRegs>();
+    SetMaxNRegDec<FwdSm90ProducerRegs(Tr::kTile)>();
     if (threadIdx.x == 0 && p.seqlen_k > 0) {  // S == 0: no tile loads anything
       PrefetchTensorMap(&args.tma_q);
       PrefetchTensorMap(&args.tma_k);
@@ -180,7 +194,9 @@ __global__ void __launch_bounds__(kFwdSm90Threads, 1)
       int stage = 0;
       uint32_t phase = 0;
       uint32_t q_phase = 0;
-      for (int tile = blockIdx.x; tile < args.num_tiles; tile += gridDim.x) {
+      for (int round = 0; round * gridDim.x < args.num_tiles; ++round) {
+        const int tile = tile_of_round(round);
+        if (tile >= args.num_tiles) continue;
         const Tile t = locate(tile);
         if (t.n_first >= t.n_end) continue;  // the consumers write O = 0 alone
         const int kv_head = t.head / static_cast<int>(p.group_size);  // GQA by index
@@ -234,7 +250,7 @@ __global__ void __launch_bounds__(kFwdSm90Threads, 1)
   }
 
   // ------------------------------------------------------------------ consumers
-  SetMaxNRegInc<kConsumerRegs>();
+  SetMaxNRegInc<FwdSm90ConsumerRegs(Tr::kTile)>();
   const int cg = warpgroup - 1;         // consumer warpgroup: rows [64 cg, 64 cg + 64)
   const int wg_tid = threadIdx.x % 128;
   const int warp = wg_tid / 32;         // warp within the warpgroup: 16 rows each
@@ -352,24 +368,28 @@ __global__ void __launch_bounds__(kFwdSm90Threads, 1)
   };
 
   // Pingpong turns (kPingpong only): consumer warpgroup cg issues its wgmmas
-  // after a bar.sync on named barrier 1 + cg, then hands the turn over with a
-  // bar.arrive on the other's barrier (each completes at 256 = 128 syncing +
-  // 128 arriving threads). Both warpgroups issue the same number of groups,
-  // warpgroup 1 hands warpgroup 0 the first turn, and warpgroup 0 takes one
-  // extra turn at the end to consume warpgroup 1's last hand-over, so no
-  // barrier is left half-arrived when the block exits.
+  // after a bar.sync on named barrier 1 + cg, then hands the turn to the next
+  // warpgroup (round robin) with a bar.arrive on its barrier (each completes
+  // at 256 = 128 syncing + 128 arriving threads). Every warpgroup issues the
+  // same number of groups per tile, the last one hands warpgroup 0 the first
+  // turn, and warpgroup 0 takes one extra turn at the end to consume the last
+  // one's final hand-over, so no barrier is left half-arrived when the block
+  // exits. Named barrier 1 + kConsumerWarpgroups closes each tile.
   constexpr bool kPingpong = kSchedule == Sm90Schedule::kPingpong;
+  constexpr int kLastGroup = Tr::kConsumerWarpgroups - 1;
   auto take_turn = [&] {
     if constexpr (kPingpong) NamedBarrierSync(1 + cg, 256);
   };
   auto pass_turn = [&] {
-    if constexpr (kPingpong) NamedBarrierArrive(2 - cg, 256);
+    if constexpr (kPingpong) NamedBarrierArrive(1 + (cg == kLastGroup ? 0 : cg + 1), 256);
   };
 
   int stage = 0;
   uint32_t phase = 0;
   uint32_t q_phase = 0;
-  for (int tile = blockIdx.x; tile < args.num_tiles; tile += gridDim.x) {
+  for (int round = 0; round * gridDim.x < args.num_tiles; ++round) {
+    const int tile = tile_of_round(round);
+    if (tile >= args.num_tiles) continue;
     const Tile tl = locate(tile);
     const int wg_row0 = tl.row_begin + 64 * cg;
     int64_t lo, hi;
@@ -392,7 +412,7 @@ __global__ void __launch_bounds__(kFwdSm90Threads, 1)
     if (tl.n_first < tl.n_end) {
       const int n_first = tl.n_first;
       const int n_end = tl.n_end;
-      if (kPingpong && cg == 1) NamedBarrierArrive(1, 256);
+      if (kPingpong && cg == kLastGroup) NamedBarrierArrive(1, 256);
       MbarWait(q_full, q_phase);
       q_phase ^= 1;
       float s[Tr::kSAcc];
@@ -482,9 +502,11 @@ __global__ void __launch_bounds__(kFwdSm90Threads, 1)
         WgmmaWaitFenced<0>(o);
         release(&v_empty[v_stage]);
         if (kPingpong && cg == 0) NamedBarrierSync(1, 256);
-        // Both warpgroups leave the tile together: otherwise warpgroup 1's
+        // The warpgroups leave the tile together: otherwise the last one's
         // first hand-over of the next tile could join this tile's last turn.
-        if constexpr (kPingpong) NamedBarrierSync(3, 256);
+        if constexpr (kPingpong) {
+          NamedBarrierSync(1 + Tr::kConsumerWarpgroups, 128 * Tr::kConsumerWarpgroups);
+        }
       }
     }
 

@@ -15,6 +15,10 @@
 #include "fwd_sm90_kernel.cuh"
 #include "tensor_map.h"
 
+#ifndef JF2_SM90_ALL_SCHEDULES
+#define JF2_SM90_ALL_SCHEDULES 0
+#endif
+
 namespace jax_flash2::cuda {
 namespace {
 
@@ -27,68 +31,102 @@ using sm90::GetEncodeTiled;
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-template <typename Elem, int kHeadDim, Sm90Schedule kSchedule, bool kPersistent>
+template <typename Elem, int kTileIndex, Sm90Schedule kSchedule, bool kPersistent>
 cudaError_t LaunchFwdSm90(const FwdSm90Args& args, int grid_blocks, cudaStream_t stream) {
-  constexpr FwdSm90Tile tile = sm90::FwdSm90TileFor(kHeadDim);
+  constexpr FwdSm90Tile tile = sm90::kFwdSm90TileTable[kTileIndex];
   constexpr int smem_bytes = sm90::FwdSm90SmemBytes(tile);
-  const auto kernel = &sm90::FwdSm90Kernel<Elem, kHeadDim, kSchedule, kPersistent>;
+  const auto kernel = &sm90::FwdSm90Kernel<Elem, kTileIndex, kSchedule, kPersistent>;
   static std::atomic<uint64_t> opted_in{0};
   const cudaError_t err =
       OptInSharedMemoryOnce(reinterpret_cast<const void*>(kernel), opted_in, smem_bytes);
   if (err != cudaSuccess) return err;
-  kernel<<<grid_blocks, sm90::kFwdSm90Threads, smem_bytes, stream>>>(args);
+  kernel<<<grid_blocks, sm90::FwdSm90Threads(tile), smem_bytes, stream>>>(args);
   return cudaGetLastError();
 }
 
-template <typename Elem, Sm90Schedule kSchedule>
-cudaError_t LaunchForHeadDim(const FwdSm90Args& args, int grid_blocks, cudaStream_t stream) {
-  const bool persistent = grid_blocks < args.num_tiles;
-  switch (args.p.head_dim) {
-    case 64:
-      return persistent ? LaunchFwdSm90<Elem, 64, kSchedule, true>(args, grid_blocks, stream)
-                        : LaunchFwdSm90<Elem, 64, kSchedule, false>(args, grid_blocks, stream);
-    case 128:
-      return persistent ? LaunchFwdSm90<Elem, 128, kSchedule, true>(args, grid_blocks, stream)
-                        : LaunchFwdSm90<Elem, 128, kSchedule, false>(args, grid_blocks, stream);
-    default: return cudaErrorInvalidValue;
+// The package builds each tile with its table row's schedule only.
+template <typename Elem, int kTileIndex, Sm90Schedule kSchedule>
+cudaError_t LaunchForGrid(const FwdSm90Args& args, int grid_blocks, cudaStream_t stream) {
+  constexpr bool kBuilt =
+      JF2_SM90_ALL_SCHEDULES || sm90::kFwdSm90TileTable[kTileIndex].schedule == kSchedule;
+  if constexpr (kBuilt) {
+    return grid_blocks < args.num_tiles
+               ? LaunchFwdSm90<Elem, kTileIndex, kSchedule, true>(args, grid_blocks, stream)
+               : LaunchFwdSm90<Elem, kTileIndex, kSchedule, false>(args, grid_blocks, stream);
+  } else {
+    return cudaErrorInvalidValue;
   }
 }
 
+template <typename Elem, Sm90Schedule kSchedule>
+cudaError_t LaunchForTile(const FwdSm90Args& args, int tile_index, int grid_blocks,
+                          cudaStream_t stream) {
+  switch (tile_index) {
+    case 0: return LaunchForGrid<Elem, 0, kSchedule>(args, grid_blocks, stream);
+    case 1: return LaunchForGrid<Elem, 1, kSchedule>(args, grid_blocks, stream);
+    case 2: return LaunchForGrid<Elem, 2, kSchedule>(args, grid_blocks, stream);
+#if JF2_SM90_ALL_SCHEDULES
+    case 3: return LaunchForGrid<Elem, 3, kSchedule>(args, grid_blocks, stream);
+#endif
+    default: return cudaErrorInvalidValue;
+  }
+}
+static_assert(sm90::kFwdSm90NumTiles == 4, "LaunchForTile dispatches every tile");
+
 template <typename Elem>
-cudaError_t LaunchForSchedule(const FwdSm90Args& args, int grid_blocks, Sm90Schedule schedule,
-                              cudaStream_t stream) {
+cudaError_t LaunchForSchedule(const FwdSm90Args& args, int tile_index, int grid_blocks,
+                              Sm90Schedule schedule, cudaStream_t stream) {
   switch (schedule) {
     case Sm90Schedule::kOverlap:
-      return LaunchForHeadDim<Elem, Sm90Schedule::kOverlap>(args, grid_blocks, stream);
-#if JF2_SM90_ALL_SCHEDULES
-    // The package runs kOverlap only (fastest on the H200, NOTES.md); the
-    // self-test builds the others too, to time and localise against them.
-    case Sm90Schedule::kSerial:
-      return LaunchForHeadDim<Elem, Sm90Schedule::kSerial>(args, grid_blocks, stream);
+      return LaunchForTile<Elem, Sm90Schedule::kOverlap>(args, tile_index, grid_blocks, stream);
     case Sm90Schedule::kPingpong:
-      return LaunchForHeadDim<Elem, Sm90Schedule::kPingpong>(args, grid_blocks, stream);
+      return LaunchForTile<Elem, Sm90Schedule::kPingpong>(args, tile_index, grid_blocks, stream);
+#if JF2_SM90_ALL_SCHEDULES
+    case Sm90Schedule::kSerial:
+      return LaunchForTile<Elem, Sm90Schedule::kSerial>(args, tile_index, grid_blocks, stream);
 #endif
     default: return cudaErrorInvalidValue;
   }
 }
 
+bool IsMasked(const FlashParams& p) { return p.window_left >= 0 || p.window_right >= 0; }
+
+// The package's tile for p (a row of kFwdSm90TileTable), or -1. At D 128
+// without a mask, S <= 4096 keeps 128-key blocks: there the last, partial
+// 176-key block wastes about as much (S = 2048: 12 x 176 = 2112 keys) as
+// the longer blocks save, or more (NOTES.md: 128 keys +3-5% at T = S = 1024
+// and 2048, even at 4096, -3 to -4% at 8k and 16k).
+int PackageTileIndex(const FlashParams& p) {
+  const bool masked = IsMasked(p);
+  if (p.head_dim == 128 && !masked && p.seqlen_k <= 4096) {
+    return sm90::FwdSm90TileIndex(p.head_dim, /*masked=*/true);
+  }
+  return sm90::FwdSm90TileIndex(p.head_dim, masked);
+}
+
 }  // namespace
 
 bool Sm90ForwardSupports(const FlashParams& p) {
-  // One grid dimension of tiles (m-blocks x H x B).
+  // One grid dimension of tiles (m-blocks x H x B; 128 rows bounds every tile).
   const int64_t tiles = CeilDiv(p.seqlen_q, 128) * p.num_heads_q * p.batch;
-  return sm90::FwdSm90TileFor(p.head_dim).head_dim != 0 && sm90::Sm90CommonSupports(p) &&
+  return PackageTileIndex(p) >= 0 && sm90::Sm90CommonSupports(p) &&
          tiles < (int64_t{1} << 31);
 }
 
 cudaError_t RunForwardSm90(const FlashParams& p, const DeviceInfo& dev, cudaStream_t stream) {
-  return sm90::RunForwardSm90Schedule(p, dev, stream, Sm90Schedule::kOverlap);
+  if (!Sm90ForwardSupports(p)) return cudaErrorInvalidValue;
+  return sm90::RunForwardSm90Schedule(p, dev, stream,
+                                      sm90::kFwdSm90TileTable[PackageTileIndex(p)].schedule);
 }
 
 cudaError_t sm90::RunForwardSm90Schedule(const FlashParams& p, const DeviceInfo& dev,
-                                         cudaStream_t stream, Sm90Schedule schedule) {
+                                         cudaStream_t stream, Sm90Schedule schedule,
+                                         sm90::FwdSm90Choice choice) {
   if (!Sm90ForwardSupports(p) || dev.cc_major != 9) return cudaErrorInvalidValue;
-  const FwdSm90Tile tile = sm90::FwdSm90TileFor(p.head_dim);
+  const int tile_index = choice.tile >= 0 ? choice.tile : PackageTileIndex(p);
+  if (tile_index >= sm90::kFwdSm90NumTiles) return cudaErrorInvalidValue;
+  const FwdSm90Tile tile = sm90::kFwdSm90TileTable[tile_index];
+  if (tile.head_dim != p.head_dim) return cudaErrorInvalidValue;
   if (static_cast<size_t>(sm90::FwdSm90SmemBytes(tile)) > dev.max_smem_per_block_optin) {
     return cudaErrorInvalidValue;
   }
@@ -100,14 +138,15 @@ cudaError_t sm90::RunForwardSm90Schedule(const FlashParams& p, const DeviceInfo&
   args.p = p;
   args.num_m_blocks = static_cast<int>(CeilDiv(p.seqlen_q, tile.block_m));
   args.num_tiles = static_cast<int>(args.num_m_blocks * p.num_heads_q * p.batch);
-  // Persistent (one block per SM, each walking tiles i, i + SMs, ...) when
-  // the tiles are short and every tile costs the same, so that the static
-  // stride balances them: no causal or window mask (masked tiles differ in
-  // cost; the hardware scheduler's first-free-SM order balances them better).
-  // Measured on the H200 (NOTES.md): +26% at T = S = 512 D 64, +10% at 2048,
-  // even at 4096 and -4% at 16k, where the exposed start of a tile is a
-  // negligible share and the stride spreads the blocks over more K/V.
-  const bool persistent = p.window_left < 0 && p.window_right < 0 && p.seqlen_k <= 2048;
+  // Persistent (one block per SM, each walking tiles in rounds; see the
+  // kernel) when the tiles are short, so that the start of one (Q and the
+  // first K/V loads) hides under the end of the previous one: S <= 1024, or
+  // 2048 under a mask (whose tiles are shorter). Measured on the H200
+  // (NOTES.md): +14-19% at T = S = 512, causal or not; at S = 2048 without
+  // a mask 1-3% slower than a block per tile, with one +7% (D 128) or even.
+  const bool persistent = choice.persistent >= 0
+                              ? choice.persistent == 1
+                              : p.seqlen_k <= (IsMasked(p) ? 2048 : 1024);
   const int grid_blocks =
       persistent ? static_cast<int>(std::min<int64_t>(args.num_tiles, dev.sm_count))
                  : args.num_tiles;
@@ -131,9 +170,10 @@ cudaError_t sm90::RunForwardSm90Schedule(const FlashParams& p, const DeviceInfo&
   }
   if (err != cudaSuccess) return err;
   switch (p.dtype) {
-    case DType::kFloat16: return LaunchForSchedule<__half>(args, grid_blocks, schedule, stream);
+    case DType::kFloat16:
+      return LaunchForSchedule<__half>(args, tile_index, grid_blocks, schedule, stream);
     case DType::kBFloat16:
-      return LaunchForSchedule<__nv_bfloat16>(args, grid_blocks, schedule, stream);
+      return LaunchForSchedule<__nv_bfloat16>(args, tile_index, grid_blocks, schedule, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -37,33 +37,33 @@ namespace jax_flash2::cuda::sm90 {
 template <typename Elem, int N>
 struct Wgmma;
 
-// The accumulators of m64n64k16 (32) and m64n128k16 (64): the register list of
-// the instruction and its asm operands.
-#define JF2_WGMMA_D32 \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
-  "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+// The accumulators of m64n64k16 (32), m64n128k16 (64) and m64n176k16 (88):
+// the register list of the instruction and its asm operands, built from
+// runs so that the longer lists extend the shorter ones.
+#define JF2_WGMMA_REGS_0_31                                                                    \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define JF2_WGMMA_REGS_32_63                                                                  \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, " \
+  "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define JF2_WGMMA_REGS_64_87                                                                  \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, " \
+  "%82, %83, %84, %85, %86, %87"
+#define JF2_WGMMA_D32 "{" JF2_WGMMA_REGS_0_31 "}"
+#define JF2_WGMMA_D64 "{" JF2_WGMMA_REGS_0_31 ", " JF2_WGMMA_REGS_32_63 "}"
+#define JF2_WGMMA_D88 \
+  "{" JF2_WGMMA_REGS_0_31 ", " JF2_WGMMA_REGS_32_63 ", " JF2_WGMMA_REGS_64_87 "}"
+// Eight read-write accumulator operands d[i] .. d[i + 7].
+#define JF2_WGMMA_ACC8(i)                                                                   \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+      "+f"(d[i + 6]), "+f"(d[i + 7])
 #define JF2_WGMMA_D32_OPERANDS \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
-  "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
-  "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
-  "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
-  "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-#define JF2_WGMMA_D64 \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
-  "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, " \
-  "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, " \
-  "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-#define JF2_WGMMA_D64_OPERANDS \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
-  "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
-  "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
-  "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
-  "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), \
-  "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), \
-  "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), \
-  "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), \
-  "+f"(d[63])
+  JF2_WGMMA_ACC8(0), JF2_WGMMA_ACC8(8), JF2_WGMMA_ACC8(16), JF2_WGMMA_ACC8(24)
+#define JF2_WGMMA_D64_OPERANDS                                                          \
+  JF2_WGMMA_D32_OPERANDS, JF2_WGMMA_ACC8(32), JF2_WGMMA_ACC8(40), JF2_WGMMA_ACC8(48), \
+      JF2_WGMMA_ACC8(56)
+#define JF2_WGMMA_D88_OPERANDS \
+  JF2_WGMMA_D64_OPERANDS, JF2_WGMMA_ACC8(64), JF2_WGMMA_ACC8(72), JF2_WGMMA_ACC8(80)
 
 // N = 64 (PTX: the type suffix, "bf16.bf16" or "f16.f16"). Operands after the
 // 32 accumulators: SS / SSMN desc_a %32, desc_b %33, scale_d %34; RS a %32-%35,
@@ -120,16 +120,40 @@ struct Wgmma;
     }                                                                                        \
   };
 
+// N = 176 (the forward's S = Q K^T at D = 128 without a mask; SS only).
+// Operands after the 88 accumulators: desc_a %88, desc_b %89, scale_d %90.
+#define JF2_WGMMA_N176(ELEM, PTX)                                                            \
+  template <>                                                                                \
+  struct Wgmma<ELEM, 176> {                                                                  \
+    static __device__ __forceinline__ void SS(float (&d)[88], uint64_t desc_a,               \
+                                              uint64_t desc_b, int scale_d) {                \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"                              \
+                   "wgmma.mma_async.sync.aligned.m64n176k16.f32." PTX " " JF2_WGMMA_D88      \
+                   ", %88, %89, p, 1, 1, 0, 0;\n}\n"                                         \
+                   : JF2_WGMMA_D88_OPERANDS                                                  \
+                   : "l"(desc_a), "l"(desc_b), "r"(scale_d));                                \
+    }                                                                                        \
+  };
+
 JF2_WGMMA_N64(__nv_bfloat16, "bf16.bf16")
 JF2_WGMMA_N64(__half, "f16.f16")
 JF2_WGMMA_N128(__nv_bfloat16, "bf16.bf16")
 JF2_WGMMA_N128(__half, "f16.f16")
+JF2_WGMMA_N176(__nv_bfloat16, "bf16.bf16")
+JF2_WGMMA_N176(__half, "f16.f16")
 
 #undef JF2_WGMMA_N64
 #undef JF2_WGMMA_N128
+#undef JF2_WGMMA_N176
 #undef JF2_WGMMA_D32
 #undef JF2_WGMMA_D32_OPERANDS
 #undef JF2_WGMMA_D64
 #undef JF2_WGMMA_D64_OPERANDS
+#undef JF2_WGMMA_D88
+#undef JF2_WGMMA_D88_OPERANDS
+#undef JF2_WGMMA_REGS_0_31
+#undef JF2_WGMMA_REGS_32_63
+#undef JF2_WGMMA_REGS_64_87
+#undef JF2_WGMMA_ACC8
 
 }  // namespace jax_flash2::cuda::sm90
