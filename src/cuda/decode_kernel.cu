@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = warp * kDecodeRows + g + 8 * h;
-    const float l = fwd::QuadSum(row_sum[0][h]);
+    const float l = QuadSum(row_sum[0][h]);
     if (t4 == 0) {
       merge_max[r] = row_max[0][h];
       merge_sum[r] = l;

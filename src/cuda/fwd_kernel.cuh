@@ -40,17 +40,6 @@
 namespace jax_flash2::cuda {
 namespace fwd {
 
-// A row of an mma C tile lives in the 4 lanes of a quad (lane / 4 equal).
-__device__ __forceinline__ float QuadMax(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-
-__device__ __forceinline__ float QuadSum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
 // ldmatrix from a raw shared address: the kernel keeps one base address per
 // operand and adds compile-time offsets, which become immediates of the
 // instruction instead of one live register per (tile, k-step) address.

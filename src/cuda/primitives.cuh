@@ -116,6 +116,18 @@ __device__ __forceinline__ Elem FromFloat(float x) {
   }
 }
 
+// A row of an mma / wgmma accumulator tile lives in the 4 lanes of a quad
+// (lane / 4 equal): its max and sum over those lanes.
+__device__ __forceinline__ float QuadMax(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float QuadSum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
 __device__ __forceinline__ float FastExp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

@@ -89,17 +89,6 @@ struct FwdSm90Smem {
   static_assert(kK % 1024 == 0 && kV % 1024 == 0 && Tr::kKvBytes % 1024 == 0);
 };
 
-// A row of a warp's accumulator slice lives in the 4 lanes of a quad.
-__device__ __forceinline__ float QuadMax(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-
-__device__ __forceinline__ float QuadSum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
 // kPersistent: the grid may be smaller than the tile count (see the top).
 // Otherwise each block runs its one tile, and the loops below compile to that.
 template <typename Elem, int kTileIndex, Sm90Schedule kSchedule, bool kPersistent>
@@ -206,38 +195,33 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
           MbarWait(q_empty, q_phase ^ 1);
           q_phase ^= 1;
         }
-        // The two middle coordinates are (head, row) or (row, head), by the
-        // tensor map's dimension order (see FwdSm90Args).
-        const int q1 = args.q_heads_inner ? t.head : t.row_begin;
-        const int q2 = args.q_heads_inner ? t.row_begin : t.head;
-        MbarArriveExpectTx(q_full, Tr::kQBytes);
+        // Rows [row, + panel_bytes / 128) of `head` into dst, one panel of
+        // 64 columns at a time, completing on `full`. The two middle
+        // coordinates are (head, row) or (row, head), by the tensor map's
+        // dimension order (see FwdSm90Args).
+        const auto load_tile = [&](Elem* dst, int panel_bytes, const CUtensorMap* map,
+                                   bool heads_inner, uint64_t* full, int row, int head) {
+          MbarArriveExpectTx(full, Tr::kPanels * panel_bytes);
 #pragma unroll
-        for (int panel = 0; panel < Tr::kPanels; ++panel) {
-          TmaLoad4d(reinterpret_cast<unsigned char*>(s_q) + panel * Tr::kQPanelBytes, &args.tma_q,
-                    q_full, panel * Tr::kPanelCols, q1, q2, b);
-        }
+          for (int panel = 0; panel < Tr::kPanels; ++panel) {
+            TmaLoad4d(reinterpret_cast<unsigned char*>(dst) + panel * panel_bytes, map, full,
+                      panel * Tr::kPanelCols, heads_inner ? head : row,
+                      heads_inner ? row : head, b);
+          }
+        };
+        load_tile(s_q, Tr::kQPanelBytes, &args.tma_q, args.q_heads_inner, q_full, t.row_begin,
+                  t.head);
         for (int n = t.n_end - 1; n >= t.n_first; --n) {
           const int key0 = n * kBlockN;
+          const int kv_elems = stage * kBlockN * kHeadDim;  // the stage's tile
           // Slot free? (Parity phase ^ 1: the first pass over the ring finds
           // every slot free.)
           MbarWait(&k_empty[stage], phase ^ 1);
-          MbarArriveExpectTx(&k_full[stage], Tr::kKvBytes);
-          unsigned char* k_dst = reinterpret_cast<unsigned char*>(s_k) + stage * Tr::kKvBytes;
-#pragma unroll
-          for (int panel = 0; panel < Tr::kPanels; ++panel) {
-            TmaLoad4d(k_dst + panel * Tr::kKvPanelBytes, &args.tma_k, &k_full[stage],
-                      panel * Tr::kPanelCols, args.k_heads_inner ? kv_head : key0,
-                      args.k_heads_inner ? key0 : kv_head, b);
-          }
+          load_tile(s_k + kv_elems, Tr::kKvPanelBytes, &args.tma_k, args.k_heads_inner,
+                    &k_full[stage], key0, kv_head);
           MbarWait(&v_empty[stage], phase ^ 1);
-          MbarArriveExpectTx(&v_full[stage], Tr::kKvBytes);
-          unsigned char* v_dst = reinterpret_cast<unsigned char*>(s_v) + stage * Tr::kKvBytes;
-#pragma unroll
-          for (int panel = 0; panel < Tr::kPanels; ++panel) {
-            TmaLoad4d(v_dst + panel * Tr::kKvPanelBytes, &args.tma_v, &v_full[stage],
-                      panel * Tr::kPanelCols, args.v_heads_inner ? kv_head : key0,
-                      args.v_heads_inner ? key0 : kv_head, b);
-          }
+          load_tile(s_v + kv_elems, Tr::kKvPanelBytes, &args.tma_v, args.v_heads_inner,
+                    &v_full[stage], key0, kv_head);
           if (++stage == kStages) {
             stage = 0;
             phase ^= 1;
