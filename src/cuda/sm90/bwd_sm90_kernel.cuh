@@ -127,11 +127,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kStages = Tr::kStages;
 
-  extern __shared__ unsigned char smem_raw[];
-  // Dynamic shared memory is only guaranteed 16-byte aligned; the swizzle
-  // atoms need 1024 (BwdSm90SmemBytes reserves the slack).
-  unsigned char* smem = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  unsigned char* smem = AlignedDynamicSmem();
   unsigned char* s_k = smem + Smem::kK;
   unsigned char* s_v = smem + Smem::kV;
   unsigned char* s_q = smem + Smem::kQ;

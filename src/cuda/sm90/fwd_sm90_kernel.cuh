@@ -101,11 +101,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kStages = Tr::kStages;
 
-  extern __shared__ unsigned char smem_raw[];
-  // Dynamic shared memory is only guaranteed 16-byte aligned; the swizzle
-  // atoms need 1024 (FwdSm90SmemBytes reserves the slack).
-  unsigned char* smem = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  unsigned char* smem = AlignedDynamicSmem();
   Elem* s_q = reinterpret_cast<Elem*>(smem + Smem::kQ);
   Elem* s_k = reinterpret_cast<Elem*>(smem + Smem::kK);
   Elem* s_v = reinterpret_cast<Elem*>(smem + Smem::kV);

@@ -19,6 +19,15 @@ __device__ __forceinline__ uint32_t SmemAddr(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
+// The kernel's dynamic shared memory rounded up to the 1024-byte swizzle
+// atom: the runtime only guarantees 16-byte alignment, so the kernels'
+// *SmemBytes reserve 1 KB of slack for this.
+__device__ __forceinline__ unsigned char* AlignedDynamicSmem() {
+  extern __shared__ unsigned char smem_raw[];
+  return reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+}
+
 // ---------------------------------------------------------------------------
 // mbarrier. A phase completes when `count` arrivals have happened and the
 // transaction count (bytes announced by expect_tx, decremented by the TMA
