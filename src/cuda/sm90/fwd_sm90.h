@@ -63,8 +63,8 @@ namespace sm90 {
 // The kernel's tiles. block_m query rows per block, 64 per consumer
 // warpgroup; block_n keys per pipeline stage; `unmasked` / `masked`: serves
 // calls without / with a causal or window mask (with one exception by
-// sequence length, PackageTileIndex in fwd_sm90_launch.cu). Shared memory: Q (block_m x
-// D) plus `stages` x (K + V) (block_n x D each), 2-byte elements:
+// sequence length, PackageTileIndex in fwd_sm90_launch.cu). Shared memory:
+// Q (block_m x D) plus `stages` x (K + V) (block_n x D each), 2-byte elements:
 //   D 64,  192 x 128: 24 KB + 3 x 32 KB = 120 KB
 //   D 128, 128 x 176: 32 KB + 2 x 88 KB = 208 KB (a third stage does not fit)
 //   D 128, 128 x 128: 32 KB + 2 x 64 KB = 160 KB
