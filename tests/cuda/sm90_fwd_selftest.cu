@@ -20,7 +20,7 @@
 //   sm90_fwd_selftest --tile N      run row N of kFwdSm90TileTable where its head dim
 //                                   matches (else the package's tile)
 //   sm90_fwd_selftest --persistent 0|1
-//                                   force the one-tile or the persistent grid (unmasked)
+//                                   force the one-tile or the persistent grid
 //   sm90_fwd_selftest --grid        time the benchmark grid's shapes instead (B T = 16k,
 //                                   H D = 2048), sm90 only
 //

@@ -8,6 +8,8 @@
 #include <cuda.h>  // CUtensorMap (type only)
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "../../flash_params.h"
 #include "../flash_cuda.h"
 
@@ -61,10 +63,11 @@ cudaError_t RunForwardSm90Schedule(const FlashParams& p, const DeviceInfo& dev,
 namespace sm90 {
 
 // The kernel's tiles. block_m query rows per block, 64 per consumer
-// warpgroup; block_n keys per pipeline stage; `unmasked` / `masked`: serves
-// calls without / with a causal or window mask (with one exception by
-// sequence length, PackageTileIndex in fwd_sm90_launch.cu). Shared memory:
-// Q (block_m x D) plus `stages` x (K + V) (block_n x D each), 2-byte elements:
+// warpgroup; block_n keys per pipeline stage; `masked`: serves calls with a
+// causal or window mask; `unmasked_min_keys`: serves calls without one whose
+// S is at least this (kNoUnmasked: none). FwdSm90TileIndex takes the first
+// row that serves a call. Shared memory: Q (block_m x D) plus `stages` x
+// (K + V) (block_n x D each), 2-byte elements:
 //   D 64,  192 x 128: 24 KB + 3 x 32 KB = 120 KB
 //   D 128, 128 x 176: 32 KB + 2 x 88 KB = 208 KB (a third stage does not fit)
 //   D 128, 128 x 128: 32 KB + 2 x 64 KB = 160 KB
@@ -75,36 +78,45 @@ namespace sm90 {
 // as much as the products, and a third consumer warpgroup gives the
 // scheduler more independent work to hide it; at D 128 a longer key block
 // spreads each block's fixed costs (barrier waits, the row max and sum
-// reductions, the O rescale) over more keys. Masked calls keep 128 keys:
-// their diagonal blocks pay the per-element mask over the whole block.
+// reductions, the O rescale) over more keys, but only from S > 4096: below,
+// the last, partial 176-key block wastes about as much as that saves, or
+// more (S = 2048: 12 x 176 = 2112 keys; 128 keys measured +3-5% at T = S =
+// 1024 and 2048, even at 4096, -3 to -4% at 8k and 16k). Masked calls keep
+// 128 keys: their diagonal blocks pay the per-element mask over the whole
+// block.
+inline constexpr int64_t kNoUnmasked = INT64_MAX;
+
 struct FwdSm90Tile {
   int head_dim;
   int block_m;
   int block_n;
   int stages;
-  bool unmasked;
   bool masked;
+  int64_t unmasked_min_keys;
   Sm90Schedule schedule;  // the package's
 };
 
 inline constexpr FwdSm90Tile kFwdSm90TileTable[] = {
-    {64, 192, 128, 3, true, true, Sm90Schedule::kPingpong},
-    {128, 128, 176, 2, true, false, Sm90Schedule::kOverlap},
-    {128, 128, 128, 2, false, true, Sm90Schedule::kOverlap},
+    {64, 192, 128, 3, true, 0, Sm90Schedule::kPingpong},
+    {128, 128, 176, 2, false, 4096 + 1, Sm90Schedule::kOverlap},
+    {128, 128, 128, 2, true, 0, Sm90Schedule::kOverlap},
     // The tile D 64 used before (two consumer warpgroups): serves nothing,
     // built with JF2_SM90_ALL_SCHEDULES for the self-test's comparisons.
-    {64, 128, 128, 3, false, false, Sm90Schedule::kOverlap},
+    {64, 128, 128, 3, false, kNoUnmasked, Sm90Schedule::kOverlap},
 };
 inline constexpr int kFwdSm90NumTiles = sizeof(kFwdSm90TileTable) / sizeof(FwdSm90Tile);
 
-// The row serving head_dim with or without a mask, or -1.
-constexpr int FwdSm90TileIndex(int64_t head_dim, bool masked) {
+// The first row serving a call of this head dim, mask and key count, or -1.
+constexpr int FwdSm90TileIndex(int64_t head_dim, bool masked, int64_t seqlen_k) {
   for (int i = 0; i < kFwdSm90NumTiles; ++i) {
     const FwdSm90Tile& t = kFwdSm90TileTable[i];
-    if (t.head_dim == head_dim && (masked ? t.masked : t.unmasked)) return i;
+    if (t.head_dim == head_dim && (masked ? t.masked : seqlen_k >= t.unmasked_min_keys)) return i;
   }
   return -1;
 }
+static_assert(FwdSm90TileIndex(64, false, 512) == 0 && FwdSm90TileIndex(64, true, 16384) == 0);
+static_assert(FwdSm90TileIndex(128, false, 4096) == 2 && FwdSm90TileIndex(128, false, 4097) == 1);
+static_assert(FwdSm90TileIndex(128, true, 16384) == 2 && FwdSm90TileIndex(96, false, 512) == -1);
 
 // Warp roles: warpgroup 0 produces (one thread issues every TMA copy), the
 // block_m / 64 others consume (wgmma + softmax), 64 query rows each.

@@ -91,17 +91,9 @@ cudaError_t LaunchForSchedule(const FwdSm90Args& args, int tile_index, int grid_
 
 bool IsMasked(const FlashParams& p) { return p.window_left >= 0 || p.window_right >= 0; }
 
-// The package's tile for p (a row of kFwdSm90TileTable), or -1. At D 128
-// without a mask, S <= 4096 keeps 128-key blocks: there the last, partial
-// 176-key block wastes about as much (S = 2048: 12 x 176 = 2112 keys) as
-// the longer blocks save, or more (NOTES.md: 128 keys +3-5% at T = S = 1024
-// and 2048, even at 4096, -3 to -4% at 8k and 16k).
+// The package's tile for p (a row of kFwdSm90TileTable), or -1.
 int PackageTileIndex(const FlashParams& p) {
-  const bool masked = IsMasked(p);
-  if (p.head_dim == 128 && !masked && p.seqlen_k <= 4096) {
-    return sm90::FwdSm90TileIndex(p.head_dim, /*masked=*/true);
-  }
-  return sm90::FwdSm90TileIndex(p.head_dim, masked);
+  return sm90::FwdSm90TileIndex(p.head_dim, IsMasked(p), p.seqlen_k);
 }
 
 }  // namespace
@@ -114,9 +106,11 @@ bool Sm90ForwardSupports(const FlashParams& p) {
 }
 
 cudaError_t RunForwardSm90(const FlashParams& p, const DeviceInfo& dev, cudaStream_t stream) {
-  if (!Sm90ForwardSupports(p)) return cudaErrorInvalidValue;
+  sm90::FwdSm90Choice choice;
+  choice.tile = PackageTileIndex(p);
+  if (choice.tile < 0) return cudaErrorInvalidValue;
   return sm90::RunForwardSm90Schedule(p, dev, stream,
-                                      sm90::kFwdSm90TileTable[PackageTileIndex(p)].schedule);
+                                      sm90::kFwdSm90TileTable[choice.tile].schedule, choice);
 }
 
 cudaError_t sm90::RunForwardSm90Schedule(const FlashParams& p, const DeviceInfo& dev,
