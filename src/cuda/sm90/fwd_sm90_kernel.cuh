@@ -73,7 +73,6 @@ struct FwdSm90Traits {
   static constexpr int kPSlices = kBlockN / 16;  // k16 slices of P
   static constexpr int kConsumerWarpgroups = FwdSm90ConsumerWarpgroups(kTile);
   static constexpr int kConsumerWarps = 4 * kConsumerWarpgroups;
-  static constexpr int kThreads = FwdSm90Threads(kTile);
   static_assert(kBlockM == 64 * kConsumerWarpgroups, "each consumer warpgroup owns 64 rows");
   static_assert(kHeadDim % kPanelCols == 0 && kBlockN % 16 == 0 && kBlockN <= 256);
 };
