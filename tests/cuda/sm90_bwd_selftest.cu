@@ -18,7 +18,7 @@
 //   sm90_bwd_selftest               all cases + timings
 //   sm90_bwd_selftest --tiny        four small cases (for the sanitizers)
 //   sm90_bwd_selftest --probe       exits 0 at once: checks that a carried binary loads
-//   sm90_bwd_selftest --filter STR  only the cases whose name contains STR
+//   sm90_bwd_selftest --filter STR  only the cases (checked and timed) whose name contains STR
 //   sm90_bwd_selftest --no-time     skip timings
 //   sm90_bwd_selftest --time-only   timings only
 #include <cuda_bf16.h>
@@ -454,7 +454,9 @@ int main(int argc, char** argv) {
         {"B1 T=S=16384 H16 D128", bf, 1, 16384, 16384, 16, 16, 128, -1, -1},
         {"B1 T=S=16384 H16 D128 causal", bf, 1, 16384, 16384, 16, 16, 128, -1, 0},
     };
-    for (const Case& c : timed) TimeCase(c, dev);
+    for (const Case& c : timed) {
+      if (filter.empty() || c.name.find(filter) != std::string::npos) TimeCase(c, dev);
+    }
   }
   return failed ? 1 : 0;
 }

@@ -53,7 +53,8 @@ namespace sm90 {
 //   D = 128: 64 KB + 2 x 32 KB + 32 KB + 32 KB + 1 KB = 193 KB
 // Registers per consumer thread: dK, dV (D / 2 fp32 each), S^T and dP^T
 // (block_m / 2 fp32 each), dQ (32 fp32), P^T and dS^T as A fragments
-// (block_m / 4 b32 each): about 230 at the peak (S^T, dP^T beside dK, dV).
+// (block_m / 4 b32 each), lse2 and Dvec of the block (block_m / 4 fp32
+// each): about 230 at the peak (S^T, dP^T beside dK, dV).
 struct BwdSm90Tile {
   int head_dim;
   int block_m;

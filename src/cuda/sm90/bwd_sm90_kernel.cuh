@@ -43,7 +43,9 @@
 // lse2 and Dvec staged in shared memory by the producer's row warp, so the
 // consumers never wait on L2 for them. Staging them with the copy engine was
 // what racecheck flagged once; plain stores published by per-thread mbarrier
-// arrivals are clean.
+// arrivals are clean. Shared memory reached as shared memory (STS/LDS; see
+// AlignedDynamicSmem), with conflict-free dQ staging stores, and the lse2 /
+// Dvec loads issued ahead of the wgmmas: +8-13% together (NOTES.md).
 //
 // Masking as in the sm80 backward: query blocks outside the key block's
 // window are skipped (QueryRange), and only blocks not fully visible to a
@@ -303,24 +305,16 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   }
 
   // lse2 (which = 0) or Dvec (1) of the stage's query block at this thread's
-  // accumulator columns 8 j + 2 t4, + 1, from the row warp's copy. At
-  // block_m = 64 they are loaded into registers before the waits whose
-  // products need them; at 128 there are no registers for them, and each is
-  // read from shared memory where it is used (kRowsInRegs).
-  constexpr bool kRowsInRegs = kBlockM == 64;
-  const auto row_ptr = [&](int stage, int which) {
-    return s_rows + (2 * stage + which) * kBlockM + 2 * t4;
-  };
+  // accumulator columns 8 j + 2 t4, + 1, from the row warp's copy, into
+  // registers. The loads are issued ahead of the products that flood shared
+  // memory with operand reads: lse2 before S^T and dP^T are issued, Dvec
+  // once S^T is done (its loads then run under the exponentials). Loaded
+  // where they were used, the first use waited out their latency behind the
+  // wgmma reads (ncu: 4-7% of the stall samples on one FFMA at D = 128).
   const auto load_rows = [&](int stage, int which, float2 (&out)[kBlockM / 8]) {
-    if constexpr (kRowsInRegs) {
-      const float* row = row_ptr(stage, which);
+    const float* row = s_rows + (2 * stage + which) * kBlockM + 2 * t4;
 #pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j) out[j] = *reinterpret_cast<const float2*>(row + 8 * j);
-    }
-  };
-  const auto row_value = [&](const float2 (&loaded)[kBlockM / 8], int stage, int which, int j) {
-    if constexpr (kRowsInRegs) return loaded[j];
-    return *reinterpret_cast<const float2*>(row_ptr(stage, which) + 8 * j);
+    for (int j = 0; j < kBlockM / 8; ++j) out[j] = *reinterpret_cast<const float2*>(row + 8 * j);
   };
 
   // dq_acc [B, T, H, D] += this warpgroup's dQ tile: rows [row0, +64),
@@ -330,21 +324,29 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   // then one thread hands it to the copy engine as two bulk tensor
   // reductions. Float2 atomics from every thread, the earlier way, took a
   // third of the kernel's time (NOTES.md). Rows past T fall outside the map
-  // and are dropped. The store of a warp covers the 8 chunks of each row
-  // twice: two wavefronts for 256 bytes, no conflicts.
+  // and are dropped.
+  // An 8-byte store is served a half warp at a time (rows g < 4, then g >= 4).
+  // Lanes t4 < 2 and t4 >= 2 of a row write neighbouring chunks, which the
+  // swizzle by rows 0-3 keeps inside one 4-chunk half of the row: 2-way
+  // conflicts (ncu). So lanes t4 >= 2 store column block j ^ 2 when the
+  // others store j: their chunk moves to the other half, and each half warp
+  // covers all 32 banks once.
   const auto reduce_dq = [&](const float (&dq)[32], int h, int row0, int col0) {
     unsigned char* tile = s_dq + cg * Tr::kDqTileBytes;
+    const bool upper = t4 >= 2;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
+      const int jj = upper ? j ^ 2 : j;  // this lane's column block, 8 jj + 2 t4
 #pragma unroll
       for (int rh = 0; rh < 2; ++rh) {
-        // Row r = 16 warp + g + 8 rh (r % 8 = g), columns 8 j + 2 t4, + 1:
-        // panel j / 4, chunk 2 (j % 4) + t4 / 2, byte 8 (t4 % 2) in it.
+        // Row r = 16 warp + g + 8 rh (r % 8 = g), columns 8 jj + 2 t4, + 1:
+        // panel jj / 4, chunk 2 (jj % 4) + t4 / 2, byte 8 (t4 % 2) in it.
         const int r = 16 * warp + g + 8 * rh;
-        const int chunk = (2 * (j % 4) + t4 / 2) ^ g;
-        *reinterpret_cast<float2*>(tile + (j / 4) * Tr::kDqPanelBytes + r * 128 + chunk * 16 +
-                                   8 * (t4 % 2)) = make_float2(dq[4 * j + 2 * rh],
-                                                               dq[4 * j + 2 * rh + 1]);
+        const int chunk = (2 * (jj % 4) + t4 / 2) ^ g;
+        const int lo = 4 * j + 2 * rh, hi = 4 * (j ^ 2) + 2 * rh;
+        const float2 v = upper ? make_float2(dq[hi], dq[hi + 1]) : make_float2(dq[lo], dq[lo + 1]);
+        *reinterpret_cast<float2*>(tile + (jj / 4) * Tr::kDqPanelBytes + r * 128 + chunk * 16 +
+                                   8 * (t4 % 2)) = v;
       }
     }
     FenceProxyAsync();
@@ -385,6 +387,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     };
     float s[Tr::kSAcc], dp[Tr::kSAcc];
     MbarWait(&q_full[ring.stage], ring.phase);
+    float2 lse2[kBlockM / 8], dvec[kBlockM / 8];
+    load_rows(ring.stage, 0, lse2);
     WgmmaFence();
     issue_keys_x_queries(s, desc_k_rows, desc_q_k);    // S^T = K_c Q^T
     issue_keys_x_queries(dp, desc_v_rows, desc_do_k);  // dP^T = V_c dO^T
@@ -393,16 +397,15 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     // 8 rh, query column 8 j + 2 t4 + e, with j = i / 4, rh = (i / 2) % 2,
     // e = i % 2.
     const bool full = mask.BlockFullyVisible(m_begin, m_begin + kBlockM, key0, key0 + 64);
-    float2 lse2[kBlockM / 8];
-    load_rows(ring.stage, 0, lse2);
     WgmmaWaitFenced<1>(s);  // S^T done; dP^T may still run
+    load_rows(ring.stage, 1, dvec);
     // P^T = exp2(S^T * scale_log2 - lse2[query]); lse2 = +inf (rows past T,
     // rows that see no key) gives exactly 0. P^T and dS^T become A fragments
     // (rounded to Elem, as in FlashAttention-2): n8 tiles 2 kk and 2 kk + 1
     // form k16 slice kk (see wgmma.cuh).
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
-      const float2 l = row_value(lse2, ring.stage, 0, j);
+      const float2 l = lse2[j];
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int i = 4 * j + r;
@@ -445,13 +448,11 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     constexpr bool kDvUnderDs = kBlockM == 64;
     if constexpr (kDvUnderDs) issue_dv();
 
-    float2 dvec[kBlockM / 8];
-    load_rows(ring.stage, 1, dvec);
     WgmmaWaitFenced<kDvUnderDs ? 1 : 0>(dp);  // dP^T done; dV may still run
     // dS^T = P^T o (dP^T - Dvec[query]).
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
-      const float2 d = row_value(dvec, ring.stage, 1, j);
+      const float2 d = dvec[j];
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int i = 4 * j + r;

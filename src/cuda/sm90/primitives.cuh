@@ -21,11 +21,14 @@ __device__ __forceinline__ uint32_t SmemAddr(const void* ptr) {
 
 // The kernel's dynamic shared memory rounded up to the 1024-byte swizzle
 // atom: the runtime only guarantees 16-byte alignment, so the kernels'
-// *SmemBytes reserve 1 KB of slack for this.
+// *SmemBytes reserve 1 KB of slack for this. The pointer is offset from the
+// array, not rebuilt from an integer, so the compiler still knows it points
+// into shared memory and emits STS/LDS for accesses through it (a pointer
+// rounded as an integer made every such access a generic ST.E/LD.E, which
+// waits on the long scoreboard).
 __device__ __forceinline__ unsigned char* AlignedDynamicSmem() {
   extern __shared__ unsigned char smem_raw[];
-  return reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  return smem_raw + ((1024 - (SmemAddr(smem_raw) & 1023)) & 1023);
 }
 
 // ---------------------------------------------------------------------------
