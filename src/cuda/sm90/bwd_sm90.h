@@ -74,8 +74,9 @@ constexpr BwdSm90Tile BwdSm90TileFor(int64_t head_dim) {
   return BwdSm90Tile{0, 0, 0, 0};
 }
 
-// Warp roles: warpgroup 0 produces (one thread issues every TMA copy),
-// warpgroups 1 and 2 consume, 64 keys each.
+// Warp roles: warpgroup 0 produces (one thread issues every TMA load, one
+// warp stages lse2 and Dvec, one issues the dQ reductions), warpgroups 1
+// and 2 consume, 64 keys each.
 inline constexpr int kBwdConsumerWarpgroups = 2;
 inline constexpr int kBwdSm90Threads = 128 * (1 + kBwdConsumerWarpgroups);
 // setmaxnreg budget: 128 x 24 + 256 x 240 = 64512 <= 65536 registers. The

@@ -1,7 +1,8 @@
 // FlashAttention-2 backward main kernel for Hopper (sm_90a): TMA loads of Q
 // and dO into a ring of shared-memory stages synchronised by mbarriers, wgmma
-// for all five products, one producer warpgroup (a TMA thread and a warp
-// that stages lse2 and Dvec) and two consumer warpgroups. It
+// for all five products, one producer warpgroup (a TMA thread, a warp that
+// stages lse2 and Dvec, and a warp that issues the dQ reductions) and two
+// consumer warpgroups. It
 // replaces BwdMainKernel (bwd_kernel.cuh) only: the preprocess (lse2 = LSE *
 // log2(e), Dvec = rowsum(dO * O) - dLSE, dq_acc = 0) and the convert (dq =
 // dq_acc * scale) are that file's kernels, and the scratch layout is
@@ -91,6 +92,10 @@ struct BwdSm90Traits {
   // dQ (kBlockM x D) is split between the warpgroups into 64 x 64 tiles: by
   // queries at D = 64 (block_m = 128), by columns at D = 128 (block_m = 64).
   static constexpr bool kDqByQueries = kBlockM == 128;
+  // Consumer warpgroup c's tile: queries [DqRow0(c), +64) of the block =
+  // dS^T panel DqRow0(c) / 64, columns [DqCol0(c), +64) = K panel DqCol0 / 64.
+  static constexpr int DqRow0(int c) { return kDqByQueries ? 64 * c : 0; }
+  static constexpr int DqCol0(int c) { return kDqByQueries ? 0 : 64 * c; }
   // A warpgroup's dQ (64 queries x 64 columns, fp32) staged for the bulk
   // reduction: two panels of 32 columns (one 128-byte swizzled row each).
   static constexpr int kDqTileBytes = 64 * 64 * 4;
@@ -255,6 +260,46 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
         ring.Advance();
       }
     }
+    else if (threadIdx.x / 32 == 2) {
+      // The dQ warp: hands each consumer warpgroup's staged dQ tile (see
+      // reduce_dq) to the copy engine as two bulk tensor reductions of 32
+      // columns. Named barriers of 128 + 32 threads: 3 + c, tile c staged
+      // (the consumers arrive, this warp waits); 5 + c, tile c read by the
+      // copy engine and free again (this warp arrives, the consumers wait).
+      // Issued by a consumer thread instead, behind a barrier of its
+      // warpgroup and a wait for the previous reduction's read, they cost
+      // the consumers 4-7% at D = 128 (NOTES.md).
+      const int lane = threadIdx.x % 32;
+      for (int c = 0; c < kBwdConsumerWarpgroups; ++c) NamedBarrierArrive(5 + c, 160);
+      for (int it = 0; it < num_iters; ++it) {
+        const auto [h, m_begin] = query_block(it);
+#pragma unroll
+        for (int c = 0; c < kBwdConsumerWarpgroups; ++c) {
+          const int row0 = m_begin + Tr::DqRow0(c);
+          const int col0 = Tr::DqCol0(c);
+          unsigned char* tile = s_dq + c * Tr::kDqTileBytes;
+          NamedBarrierSync(3 + c, 160);  // the warpgroup's tile is staged
+          if (lane == 0) {
+            TmaReduceAdd4d(tile, &args.tma_dq, col0, h, row0, b);
+            TmaReduceAdd4d(tile + Tr::kDqPanelBytes, &args.tma_dq, col0 + 32, h, row0, b);
+            BulkCommitGroup();
+          }
+        }
+        // Tiles 0 and 1 free once their groups are read (the oldest first);
+        // the last block's are never rewritten.
+        if (it + 1 < num_iters) {
+          static_assert(kBwdConsumerWarpgroups == 2);
+          if (lane == 0) BulkWaitGroupRead<1>();
+          __syncwarp();
+          NamedBarrierArrive(5, 160);
+          if (lane == 0) BulkWaitGroupRead<0>();
+          __syncwarp();
+          NamedBarrierArrive(6, 160);
+        }
+      }
+      // The reductions must land before the convert kernel reads dq_acc.
+      if (lane == 0) BulkWaitGroup<0>();
+    }
     return;
   }
 
@@ -286,10 +331,9 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   // so M needs one panel and the leading byte offset is unused.
   const uint64_t desc_ds_mn = MakeDescMN(SmemAddr(s_ds), Tr::kDsPanelBytes);
   const uint64_t desc_k_mn = MakeDescMN(SmemAddr(s_k), Tr::kKvPanelBytes);
-  // This warpgroup's dQ tile (see Traits): queries [dq_row0, +64) = dS^T panel
-  // dq_row0 / 64, columns [dq_col0, +64) = K panel dq_col0 / 64.
-  const int dq_row0 = Tr::kDqByQueries ? 64 * cg : 0;
-  const int dq_col0 = Tr::kDqByQueries ? 0 : 64 * cg;
+  // This warpgroup's dQ tile (Traits::DqRow0, DqCol0).
+  const int dq_row0 = Tr::DqRow0(cg);
+  const int dq_col0 = Tr::DqCol0(cg);
 
   // Queries [q_lo[rh], q_hi[rh]) see this thread's key row key0 + 16 warp +
   // g + 8 rh (none for rows past S). Blocks not fully visible compare
@@ -321,18 +365,18 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   // columns [col0, +64) (unscaled; the convert kernel scales). The fragment
   // goes to the warpgroup's staging tile in the 128-byte-swizzled
   // layout of the dq_acc map's box (row r: 16-byte chunk c at c ^ (r % 8)),
-  // then one thread hands it to the copy engine as two bulk tensor
-  // reductions. Float2 atomics from every thread, the earlier way, took a
-  // third of the kernel's time (NOTES.md). Rows past T fall outside the map
-  // and are dropped.
+  // and the producer's dQ warp hands it to the copy engine. Float2 atomics
+  // from every thread, the earlier way, took a third of the kernel's time
+  // (NOTES.md). Rows past T fall outside the map and are dropped.
   // An 8-byte store is served a half warp at a time (rows g < 4, then g >= 4).
   // Lanes t4 < 2 and t4 >= 2 of a row write neighbouring chunks, which the
   // swizzle by rows 0-3 keeps inside one 4-chunk half of the row: 2-way
   // conflicts (ncu). So lanes t4 >= 2 store column block j ^ 2 when the
   // others store j: their chunk moves to the other half, and each half warp
   // covers all 32 banks once.
-  const auto reduce_dq = [&](const float (&dq)[32], int h, int row0, int col0) {
+  const auto stage_dq = [&](const float (&dq)[32]) {
     unsigned char* tile = s_dq + cg * Tr::kDqTileBytes;
+    NamedBarrierSync(5 + cg, 160);  // ids 5, 6: the dQ warp's last reduction has read the tile
     const bool upper = t4 >= 2;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -350,18 +394,13 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       }
     }
     FenceProxyAsync();
-    NamedBarrierSync(3 + cg, 128);  // ids 3, 4: this warpgroup's tile is complete
-    if (wg_tid == 0) {
-      TmaReduceAdd4d(tile, &args.tma_dq, col0, h, row0, b);
-      TmaReduceAdd4d(tile + Tr::kDqPanelBytes, &args.tma_dq, col0 + 32, h, row0, b);
-      BulkCommitGroup();
-    }
+    NamedBarrierArrive(3 + cg, 160);  // ids 3, 4: the tile is staged, to the dQ warp
   };
 
   // Each query block commits five wgmma groups, in this order: S^T, dP^T, dV,
   // dQ, dK. Every wait but the last leaves the newest group running, so the
   // tensor cores have queued work while the warps compute: dP^T runs under
-  // the P^T exponentials, dV under dS^T, dK under the dQ atomics. (No group
+  // the P^T exponentials, dV under dS^T, dK under the dQ staging. (No group
   // stays in flight into the next block: ptxas serialized every wgmma,
   // warnings C7514/C7515, when one did.)
   if (num_iters > 0) MbarWait(kv_full, 0);
@@ -493,10 +532,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
 
     // dQ reads the dS^T rows of both warpgroups: barrier 1 over both (0 is
     // __syncthreads'). Buffer ds_buf was last read by dQ of block it - 2,
-    // which each warpgroup waited for before block it - 1's barrier. The
-    // staging tiles too: their last reductions (block it - 1) have read them
-    // once the issuing thread's bulk groups have (before this barrier).
-    if (wg_tid == 0) BulkWaitGroupRead<0>();
+    // which each warpgroup waited for before block it - 1's barrier.
     NamedBarrierSync(1, 256);
 
     // dQ = dS K for this warpgroup's 64 x 64 tile, over all kBlockN keys,
@@ -521,9 +557,9 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     }
     WgmmaCommit();
 
-    // dV and dQ done (dK may still run): add dQ into dq_acc.
+    // dV and dQ done (dK may still run): stage dQ for the dQ warp.
     WgmmaWaitFenced<1>(acc_dv, pa, dq);
-    reduce_dq(dq, h, m_begin + dq_row0, dq_col0);
+    stage_dq(dq);
 
     // dK done: the stage's Q, dO, lse2 and Dvec are free. Every thread
     // arrives (not one per warp): racecheck orders the row warp's next
@@ -533,8 +569,6 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     ring.Advance();
   }
 
-  // The reductions must land before the convert kernel reads dq_acc.
-  if (wg_tid == 0) BulkWaitGroup<0>();
 
   // Epilogue: dK = scale * acc_dk, dV = acc_dv into [B, S, K, D] (dk and dv
   // share k's strides), straight from the accumulator fragment. Keys no query
