@@ -22,7 +22,7 @@
 //   sm90_fwd_selftest --persistent 0|1
 //                                   force the one-tile or the persistent grid
 //   sm90_fwd_selftest --grid        time the benchmark grid's shapes instead (B T = 16k,
-//                                   H D = 2048), sm90 only
+//                                   H D = 2048), sm90 only; --filter picks among them
 //
 // Outputs are poisoned with NaN before each run, so an element the kernel
 // fails to write shows up as a NaN. Each launch is watched (SyncWithWatchdog,
@@ -483,6 +483,7 @@ int main(int argc, char** argv) {
           for (int64_t t = 512; t <= 16384; t *= 2) {
             const std::string name = "grid D" + std::to_string(d) + " T" + std::to_string(t) +
                                      (causal ? " causal" : "");
+            if (!filter.empty() && name.find(filter) == std::string::npos) continue;
             const Case c{name,
                          bf, 16384 / t, t, t, 2048 / d, 2048 / d, d, -1, causal ? 0 : -1};
             TimeCase(c, dev, 20, /*with_sm80=*/false);

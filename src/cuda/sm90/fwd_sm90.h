@@ -43,8 +43,9 @@ namespace sm90 {
 //   kPingpong: kOverlap, plus the consumer warpgroups take turns issuing
 //              their wgmmas (named barriers, round robin), so one's softmax
 //              runs while another's products occupy the tensor cores. With
-//              two warpgroups (D 128) within 1-2% of kOverlap either way;
-//              with three (D 64) 4-6% faster at T >= 2048.
+//              three warpgroups (D 64) 4-6% faster at T >= 2048; with two
+//              (D 128) within 1-2% of kOverlap with one tile per block, and
+//              2-8% faster in the persistent grid at S <= 4096 (8192 masked).
 enum class Sm90Schedule : int { kSerial = 0, kOverlap = 1, kPingpong = 2 };
 
 // Self-test overrides of the host's choices (-1: the package's rule): the
@@ -86,6 +87,17 @@ namespace sm90 {
 // block.
 inline constexpr int64_t kNoUnmasked = INT64_MAX;
 
+//
+// `schedule` is the consumer schedule the package builds the tile with, and
+// `persistent_keys_*` the largest S (with / without a mask) at which it runs
+// the persistent grid (one block per SM walking tiles; 0: never), whose
+// blocks start each tile's loads under the previous tile's end. The D 128
+// 128-key tile runs pingpong, persistent up to S = 8192 masked and 4096
+// unmasked: +2-6% at T = S = 2048-4096 and +3-8% causal at 2048-8192 over
+// overlap with one tile per block, and within 3% below (sm90_fwd_selftest
+// --grid, NOTES.md). Under a causal mask at 16k the persistent grid lost
+// 25-30% (its fixed walk against the hardware's longest-first order), and
+// the 176-key tile (S > 4096, no mask) measured the same either way.
 struct FwdSm90Tile {
   int head_dim;
   int block_m;
@@ -94,16 +106,27 @@ struct FwdSm90Tile {
   bool masked;
   int64_t unmasked_min_keys;
   Sm90Schedule schedule;  // the package's
+  int64_t persistent_keys_masked;
+  int64_t persistent_keys_unmasked;
 };
 
 inline constexpr FwdSm90Tile kFwdSm90TileTable[] = {
-    {64, 192, 128, 3, true, 0, Sm90Schedule::kPingpong},
-    {128, 128, 176, 2, false, 4096 + 1, Sm90Schedule::kOverlap},
-    {128, 128, 128, 2, true, 0, Sm90Schedule::kOverlap},
+    {64, 192, 128, 3, true, 0, Sm90Schedule::kPingpong, 2048, 1024},
+    {128, 128, 176, 2, false, 4096 + 1, Sm90Schedule::kOverlap, 0, 0},
+    {128, 128, 128, 2, true, 0, Sm90Schedule::kPingpong, 8192, 4096},
     // The tile D 64 used before (two consumer warpgroups): serves nothing,
     // built with JF2_SM90_ALL_SCHEDULES for the self-test's comparisons.
-    {64, 128, 128, 3, false, kNoUnmasked, Sm90Schedule::kOverlap},
+    {64, 128, 128, 3, false, kNoUnmasked, Sm90Schedule::kOverlap, 2048, 1024},
 };
+
+// Whether the package runs tile t's persistent grid for a call.
+constexpr bool FwdSm90EverPersistent(const FwdSm90Tile& t) {
+  return t.persistent_keys_masked > 0 || t.persistent_keys_unmasked > 0;
+}
+constexpr bool FwdSm90Persistent(const FwdSm90Tile& t, bool masked, int64_t seqlen_k) {
+  return FwdSm90EverPersistent(t) &&
+         seqlen_k <= (masked ? t.persistent_keys_masked : t.persistent_keys_unmasked);
+}
 inline constexpr int kFwdSm90NumTiles = sizeof(kFwdSm90TileTable) / sizeof(FwdSm90Tile);
 
 // The first row serving a call of this head dim, mask and key count, or -1.
@@ -117,6 +140,11 @@ constexpr int FwdSm90TileIndex(int64_t head_dim, bool masked, int64_t seqlen_k) 
 static_assert(FwdSm90TileIndex(64, false, 512) == 0 && FwdSm90TileIndex(64, true, 16384) == 0);
 static_assert(FwdSm90TileIndex(128, false, 4096) == 2 && FwdSm90TileIndex(128, false, 4097) == 1);
 static_assert(FwdSm90TileIndex(128, true, 16384) == 2 && FwdSm90TileIndex(96, false, 512) == -1);
+static_assert(FwdSm90Persistent(kFwdSm90TileTable[2], true, 8192) &&
+              !FwdSm90Persistent(kFwdSm90TileTable[2], true, 8193) &&
+              FwdSm90Persistent(kFwdSm90TileTable[2], false, 4096) &&
+              !FwdSm90Persistent(kFwdSm90TileTable[0], false, 2048) &&
+              !FwdSm90EverPersistent(kFwdSm90TileTable[1]));
 
 // Warp roles: warpgroup 0 produces (one thread issues every TMA copy), the
 // block_m / 64 others consume (wgmma + softmax), 64 query rows each.

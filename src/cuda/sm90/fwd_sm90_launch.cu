@@ -44,18 +44,22 @@ cudaError_t LaunchFwdSm90(const FwdSm90Args& args, int grid_blocks, cudaStream_t
   return cudaGetLastError();
 }
 
-// The package builds each tile with its table row's schedule only.
+// The package builds each tile with its table row's schedule only, and its
+// persistent form only where the row ever runs it.
 template <typename Elem, int kTileIndex, Sm90Schedule kSchedule>
 cudaError_t LaunchForGrid(const FwdSm90Args& args, int grid_blocks, cudaStream_t stream) {
-  constexpr bool kBuilt =
-      JF2_SM90_ALL_SCHEDULES || sm90::kFwdSm90TileTable[kTileIndex].schedule == kSchedule;
-  if constexpr (kBuilt) {
-    return grid_blocks < args.num_tiles
-               ? LaunchFwdSm90<Elem, kTileIndex, kSchedule, true>(args, grid_blocks, stream)
-               : LaunchFwdSm90<Elem, kTileIndex, kSchedule, false>(args, grid_blocks, stream);
-  } else {
-    return cudaErrorInvalidValue;
+  constexpr FwdSm90Tile tile = sm90::kFwdSm90TileTable[kTileIndex];
+  constexpr bool kBuilt = JF2_SM90_ALL_SCHEDULES || tile.schedule == kSchedule;
+  constexpr bool kBuiltPersistent =
+      kBuilt && (JF2_SM90_ALL_SCHEDULES || sm90::FwdSm90EverPersistent(tile));
+  if (grid_blocks < args.num_tiles) {
+    if constexpr (kBuiltPersistent) {
+      return LaunchFwdSm90<Elem, kTileIndex, kSchedule, true>(args, grid_blocks, stream);
+    }
+  } else if constexpr (kBuilt) {
+    return LaunchFwdSm90<Elem, kTileIndex, kSchedule, false>(args, grid_blocks, stream);
   }
+  return cudaErrorInvalidValue;
 }
 
 template <typename Elem, Sm90Schedule kSchedule>
@@ -134,13 +138,13 @@ cudaError_t sm90::RunForwardSm90Schedule(const FlashParams& p, const DeviceInfo&
   args.num_tiles = static_cast<int>(args.num_m_blocks * p.num_heads_q * p.batch);
   // Persistent (one block per SM, each walking tiles in rounds; see the
   // kernel) when the tiles are short, so that the start of one (Q and the
-  // first K/V loads) hides under the end of the previous one: S <= 1024, or
-  // 2048 under a mask (whose tiles are shorter). Measured on the H200
-  // (NOTES.md): +14-19% at T = S = 512, causal or not; at S = 2048 without
-  // a mask 1-3% slower than a block per tile, with one +7% (D 128) or even.
+  // first K/V loads) hides under the end of the previous one: up to the
+  // tile's persistent_keys_* (fwd_sm90.h). Measured on the H200 (NOTES.md):
+  // +14-19% at T = S = 512, causal or not; D 64 at S = 2048 without a mask
+  // 1-3% slower than a block per tile.
   const bool persistent = choice.persistent >= 0
                               ? choice.persistent == 1
-                              : p.seqlen_k <= (IsMasked(p) ? 2048 : 1024);
+                              : sm90::FwdSm90Persistent(tile, IsMasked(p), p.seqlen_k);
   const int grid_blocks =
       persistent ? static_cast<int>(std::min<int64_t>(args.num_tiles, dev.sm_count))
                  : args.num_tiles;
