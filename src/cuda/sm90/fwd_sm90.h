@@ -64,11 +64,11 @@ cudaError_t RunForwardSm90Schedule(const FlashParams& p, const DeviceInfo& dev,
 namespace sm90 {
 
 // The kernel's tiles. block_m query rows per block, 64 per consumer
-// warpgroup; block_n keys per pipeline stage; `masked`: serves calls with a
-// causal or window mask; `unmasked_min_keys`: serves calls without one whose
-// S is at least this (kNoUnmasked: none). FwdSm90TileIndex takes the first
-// row that serves a call. Shared memory: Q (block_m x D) plus `stages` x
-// (K + V) (block_n x D each), 2-byte elements:
+// warpgroup; block_n keys per pipeline stage. A row serves the calls of its
+// head dim with a causal or window mask (`masked`) and / or without one
+// (`unmasked`) whose S lies in [min_keys, max_keys]; FwdSm90TileIndex takes
+// the first row that serves a call. Shared memory: Q (block_m x D) plus
+// `stages` x (K + V) (block_n x D each), 2-byte elements:
 //   D 64,  192 x 128: 24 KB + 3 x 32 KB = 120 KB
 //   D 128, 128 x 176: 32 KB + 2 x 88 KB = 208 KB (a third stage does not fit)
 //   D 128, 128 x 128: 32 KB + 2 x 64 KB = 160 KB
@@ -85,66 +85,87 @@ namespace sm90 {
 // 1024 and 2048, even at 4096, -3 to -4% at 8k and 16k). Masked calls keep
 // 128 keys: their diagonal blocks pay the per-element mask over the whole
 // block.
-inline constexpr int64_t kNoUnmasked = INT64_MAX;
-
 //
 // `schedule` is the consumer schedule the package builds the tile with, and
 // `persistent_keys_*` the largest S (with / without a mask) at which it runs
 // the persistent grid (one block per SM walking tiles; 0: never), whose
-// blocks start each tile's loads under the previous tile's end. The D 128
-// 128-key tile runs pingpong, persistent up to S = 8192 masked and 4096
-// unmasked: +2-6% at T = S = 2048-4096 and +3-8% causal at 2048-8192 over
-// overlap with one tile per block, and within 3% below (sm90_fwd_selftest
-// --grid, NOTES.md). Under a causal mask at 16k the persistent grid lost
-// 25-30% (its fixed walk against the hardware's longest-first order), and
-// the 176-key tile (S > 4096, no mask) measured the same either way.
+// blocks start each tile's loads under the previous tile's end. A row whose
+// persistent range covers all it serves is built only in the persistent
+// form, which also runs grids of one tile per block. Measured
+// (sm90_fwd_selftest --grid, NOTES.md):
+// - D 128, 128 keys: pingpong, persistent up to S = 8192 masked and 4096
+//   unmasked: +2-6% at T = S = 2048-4096 and +3-8% causal at 2048-8192 over
+//   overlap with one tile per block, within 3% below. Under a causal mask at
+//   16k the persistent grid lost 25-30% (its fixed walk against the
+//   hardware's longest-first order); the 176-key tile (S > 4096, no mask)
+//   measured the same either way.
+// - D 64: pingpong from S = 2048 (+1-5% over overlap), overlap at S <= 1024
+//   (+2-10%; T 512 causal 175 vs 160).
+inline constexpr int64_t kAnyKeys = INT64_MAX;
+
 struct FwdSm90Tile {
   int head_dim;
   int block_m;
   int block_n;
   int stages;
   bool masked;
-  int64_t unmasked_min_keys;
+  bool unmasked;
+  int64_t min_keys;
+  int64_t max_keys;
   Sm90Schedule schedule;  // the package's
   int64_t persistent_keys_masked;
   int64_t persistent_keys_unmasked;
 };
 
 inline constexpr FwdSm90Tile kFwdSm90TileTable[] = {
-    {64, 192, 128, 3, true, 0, Sm90Schedule::kPingpong, 2048, 1024},
-    {128, 128, 176, 2, false, 4096 + 1, Sm90Schedule::kOverlap, 0, 0},
-    {128, 128, 128, 2, true, 0, Sm90Schedule::kPingpong, 8192, 4096},
+    // D, block_m x block_n, stages; masked, unmasked, S range; schedule;
+    // persistent up to S (masked, unmasked).
+    {64, 192, 128, 3, true, true, 0, 1024, Sm90Schedule::kOverlap, 1024, 1024},
+    {64, 192, 128, 3, true, true, 0, kAnyKeys, Sm90Schedule::kPingpong, 2048, 1024},
+    {128, 128, 176, 2, false, true, 4096 + 1, kAnyKeys, Sm90Schedule::kOverlap, 0, 0},
+    {128, 128, 128, 2, true, true, 0, kAnyKeys, Sm90Schedule::kPingpong, 8192, 4096},
     // The tile D 64 used before (two consumer warpgroups): serves nothing,
     // built with JF2_SM90_ALL_SCHEDULES for the self-test's comparisons.
-    {64, 128, 128, 3, false, kNoUnmasked, Sm90Schedule::kOverlap, 2048, 1024},
+    {64, 128, 128, 3, false, false, 0, kAnyKeys, Sm90Schedule::kOverlap, 2048, 1024},
 };
+inline constexpr int kFwdSm90NumTiles = sizeof(kFwdSm90TileTable) / sizeof(FwdSm90Tile);
 
-// Whether the package runs tile t's persistent grid for a call.
+// Whether the package runs tile t's persistent grid for a call; whether it
+// ever does; whether it always does (then only that form is built).
+constexpr bool FwdSm90Persistent(const FwdSm90Tile& t, bool masked, int64_t seqlen_k) {
+  return seqlen_k <= (masked ? t.persistent_keys_masked : t.persistent_keys_unmasked) &&
+         (masked ? t.persistent_keys_masked : t.persistent_keys_unmasked) > 0;
+}
 constexpr bool FwdSm90EverPersistent(const FwdSm90Tile& t) {
   return t.persistent_keys_masked > 0 || t.persistent_keys_unmasked > 0;
 }
-constexpr bool FwdSm90Persistent(const FwdSm90Tile& t, bool masked, int64_t seqlen_k) {
-  return FwdSm90EverPersistent(t) &&
-         seqlen_k <= (masked ? t.persistent_keys_masked : t.persistent_keys_unmasked);
+constexpr bool FwdSm90AlwaysPersistent(const FwdSm90Tile& t) {
+  return (!t.masked || t.persistent_keys_masked >= t.max_keys) &&
+         (!t.unmasked || t.persistent_keys_unmasked >= t.max_keys);
 }
-inline constexpr int kFwdSm90NumTiles = sizeof(kFwdSm90TileTable) / sizeof(FwdSm90Tile);
 
 // The first row serving a call of this head dim, mask and key count, or -1.
 constexpr int FwdSm90TileIndex(int64_t head_dim, bool masked, int64_t seqlen_k) {
   for (int i = 0; i < kFwdSm90NumTiles; ++i) {
     const FwdSm90Tile& t = kFwdSm90TileTable[i];
-    if (t.head_dim == head_dim && (masked ? t.masked : seqlen_k >= t.unmasked_min_keys)) return i;
+    if (t.head_dim == head_dim && (masked ? t.masked : t.unmasked) && seqlen_k >= t.min_keys &&
+        seqlen_k <= t.max_keys) {
+      return i;
+    }
   }
   return -1;
 }
-static_assert(FwdSm90TileIndex(64, false, 512) == 0 && FwdSm90TileIndex(64, true, 16384) == 0);
-static_assert(FwdSm90TileIndex(128, false, 4096) == 2 && FwdSm90TileIndex(128, false, 4097) == 1);
-static_assert(FwdSm90TileIndex(128, true, 16384) == 2 && FwdSm90TileIndex(96, false, 512) == -1);
-static_assert(FwdSm90Persistent(kFwdSm90TileTable[2], true, 8192) &&
-              !FwdSm90Persistent(kFwdSm90TileTable[2], true, 8193) &&
-              FwdSm90Persistent(kFwdSm90TileTable[2], false, 4096) &&
-              !FwdSm90Persistent(kFwdSm90TileTable[0], false, 2048) &&
-              !FwdSm90EverPersistent(kFwdSm90TileTable[1]));
+static_assert(FwdSm90TileIndex(64, false, 512) == 0 && FwdSm90TileIndex(64, true, 1024) == 0);
+static_assert(FwdSm90TileIndex(64, false, 1025) == 1 && FwdSm90TileIndex(64, true, 16384) == 1);
+static_assert(FwdSm90TileIndex(128, false, 4096) == 3 && FwdSm90TileIndex(128, false, 4097) == 2);
+static_assert(FwdSm90TileIndex(128, true, 16384) == 3 && FwdSm90TileIndex(96, false, 512) == -1);
+static_assert(FwdSm90Persistent(kFwdSm90TileTable[3], true, 8192) &&
+              !FwdSm90Persistent(kFwdSm90TileTable[3], true, 8193) &&
+              FwdSm90Persistent(kFwdSm90TileTable[3], false, 4096) &&
+              !FwdSm90Persistent(kFwdSm90TileTable[1], false, 2048) &&
+              !FwdSm90EverPersistent(kFwdSm90TileTable[2]) &&
+              FwdSm90AlwaysPersistent(kFwdSm90TileTable[0]) &&
+              !FwdSm90AlwaysPersistent(kFwdSm90TileTable[1]));
 
 // Warp roles: warpgroup 0 produces (one thread issues every TMA copy), the
 // block_m / 64 others consume (wgmma + softmax), 64 query rows each.

@@ -44,20 +44,25 @@ cudaError_t LaunchFwdSm90(const FwdSm90Args& args, int grid_blocks, cudaStream_t
   return cudaGetLastError();
 }
 
-// The package builds each tile with its table row's schedule only, and its
-// persistent form only where the row ever runs it.
+// The package builds each tile with its table row's schedule only, its
+// persistent form only where the row ever runs it, and its one-tile form
+// only where it does not always run the persistent one (which then also
+// serves grids of one block per tile).
 template <typename Elem, int kTileIndex, Sm90Schedule kSchedule>
 cudaError_t LaunchForGrid(const FwdSm90Args& args, int grid_blocks, cudaStream_t stream) {
   constexpr FwdSm90Tile tile = sm90::kFwdSm90TileTable[kTileIndex];
   constexpr bool kBuilt = JF2_SM90_ALL_SCHEDULES || tile.schedule == kSchedule;
   constexpr bool kBuiltPersistent =
       kBuilt && (JF2_SM90_ALL_SCHEDULES || sm90::FwdSm90EverPersistent(tile));
-  if (grid_blocks < args.num_tiles) {
-    if constexpr (kBuiltPersistent) {
-      return LaunchFwdSm90<Elem, kTileIndex, kSchedule, true>(args, grid_blocks, stream);
+  constexpr bool kBuiltOneTile =
+      kBuilt && (JF2_SM90_ALL_SCHEDULES || !sm90::FwdSm90AlwaysPersistent(tile));
+  if constexpr (kBuiltOneTile) {
+    if (grid_blocks == args.num_tiles) {
+      return LaunchFwdSm90<Elem, kTileIndex, kSchedule, false>(args, grid_blocks, stream);
     }
-  } else if constexpr (kBuilt) {
-    return LaunchFwdSm90<Elem, kTileIndex, kSchedule, false>(args, grid_blocks, stream);
+  }
+  if constexpr (kBuiltPersistent) {
+    return LaunchFwdSm90<Elem, kTileIndex, kSchedule, true>(args, grid_blocks, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -69,13 +74,14 @@ cudaError_t LaunchForTile(const FwdSm90Args& args, int tile_index, int grid_bloc
     case 0: return LaunchForGrid<Elem, 0, kSchedule>(args, grid_blocks, stream);
     case 1: return LaunchForGrid<Elem, 1, kSchedule>(args, grid_blocks, stream);
     case 2: return LaunchForGrid<Elem, 2, kSchedule>(args, grid_blocks, stream);
-#if JF2_SM90_ALL_SCHEDULES
     case 3: return LaunchForGrid<Elem, 3, kSchedule>(args, grid_blocks, stream);
+#if JF2_SM90_ALL_SCHEDULES
+    case 4: return LaunchForGrid<Elem, 4, kSchedule>(args, grid_blocks, stream);
 #endif
     default: return cudaErrorInvalidValue;
   }
 }
-static_assert(sm90::kFwdSm90NumTiles == 4, "LaunchForTile dispatches every tile");
+static_assert(sm90::kFwdSm90NumTiles == 5, "LaunchForTile dispatches every tile");
 
 template <typename Elem>
 cudaError_t LaunchForSchedule(const FwdSm90Args& args, int tile_index, int grid_blocks,
