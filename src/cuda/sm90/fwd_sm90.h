@@ -95,12 +95,13 @@ namespace sm90 {
 // (sm90_fwd_selftest --grid, NOTES.md):
 // - D 128, 128 keys: pingpong, persistent up to S = 8192 masked and 4096
 //   unmasked: +2-6% at T = S = 2048-4096 and +3-8% causal at 2048-8192 over
-//   overlap with one tile per block, within 3% below. Under a causal mask at
-//   16k the persistent grid lost 25-30% (its fixed walk against the
-//   hardware's longest-first order); the 176-key tile (S > 4096, no mask)
-//   measured the same either way.
-// - D 64: pingpong from S = 2048 (+1-5% over overlap), overlap at S <= 1024
-//   (+2-10%; T 512 causal 175 vs 160).
+//   the previous choice (overlap, persistent only at S <= 1024, 2048
+//   masked), within 3% below. Under a causal mask at 16k the persistent
+//   grid lost 25-30% (its fixed walk against the hardware's longest-first
+//   order); the 176-key tile (S > 4096, no mask) measured the same either
+//   way.
+// - D 64: pingpong above S = 1024 (+1-5% over overlap from S = 2048),
+//   overlap at S <= 1024 (+2-10%; T 512 causal 175 vs 160).
 inline constexpr int64_t kAnyKeys = INT64_MAX;
 
 struct FwdSm90Tile {
