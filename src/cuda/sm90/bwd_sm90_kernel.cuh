@@ -259,10 +259,9 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
         MbarArrive(&q_full[ring.stage]);
         ring.Advance();
       }
-    }
-    else if (threadIdx.x / 32 == 2) {
+    } else if (threadIdx.x / 32 == 2) {
       // The dQ warp: hands each consumer warpgroup's staged dQ tile (see
-      // reduce_dq) to the copy engine as two bulk tensor reductions of 32
+      // stage_dq) to the copy engine as two bulk tensor reductions of 32
       // columns. Named barriers of 128 + 32 threads: 3 + c, tile c staged
       // (the consumers arrive, this warp waits); 5 + c, tile c read by the
       // copy engine and free again (this warp arrives, the consumers wait).
@@ -361,13 +360,13 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     for (int j = 0; j < kBlockM / 8; ++j) out[j] = *reinterpret_cast<const float2*>(row + 8 * j);
   };
 
-  // dq_acc [B, T, H, D] += this warpgroup's dQ tile: rows [row0, +64),
-  // columns [col0, +64) (unscaled; the convert kernel scales). The fragment
-  // goes to the warpgroup's staging tile in the 128-byte-swizzled
-  // layout of the dq_acc map's box (row r: 16-byte chunk c at c ^ (r % 8)),
-  // and the producer's dQ warp hands it to the copy engine. Float2 atomics
-  // from every thread, the earlier way, took a third of the kernel's time
-  // (NOTES.md). Rows past T fall outside the map and are dropped.
+  // This warpgroup's dQ tile (64 x 64, unscaled; the convert kernel scales)
+  // into its staging tile, in the 128-byte-swizzled layout of the dq_acc
+  // map's box (row r: 16-byte chunk c at c ^ (r % 8)); the producer's dQ
+  // warp then adds it into dq_acc [B, T, H, D] at rows m_begin + dq_row0,
+  // columns dq_col0 by the copy engine. Float2 atomics from every thread,
+  // the earlier way, took a third of the kernel's time (NOTES.md). Rows past
+  // T fall outside the map and are dropped.
   // An 8-byte store is served a half warp at a time (rows g < 4, then g >= 4).
   // Lanes t4 < 2 and t4 >= 2 of a row write neighbouring chunks, which the
   // swizzle by rows 0-3 keeps inside one 4-chunk half of the row: 2-way
