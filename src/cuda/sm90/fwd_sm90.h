@@ -134,8 +134,8 @@ inline constexpr int kFwdSm90NumTiles = sizeof(kFwdSm90TileTable) / sizeof(FwdSm
 // Whether the package runs tile t's persistent grid for a call; whether it
 // ever does; whether it always does (then only that form is built).
 constexpr bool FwdSm90Persistent(const FwdSm90Tile& t, bool masked, int64_t seqlen_k) {
-  return seqlen_k <= (masked ? t.persistent_keys_masked : t.persistent_keys_unmasked) &&
-         (masked ? t.persistent_keys_masked : t.persistent_keys_unmasked) > 0;
+  const int64_t limit = masked ? t.persistent_keys_masked : t.persistent_keys_unmasked;
+  return limit > 0 && seqlen_k <= limit;
 }
 constexpr bool FwdSm90EverPersistent(const FwdSm90Tile& t) {
   return t.persistent_keys_masked > 0 || t.persistent_keys_unmasked > 0;
