@@ -175,3 +175,35 @@ def test_decode_kernel_kill_switch():
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=300, check=True).stdout
   assert "'decode': 0" in out and "'sm80': 1" in out, out
+
+
+def test_decode_waits_for_the_kernel_before_it(rng):
+  """On cc 9.0 the decode kernel and its split combine are launched as
+  programmatic dependents (scheduled while the kernel before them runs): they
+  must still read the K/V that kernel writes. Each scan step rewrites the whole
+  cache (an XLA kernel just before the decode kernel) and then attends to it;
+  every step is checked against the oracle on that step's cache."""
+  batch, seqlen_k, heads_q, heads_kv, head_dim, steps = 1, 4099, 32, 4, 128, 4
+  q, k, v = random_inputs(rng, batch, steps, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16)
+  shifts = jnp.asarray(rng.standard_normal((steps, 1, 1, heads_kv, head_dim)), jnp.bfloat16)
+
+  def step(cache, x):
+    k_cache, v_cache = cache
+    q_t, shift = x
+    k_cache = (k_cache * 0.5 + shift).astype(k_cache.dtype)
+    v_cache = (v_cache * 0.5 - shift).astype(v_cache.dtype)
+    out, lse = jax_flash2.flash_attention(q_t[:, None], k_cache, v_cache, return_lse=True)
+    return (k_cache, v_cache), (out, lse, k_cache, v_cache)
+
+  fn = jax.jit(lambda q, k, v, shifts: jax.lax.scan(step, (k, v), (jnp.swapaxes(q, 0, 1), shifts))[1])
+  fn.lower(q, k, v, shifts).compile()
+  calls = _forward_calls_during(lambda: fn(q, k, v, shifts))
+  assert calls["decode"] == steps and sum(calls.values()) == steps, calls
+  outs, lses, k_steps, v_steps = fn(q, k, v, shifts)
+  for t in range(steps):
+    q_t = q[:, t:t + 1]
+    (ref_out, ref_lse), _ = oracle(q_t, k_steps[t], v_steps[t], np.ones(q_t.shape),
+                                   np.zeros(lses[t].shape))
+    base_out, base_lse = naive_same_dtype(q_t, k_steps[t], v_steps[t])
+    assert_close_to_oracle(f"out step {t}", outs[t], ref_out, base_out, q.dtype)
+    assert_close_to_oracle(f"lse step {t}", lses[t], ref_lse, base_lse, q.dtype)

@@ -21,6 +21,7 @@
 #include <atomic>
 #include <cmath>
 
+#include "decode_trace.cuh"
 #include "fwd_kernel.cuh"
 #include "fwd_launch.h"
 #include "kernel_traits.h"
@@ -28,6 +29,7 @@
 #include "smem_optin.h"
 
 namespace jax_flash2::cuda {
+JF2_TRACE_RING(g_decode_ring, ReadDecodeTrace, ResetDecodeTrace)
 namespace {
 
 // The member names fwd_kernel.cuh's helpers (ComputeS, MaskScores,
@@ -62,6 +64,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 
   // The split combine (if any) may be scheduled now: it waits for this grid.
   AllowDependentLaunch();
+  JF2_TRACE_BEGIN(g_decode_ring);
+  JF2_STAMP(0);
+  // Launched early (args.programmatic_launch): nothing before this line may
+  // touch global memory, which the previous grid may still be using.
+  WaitForPrimaryGrid();
+  JF2_STAMP(5);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Q (16 rows), then per warp kStages x (K tile, V tile).
   Elem* s_q = reinterpret_cast<Elem*>(smem_raw);
@@ -125,12 +133,14 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     }
     CpAsyncCommit();
   }
+  const uint64_t kv_policy = L2Policy(args.kv_read_once);
   auto load_chunk = [&](int i) {
     Elem* k_dst = s_ring + (i % kStages) * 2 * kTileElems;
     const int key0 = (c_begin + warp + i * kDecodeWarps) * kKeys;
-    fwd::LoadKvTile<Tr, kKeys>(k_dst, k_head, p.k_row_stride, key0, seqlen_k, head_dim, lane);
-    fwd::LoadKvTile<Tr, kKeys>(k_dst + kTileElems, v_head, p.v_row_stride, key0, seqlen_k,
-                               head_dim, lane);
+    fwd::LoadKvTile<Tr, kKeys, true>(k_dst, k_head, p.k_row_stride, key0, seqlen_k, head_dim,
+                                     lane, kv_policy);
+    fwd::LoadKvTile<Tr, kKeys, true>(k_dst + kTileElems, v_head, p.v_row_stride, key0, seqlen_k,
+                                     head_dim, lane, kv_policy);
   };
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) {
@@ -184,35 +194,44 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     fwd::OnlineSoftmax<Tr>(s, o, row_max, row_sum, scale_log2);
     fwd::AccumulatePV<Tr, Elem, 1>(s, o, v_addr + stage_bytes, head_dim);
     __syncwarp();  // the warp is done reading this stage before it is refilled
+    if (i == 0) JF2_STAMP(1);
   }
 
   // Merge the warps' states through the (now idle) rings.
   CpAsyncWait<0>();
   __syncthreads();
+  JF2_STAMP(2);
+  // O rows padded by 8 floats: a half warp's 8-byte stores (8 rows x 4
+  // lanes) then hit distinct banks.
+  constexpr int kMergeStride = kHeadDim + 8;
   float* merge_max = reinterpret_cast<float*>(s_q + kDecodeRows * kStride);  // [warp][row]
   float* merge_sum = merge_max + kDecodeWarps * kDecodeRows;                 // [warp][row]
-  float* merge_o = merge_sum + kDecodeWarps * kDecodeRows;  // [warp][row][kHeadDim]
-  static_assert((2 + kHeadDim) * kDecodeWarps * kDecodeRows * 4 <=
+  float* merge_o = merge_sum + kDecodeWarps * kDecodeRows;  // [warp][row][kMergeStride]
+  static_assert((2 + kMergeStride) * kDecodeWarps * kDecodeRows * 4 <=
                 kDecodeWarps * kStages * 2 * kTileElems * 2);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int r = warp * kDecodeRows + g + 8 * h;
     const float l = QuadSum(row_sum[0][h]);
+    if (g + 8 * h >= num_rows) continue;  // padding rows are never written
+    const int r = warp * kDecodeRows + g + 8 * h;
     if (t4 == 0) {
       merge_max[r] = row_max[0][h];
       merge_sum[r] = l;
     }
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
-      *reinterpret_cast<float2*>(merge_o + r * kHeadDim + dt * 8 + 2 * t4) =
+      *reinterpret_cast<float2*>(merge_o + r * kMergeStride + dt * 8 + 2 * t4) =
           make_float2(o[0][dt][2 * h], o[0][dt][2 * h + 1]);
     }
   }
   __syncthreads();
 
-  // Thread -> (row, 4 columns every 32): 8 threads per row.
-  constexpr int kThreadsPerRow = kDecodeWarps * 32 / kDecodeRows;
-  const int r = tid / kThreadsPerRow;
+  // Thread -> (row, 4 columns every 4 * threads_per_row): all threads share
+  // the real rows (the merge is a chain of dependent steps; fewer per thread
+  // is shorter).
+  const int threads_per_row = num_rows > 8 ? 8 : num_rows > 4 ? 16 : 32;
+  const int r = tid / threads_per_row;
+  JF2_STAMP(6);
   if (r >= num_rows) return;
   float mx = -INFINITY;
 #pragma unroll
@@ -234,12 +253,14 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const int64_t part = split * p.batch * p.num_heads_q * seqlen_q + lse_index;
   Elem* o_row = static_cast<Elem*>(p.o) + b * p.o_batch_stride + t * p.o_row_stride +
                 head * p.o_head_stride;
+  JF2_STAMP(7);
   // head_dim is a multiple of 8: a thread's 4 columns never straddle its end.
-  for (int d = (tid % kThreadsPerRow) * 4; d < head_dim; d += kThreadsPerRow * 4) {
+  for (int d = (tid % threads_per_row) * 4; d < head_dim; d += threads_per_row * 4) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < kDecodeWarps; ++w) {
-      const float4 x = *reinterpret_cast<const float4*>(merge_o + (w * kDecodeRows + r) * kHeadDim + d);
+      const float4 x =
+          *reinterpret_cast<const float4*>(merge_o + (w * kDecodeRows + r) * kMergeStride + d);
       acc.x += weight[w] * x.x;
       acc.y += weight[w] * x.y;
       acc.z += weight[w] * x.z;
@@ -253,13 +274,14 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
           make_uint2(PackFloat2<Elem>(acc.x, acc.y), PackFloat2<Elem>(acc.z, acc.w));
     }
   }
-  if (tid % kThreadsPerRow == 0) {
+  if (tid % threads_per_row == 0) {
     if (write_partial) {
       args.lse_partial[part] = lse;
     } else {
       p.lse[lse_index] = lse;
     }
   }
+  JF2_STAMP(3);
 }
 
 template <typename Elem, int kHeadDim>
@@ -273,8 +295,7 @@ cudaError_t LaunchDecodeFor(const FwdArgs& args, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   const dim3 grid(args.num_splits, static_cast<unsigned>(args.p.batch),
                   static_cast<unsigned>(args.p.num_heads_kv));
-  kernel<<<grid, kDecodeWarps * 32, kSmemBytes, stream>>>(args);
-  return cudaGetLastError();
+  return LaunchWithFwdArgs(kernel, grid, dim3(kDecodeWarps * 32), kSmemBytes, stream, args);
 }
 
 }  // namespace

@@ -13,7 +13,7 @@ namespace {
 constexpr int kMaxDevices = 64;
 
 cudaError_t QueryDeviceInfo(int device, DeviceInfo* info) {
-  int sm_count = 0, major = 0, minor = 0, smem_optin = 0;
+  int sm_count = 0, major = 0, minor = 0, smem_optin = 0, l2_bytes = 0;
   cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) {
     err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
@@ -24,12 +24,14 @@ cudaError_t QueryDeviceInfo(int device, DeviceInfo* info) {
   if (err == cudaSuccess) {
     err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   }
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device);
   if (err != cudaSuccess) return err;
   info->device = device;
   info->sm_count = sm_count;
   info->cc_major = major;
   info->cc_minor = minor;
   info->max_smem_per_block_optin = static_cast<size_t>(smem_optin);
+  info->l2_bytes = static_cast<size_t>(l2_bytes);
   return cudaSuccess;
 }
 

@@ -21,6 +21,7 @@ struct DeviceInfo {
   int cc_major = 0;
   int cc_minor = 0;
   size_t max_smem_per_block_optin = 0;  // bytes a block may use after opting in
+  size_t l2_bytes = 0;
 };
 
 // Properties of the calling thread's current device, queried once per device

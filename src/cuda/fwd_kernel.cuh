@@ -70,10 +70,12 @@ struct CopyMap {
 // Rows >= num_rows and columns >= head_dim are zero-filled (zero K rows are
 // masked anyway; zero V columns add nothing). The source pointer advances by
 // one step per row group rather than being recomputed from the row index, so
-// no per-row offsets stay live across the main loop.
-template <class Tr, int kRows, typename Elem>
+// no per-row offsets stay live across the main loop. kL2Policy: loaded under
+// l2_policy (L2Policy).
+template <class Tr, int kRows, bool kL2Policy = false, typename Elem>
 __device__ __forceinline__ void LoadKvTile(Elem* smem, const Elem* head_base, int64_t row_stride,
-                                           int row0, int num_rows, int head_dim, int tid) {
+                                           int row0, int num_rows, int head_dim, int tid,
+                                           uint64_t l2_policy = 0) {
   using Map = CopyMap<Tr>;
   static_assert(kRows % Map::kRowsPerIter == 0);
   const int tr = tid / Map::kThreadsPerRow;
@@ -88,8 +90,13 @@ __device__ __forceinline__ void LoadKvTile(Elem* smem, const Elem* head_base, in
     for (int j = 0; j < Map::kChunksPerThread; ++j) {
       const int c = j * Map::kThreadsPerRow * 8;
       const bool valid = row_ok && tc + c < head_dim;
-      CpAsync16(dst + i * Map::kRowsPerIter * Tr::kSmemStride + c, valid ? src + c : head_base,
-                valid);
+      Elem* to = dst + i * Map::kRowsPerIter * Tr::kSmemStride + c;
+      const Elem* from = valid ? src + c : head_base;
+      if constexpr (kL2Policy) {
+        CpAsync16(to, from, valid, l2_policy);
+      } else {
+        CpAsync16(to, from, valid);
+      }
     }
     src += step;
   }

@@ -14,6 +14,7 @@
 
 #include "../flash_mask.h"
 #include "../heuristics.h"
+#include "decode_trace.cuh"
 #include "flash_cuda.h"
 #include "fwd_launch.h"
 #include "kernel_traits.h"
@@ -23,6 +24,7 @@
 #endif
 
 namespace jax_flash2::cuda {
+JF2_TRACE_RING(g_combine_ring, ReadCombineTrace, ResetCombineTrace)
 namespace {
 
 constexpr int kMaxSplits = 128;
@@ -52,6 +54,16 @@ bool IsDecodeShape(const FlashParams& p) { return p.seqlen_q * p.group_size <= k
 bool DecodeKernelEnabled() {
   static const bool enabled = [] {
     const char* v = std::getenv("JAX_FLASH2_DECODE_KERNEL");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return enabled;
+}
+
+// JAX_FLASH2_DECODE_PDL=0 launches the decode kernel and its combine as plain
+// stream-ordered grids (read once per process; for comparisons).
+bool DecodePdlEnabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("JAX_FLASH2_DECODE_PDL");
     return v == nullptr || std::string(v) != "0";
   }();
   return enabled;
@@ -135,19 +147,26 @@ size_t ScratchBytes(const FlashParams& p, const FwdPlan& plan) {
 
 // One block per (b, h, t) row: LSE = log sum_i exp(LSE_i), O = sum_i
 // exp(LSE_i - LSE) O_i, over the splits i. Its time is a chain of memory
-// round trips (split decode calls have few rows), so each step issues all of
-// its loads at once: every lane its splits' LSEs, then each warp a quarter of
-// the splits' partial rows, summed across the warps in shared memory. (One
-// warp per row, walking the splits in batches of 8, took 9 us at B1 S32k
-// under ncu, against 23 us for the decode kernel itself.)
+// round trips (split decode calls have few rows), so it issues its loads
+// together: each warp the partial rows of its first kPrefetch splits (w,
+// w + 4, ...) and every lane its splits' LSEs, then sums the rows once the
+// weights are known; the warps' sums meet in shared memory. (One warp per
+// row, walking the splits in batches of 8, took 9 us at B1 S32k under ncu,
+// against 23 us for the decode kernel itself.)
 template <typename Elem>
 __global__ void __launch_bounds__(kCombineWarps * 32)
     FwdCombineKernel(const __grid_constant__ FwdArgs args) {
   constexpr int kLseSlots = kMaxSplits / 32;  // splits lane, lane + 32, ... of each lane
   constexpr int kColSlots = 256 / 128;        // columns lane * 4 + 128 j, head_dim <= 256
+  constexpr int kPrefetch = 8;                // per warp: 32 splits load in one round trip
   __shared__ float weights[kMaxSplits];
   __shared__ float4 warp_sums[kCombineWarps - 1][kColSlots][32];
-  WaitForPrimaryGrid();  // the partials are the main kernel's (early_combine)
+  // A next decode call may be scheduled now; it waits for this grid.
+  AllowDependentLaunch();
+  JF2_TRACE_BEGIN(g_combine_ring);
+  JF2_STAMP(0);
+  WaitForPrimaryGrid();  // the partials are the main kernel's (programmatic_launch)
+  JF2_STAMP(1);
   const FlashParams& p = args.p;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -155,6 +174,24 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   const int64_t row = blockIdx.x;
   const int num_splits = args.num_splits;
   const float* lse_part = args.lse_partial + row;
+
+  // Warp w sums splits w, w + 4, ...; head_dim is a multiple of 8, so a
+  // lane's 4 columns never straddle its end.
+  const int64_t head_dim = p.head_dim;
+  const float* o_part = args.o_partial + row * head_dim;
+  const int64_t split_stride = rows * head_dim;
+  float4 prefetched[kPrefetch][kColSlots];
+#pragma unroll
+  for (int k = 0; k < kPrefetch; ++k) {
+    const int s = warp + kCombineWarps * k;
+#pragma unroll
+    for (int j = 0; j < kColSlots; ++j) {
+      const int d = lane * 4 + 128 * j;
+      prefetched[k][j] = s < num_splits && d < head_dim
+                             ? *reinterpret_cast<const float4*>(o_part + s * split_stride + d)
+                             : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
 
   // Every warp reduces the LSEs itself (no barrier before the weights).
   float lse_i[kLseSlots];
@@ -186,27 +223,29 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   }
   __syncthreads();
 
-  // Warp w sums splits w, w + 4, ...; head_dim is a multiple of 8, so a
-  // lane's 4 columns never straddle its end.
-  const int64_t head_dim = p.head_dim;
-  const float* o_part = args.o_partial + row * head_dim;
-  const int64_t split_stride = rows * head_dim;
   float4 acc[kColSlots];
 #pragma unroll
   for (int j = 0; j < kColSlots; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+  auto add = [&](float w, int j, float4 v) {
+    acc[j].x += w * v.x;
+    acc[j].y += w * v.y;
+    acc[j].z += w * v.z;
+    acc[j].w += w * v.w;
+  };
+#pragma unroll
+  for (int k = 0; k < kPrefetch; ++k) {
+    const int s = warp + kCombineWarps * k;
+    const float w = s < num_splits ? weights[s] : 0.f;
+#pragma unroll
+    for (int j = 0; j < kColSlots; ++j) add(w, j, prefetched[k][j]);
+  }
 #pragma unroll 8
-  for (int s = warp; s < num_splits; s += kCombineWarps) {
+  for (int s = warp + kCombineWarps * kPrefetch; s < num_splits; s += kCombineWarps) {
     const float w = weights[s];
 #pragma unroll
     for (int j = 0; j < kColSlots; ++j) {
       const int d = lane * 4 + 128 * j;
-      if (d < head_dim) {
-        const float4 v = *reinterpret_cast<const float4*>(o_part + s * split_stride + d);
-        acc[j].x += w * v.x;
-        acc[j].y += w * v.y;
-        acc[j].z += w * v.z;
-        acc[j].w += w * v.w;
-      }
+      if (d < head_dim) add(w, j, *reinterpret_cast<const float4*>(o_part + s * split_stride + d));
     }
   }
   if (warp > 0) {
@@ -235,6 +274,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
         make_uint2(PackFloat2<Elem>(total.x, total.y), PackFloat2<Elem>(total.z, total.w));
   }
   if (lane == 0) p.lse[row] = lse;
+  JF2_STAMP(3);
 }
 
 template <typename Elem>
@@ -263,16 +303,8 @@ cudaError_t LaunchForward(const FwdArgs& args, const FwdPlan& plan, cudaStream_t
 template <typename Elem>
 cudaError_t LaunchFwdCombine(const FwdArgs& args, cudaStream_t stream) {
   const int64_t rows = args.p.batch * args.p.num_heads_q * args.p.seqlen_q;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(rows));
-  config.blockDim = dim3(kCombineWarps * 32);
-  config.stream = stream;
-  cudaLaunchAttribute early;
-  early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  early.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &early;
-  config.numAttrs = args.early_combine ? 1 : 0;
-  return cudaLaunchKernelEx(&config, FwdCombineKernel<Elem>, args);
+  return LaunchWithFwdArgs(FwdCombineKernel<Elem>, dim3(static_cast<unsigned>(rows)),
+                           dim3(kCombineWarps * 32), 0, stream, args);
 }
 
 std::string Unsupported(const FlashParams& p, const DeviceInfo& dev) {
@@ -371,7 +403,9 @@ cudaError_t RunForward(const FlashParams& p, void* scratch, const DeviceInfo& de
   args.kv_stages = plan.kv_stages;
   args.num_splits = plan.num_splits;
   args.n_blocks_per_split = plan.n_blocks_per_split;
-  args.early_combine = plan.decode && dev.cc_major >= 9;
+  args.programmatic_launch = plan.decode && dev.cc_major >= 9 && DecodePdlEnabled();
+  const double kv_bytes = 2.0 * p.batch * p.seqlen_k * p.num_heads_kv * p.head_dim * 2;
+  args.kv_read_once = plan.decode && kv_bytes > 0.5 * static_cast<double>(dev.l2_bytes);
   if (plan.num_splits > 1) {
     if (scratch == nullptr) return cudaErrorInvalidValue;
     args.lse_partial = static_cast<float*>(scratch);

@@ -19,14 +19,37 @@ struct FwdArgs {
   int kv_stages = 1;     // K/V shared-memory stages: 1 (prefill) or 2 (decode)
   int num_splits = 1;
   int n_blocks_per_split = 0;  // key blocks (the decode kernel: warp key chunks)
-  // Launch the combine as a programmatic dependent of the main kernel (sm90+,
-  // decode kernel): it is scheduled while the main kernel runs, hiding its
-  // launch, and waits for it in-kernel.
-  bool early_combine = false;
+  // sm90+, decode kernel: it and its combine are launched as programmatic
+  // dependents of the grid before them (griddepcontrol), so each is scheduled
+  // while its predecessor still runs, hiding the launch, and waits for it
+  // in-kernel before touching memory.
+  bool programmatic_launch = false;
+  // The decode kernel's K/V are larger than half the L2: loaded evict-first
+  // (they cannot stay for a next call, and would push out code and partials).
+  bool kv_read_once = false;
   // Split-KV partials (num_splits > 1 only), each split normalised on its own:
   float* o_partial = nullptr;    // [splits, B, H, T, head_dim] fp32
   float* lse_partial = nullptr;  // [splits, B, H, T] fp32, -inf for an empty split
 };
+
+// Launches kernel(args) on `stream`; with args.programmatic_launch as a
+// programmatic dependent of the grid before it (the kernel must then wait
+// for it, WaitForPrimaryGrid, before touching memory).
+template <typename Kernel>
+cudaError_t LaunchWithFwdArgs(Kernel kernel, dim3 grid, dim3 block, size_t smem_bytes,
+                              cudaStream_t stream, const FwdArgs& args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute early;
+  early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  early.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &early;
+  config.numAttrs = args.programmatic_launch ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, args);
+}
 
 // One head-dim bucket's forward kernel; defined in fwd_kernel.cuh, instantiated
 // per bucket in fwd_hdim*.cu.

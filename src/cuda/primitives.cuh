@@ -34,6 +34,28 @@ __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool val
                "l"(gmem), "r"(src_bytes));
 }
 
+// The same under an L2 cache policy (from L2Policy).
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid,
+                                          uint64_t l2_policy) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(
+                   SmemAddress(smem)),
+               "l"(gmem), "r"(src_bytes), "l"(l2_policy));
+}
+
+// L2 policies for cp.async: evict-first for data read once (the decode
+// kernel's long K/V streams), so that a stream larger than L2 does not push
+// the kernels' code and the split partials out of it; evict-normal otherwise.
+__device__ __forceinline__ uint64_t L2Policy(bool evict_first) {
+  uint64_t policy;
+  if (evict_first) {
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  } else {
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+  }
+  return policy;
+}
+
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Waits until at most kPending committed groups are still in flight.
