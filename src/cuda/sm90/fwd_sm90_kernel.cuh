@@ -167,7 +167,14 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
   }
   __syncthreads();
 
-  const int warpgroup = threadIdx.x / 128;
+  // The pingpong kernels of tall tiles (the ones with skipped key blocks)
+  // take the warpgroup index through a broadcast, so the compiler knows it
+  // warp-uniform: their address and descriptor arithmetic then stays on the
+  // uniform datapath (+4% at D 64 causal T 2048; no gain, or a loss of up to
+  // 7%, measured for the other kernels, which keep the plain index).
+  const int warpgroup = kSchedule == Sm90Schedule::kPingpong && kBlockM > kBlockN
+                            ? __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0)
+                            : static_cast<int>(threadIdx.x / 128);
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
     SetMaxNRegDec<FwdSm90ProducerRegs(Tr::kTile)>();
@@ -376,6 +383,24 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
     full_begin = static_cast<int>(lo);
     mask.KeyRange(wg_row0, wg_row0 + 1, &lo, &hi);
     full_end = static_cast<int>(hi);
+    // Key blocks after the last one any row of this warpgroup sees are
+    // consumed without computing (at least one block is computed). Only
+    // tiles taller than a key block have such blocks under a causal mask:
+    // the first 64 rows of a 192-row tile end a block or more before its
+    // last row. (Elsewhere it is compiled out: the extra loop cost the
+    // 128-row D 128 kernels 2-4% at T 512-2048 for nothing.)
+    int wg_n_end = tl.n_end;
+    if constexpr (kBlockM > kBlockN) {
+      if (wg_row0 < tl.row_end) {
+        mask.KeyRange(wg_row0, min(wg_row0 + 64, tl.row_end), &lo, &hi);
+        const int n_seen_end = static_cast<int>((hi + kBlockN - 1) / kBlockN);
+        wg_n_end = max(tl.n_first + 1, min(tl.n_end, n_seen_end));
+      }
+      // Warp-uniform, but derived from the warpgroup index: broadcast, so
+      // the compiler keeps the ring's stage and phase (hence the wgmma
+      // descriptors) in uniform registers after the skip loop.
+      wg_n_end = __shfl_sync(0xffffffffu, wg_n_end, 0);
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int t = wg_row0 + warp * 16 + g + 8 * h;
@@ -390,10 +415,27 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
 
     if (tl.n_first < tl.n_end) {
       const int n_first = tl.n_first;
-      const int n_end = tl.n_end;
       if (kPingpong && cg == kLastGroup) NamedBarrierArrive(1, 256);
       MbarWait(q_full, q_phase);
       q_phase ^= 1;
+      // The skipped blocks: wait until they land (the ring's phases stay in
+      // step), release them, and take their pingpong turns empty (every
+      // warpgroup takes the same number of turns per tile).
+      if constexpr (kBlockM > kBlockN) {
+        for (int n = tl.n_end - 1; n >= wg_n_end; --n) {
+          MbarWait(&k_full[stage], phase);
+          MbarWait(&v_full[stage], phase);
+          take_turn();
+          pass_turn();
+          release(&k_empty[stage]);
+          release(&v_empty[stage]);
+          if (++stage == kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+      const int n_end = wg_n_end;
       float s[Tr::kSAcc];
       uint32_t pa[Tr::kPSlices][4];
       float correction[2];
