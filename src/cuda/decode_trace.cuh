@@ -7,7 +7,6 @@
 #pragma once
 #ifdef JF2_DECODE_TRACE
 #include <cstdint>
-#include <vector>
 
 namespace jax_flash2::cuda::trace {
 
