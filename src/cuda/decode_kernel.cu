@@ -65,11 +65,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // The split combine (if any) may be scheduled now: it waits for this grid.
   AllowDependentLaunch();
   JF2_TRACE_BEGIN(g_decode_ring);
-  JF2_STAMP(0);
+  JF2_STAMP(kStart);
   // Launched early (args.programmatic_launch): nothing before this line may
   // touch global memory, which the previous grid may still be using.
   WaitForPrimaryGrid();
-  JF2_STAMP(5);
+  JF2_STAMP(kWaited);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Q (16 rows), then per warp kStages x (K tile, V tile).
   Elem* s_q = reinterpret_cast<Elem*>(smem_raw);
@@ -194,13 +194,13 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     fwd::OnlineSoftmax<Tr>(s, o, row_max, row_sum, scale_log2);
     fwd::AccumulatePV<Tr, Elem, 1>(s, o, v_addr + stage_bytes, head_dim);
     __syncwarp();  // the warp is done reading this stage before it is refilled
-    if (i == 0) JF2_STAMP(1);
+    if (i == 0) JF2_STAMP(kFirstChunk);
   }
 
   // Merge the warps' states through the (now idle) rings.
   CpAsyncWait<0>();
   __syncthreads();
-  JF2_STAMP(2);
+  JF2_STAMP(kLoopDone);
   // O rows padded by 8 floats: a half warp's 8-byte stores (8 rows x 4
   // lanes) then hit distinct banks.
   constexpr int kMergeStride = kHeadDim + 8;
@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // is shorter).
   const int threads_per_row = num_rows > 8 ? 8 : num_rows > 4 ? 16 : 32;
   const int r = tid / threads_per_row;
-  JF2_STAMP(6);
+  JF2_STAMP(kMerged);
   if (r >= num_rows) return;
   float mx = -INFINITY;
 #pragma unroll
@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const int64_t part = split * p.batch * p.num_heads_q * seqlen_q + lse_index;
   Elem* o_row = static_cast<Elem*>(p.o) + b * p.o_batch_stride + t * p.o_row_stride +
                 head * p.o_head_stride;
-  JF2_STAMP(7);
+  JF2_STAMP(kStored);
   // head_dim is a multiple of 8: a thread's 4 columns never straddle its end.
   for (int d = (tid % threads_per_row) * 4; d < head_dim; d += threads_per_row * 4) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -281,7 +281,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
       p.lse[lse_index] = lse;
     }
   }
-  JF2_STAMP(3);
+  JF2_STAMP(kEnd);
 }
 
 template <typename Elem, int kHeadDim>

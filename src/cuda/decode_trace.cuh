@@ -12,7 +12,18 @@ namespace jax_flash2::cuda::trace {
 
 constexpr int kSlots = 4;
 constexpr int kMaxBlocks = 2048;
-constexpr int kStamps = 8;  // start, first chunk, loop done, end, smid, waited, merged, stored
+// Slots of a block's row (kSmId holds %smid, the others %globaltimer).
+enum Stamp : int {
+  kStart = 0,       // the block's first instruction
+  kFirstChunk = 1,  // warp 0 done with its first key chunk
+  kLoopDone = 2,    // every warp done with its chunks
+  kEnd = 3,         // thread 0's last store issued
+  kSmId = 4,
+  kWaited = 5,      // released by griddepcontrol.wait
+  kMerged = 6,      // the warps' states merged (decode kernel)
+  kStored = 7,      // about to store O (decode kernel)
+};
+constexpr int kStamps = 8;
 
 struct Ring {
   unsigned long long ticket;
@@ -41,7 +52,7 @@ __device__ __forceinline__ unsigned long long* BlockRow(Ring* ring) {
   if (linear == 0) ring->grid_blocks = blocks;
   if (linear >= kMaxBlocks) return nullptr;
   unsigned long long* row = ring->stamp[(ticket / blocks) % kSlots][linear];
-  row[4] = SmId();
+  row[kSmId] = SmId();
   return row;
 }
 
@@ -67,10 +78,10 @@ void ResetCombineTrace();
 // In a kernel: thread 0 takes its block's row of the ring, then stamps.
 #define JF2_TRACE_BEGIN(ring) \
   unsigned long long* trace_row = threadIdx.x == 0 ? trace::BlockRow(&ring) : nullptr
-#define JF2_STAMP(i) \
-  if (trace_row) trace_row[i] = trace::Now()
+#define JF2_STAMP(slot) \
+  if (trace_row) trace_row[trace::slot] = trace::Now()
 #else
 #define JF2_TRACE_RING(ring, read_fn, reset_fn)
 #define JF2_TRACE_BEGIN(ring)
-#define JF2_STAMP(i)
+#define JF2_STAMP(slot)
 #endif

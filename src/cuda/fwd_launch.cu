@@ -164,9 +164,9 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   // A next decode call may be scheduled now; it waits for this grid.
   AllowDependentLaunch();
   JF2_TRACE_BEGIN(g_combine_ring);
-  JF2_STAMP(0);
+  JF2_STAMP(kStart);
   WaitForPrimaryGrid();  // the partials are the main kernel's (programmatic_launch)
-  JF2_STAMP(1);
+  JF2_STAMP(kWaited);
   const FlashParams& p = args.p;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -274,7 +274,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
         make_uint2(PackFloat2<Elem>(total.x, total.y), PackFloat2<Elem>(total.z, total.w));
   }
   if (lane == 0) p.lse[row] = lse;
-  JF2_STAMP(3);
+  JF2_STAMP(kEnd);
 }
 
 template <typename Elem>

@@ -226,7 +226,8 @@ double TimeForward(const Case& c, const cuda::DeviceInfo& dev, int sets, int rep
 // microseconds from the first one's earliest block start: per kernel the
 // spread of each stamp over its blocks (min / median / max).
 void PrintDecodeTrace(bool with_combine) {
-  static cuda::trace::Ring dec, comb;
+  using namespace cuda::trace;
+  static Ring dec, comb;
   cuda::ReadDecodeTrace(&dec);
   cuda::ReadCombineTrace(&comb);
   const int64_t dec_blocks = static_cast<int64_t>(dec.grid_blocks);
@@ -234,53 +235,52 @@ void PrintDecodeTrace(bool with_combine) {
   if (dec_blocks == 0) return;
   const int64_t dec_launches = static_cast<int64_t>(dec.ticket) / dec_blocks;
   const int64_t comb_launches = comb_blocks ? static_cast<int64_t>(comb.ticket) / comb_blocks : 0;
-  const int64_t nd = std::min<int64_t>(dec_blocks, cuda::trace::kMaxBlocks);
-  const int64_t nc = std::min<int64_t>(comb_blocks, cuda::trace::kMaxBlocks);
-  auto stats = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "%6.2f %6.2f %6.2f", v.front(), v[v.size() / 2], v.back());
-    return std::string(buf);
-  };
+  const int64_t nd = std::min<int64_t>(dec_blocks, kMaxBlocks);
+  const int64_t nc = std::min<int64_t>(comb_blocks, kMaxBlocks);
+  static const char* names[kStamps] = {"start",  "chunk0", "loop",   "end",
+                                       "",       "waited", "merged", "stored"};
   const int64_t first = dec_launches - 3;
   if (first < 0) return;
   const double t_ref = [&] {
     double t = 1e300;
-    for (int64_t b = 0; b < nd; ++b) t = std::min(t, double(dec.stamp[first % 4][b][0]));
+    for (int64_t b = 0; b < nd; ++b) t = std::min(t, double(dec.stamp[first % kSlots][b][kStart]));
     return t;
   }();
+  // One stamp's min / median / max over the blocks of a launch.
+  auto print_stamp = [&](const char* kernel, const Ring& ring, int64_t launch, int64_t blocks,
+                         int64_t call, int k) {
+    std::vector<double> v;
+    for (int64_t b = 0; b < blocks; ++b) {
+      v.push_back((ring.stamp[launch % kSlots][b][k] - t_ref) / 1e3);
+    }
+    std::sort(v.begin(), v.end());
+    std::printf("    %s %lld %-6s %6.2f %6.2f %6.2f\n", kernel, static_cast<long long>(call),
+                names[k], v.front(), v[v.size() / 2], v.back());
+  };
   std::printf("  trace: %lld decode blocks, %lld combine blocks; us from the first start (min med max)\n",
               static_cast<long long>(dec_blocks), static_cast<long long>(comb_blocks));
   for (int64_t l = first; l < dec_launches; ++l) {
-    for (int k : {0, 5, 1, 2, 6, 7, 3}) {
-      std::vector<double> v;
-      for (int64_t b = 0; b < nd; ++b) v.push_back((dec.stamp[l % 4][b][k] - t_ref) / 1e3);
-      static const char* names[] = {"start", "chunk0", "loop", "end", "", "waited", "merged", "stored"};
-      std::printf("    decode %lld %-6s %s\n", static_cast<long long>(l - first), names[k],
-                  stats(v).c_str());
+    for (int k : {kStart, kWaited, kFirstChunk, kLoopDone, kMerged, kStored, kEnd}) {
+      print_stamp("decode", dec, l, nd, l - first, k);
     }
     if (l == dec_launches - 1) {  // which blocks end their loops first and last
       std::vector<std::pair<double, int64_t>> order;
-      for (int64_t b = 0; b < nd; ++b) order.push_back({(dec.stamp[l % 4][b][2] - t_ref) / 1e3, b});
+      for (int64_t b = 0; b < nd; ++b) {
+        order.push_back({(dec.stamp[l % kSlots][b][kLoopDone] - t_ref) / 1e3, b});
+      }
       std::sort(order.begin(), order.end());
       std::printf("    loop end by block (block:sm time):");
       for (size_t i = 0; i < order.size(); ++i) {
         if (i % 8 == 0) std::printf("\n     ");
         std::printf(" %3lld:%3llu %6.2f", static_cast<long long>(order[i].second),
-                    dec.stamp[l % 4][order[i].second][4], order[i].first);
+                    dec.stamp[l % kSlots][order[i].second][kSmId], order[i].first);
       }
       std::printf("\n");
     }
     // The combine of the same call (tickets count launches the same way).
     const int64_t cl = comb_launches - (dec_launches - l);
     if (!with_combine || nc == 0 || cl < 0) continue;
-    for (int k : {0, 1, 3}) {
-      std::vector<double> v;
-      for (int64_t b = 0; b < nc; ++b) v.push_back((comb.stamp[cl % 4][b][k] - t_ref) / 1e3);
-      static const char* names[] = {"start", "waited", "", "end"};
-      std::printf("    combine %lld %-6s %s\n", static_cast<long long>(l - first), names[k],
-                  stats(v).c_str());
-    }
+    for (int k : {kStart, kWaited, kEnd}) print_stamp("combine", comb, cl, nc, l - first, k);
   }
 }
 #endif

@@ -568,7 +568,6 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     ring.Advance();
   }
 
-
   // Epilogue: dK = scale * acc_dk, dV = acc_dv into [B, S, K, D] (dk and dv
   // share k's strides), straight from the accumulator fragment. Keys no query
   // sees get zeros (num_iters == 0).

@@ -99,6 +99,12 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kStages = Tr::kStages;
+  // Tiles taller than a key block: under a causal mask a consumer
+  // warpgroup's rows can end a block or more before the tile's last row, and
+  // it skips those key blocks (see the consumers). Elsewhere the skip is
+  // compiled out: its loop cost the 128-row D 128 kernels 2-4% at T 512-2048
+  // for nothing.
+  constexpr bool kSkipsKeyBlocks = kBlockM > kBlockN;
 
   unsigned char* smem = AlignedDynamicSmem();
   Elem* s_q = reinterpret_cast<Elem*>(smem + Smem::kQ);
@@ -167,12 +173,12 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
   }
   __syncthreads();
 
-  // The pingpong kernels of tall tiles (the ones with skipped key blocks)
-  // take the warpgroup index through a broadcast, so the compiler knows it
-  // warp-uniform: their address and descriptor arithmetic then stays on the
-  // uniform datapath (+4% at D 64 causal T 2048; no gain, or a loss of up to
-  // 7%, measured for the other kernels, which keep the plain index).
-  const int warpgroup = kSchedule == Sm90Schedule::kPingpong && kBlockM > kBlockN
+  // The pingpong kernels that skip key blocks take the warpgroup index
+  // through a broadcast, so the compiler knows it warp-uniform: their address
+  // and descriptor arithmetic then stays on the uniform datapath (+4% at D 64
+  // causal T 2048; no gain, or a loss of up to 7%, measured for the other
+  // kernels, which keep the plain index).
+  const int warpgroup = kSchedule == Sm90Schedule::kPingpong && kSkipsKeyBlocks
                             ? __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0)
                             : static_cast<int>(threadIdx.x / 128);
   if (warpgroup == 0) {
@@ -182,8 +188,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
       PrefetchTensorMap(&args.tma_q);
       PrefetchTensorMap(&args.tma_k);
       PrefetchTensorMap(&args.tma_v);
-      int stage = 0;
-      uint32_t phase = 0;
+      RingPos<kStages> ring;
       uint32_t q_phase = 0;
       for (int round = 0; round * gridDim.x < args.num_tiles; ++round) {
         const int tile = tile_of_round(round);
@@ -215,19 +220,16 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
                   t.head);
         for (int n = t.n_end - 1; n >= t.n_first; --n) {
           const int key0 = n * kBlockN;
-          const int kv_elems = stage * kBlockN * kHeadDim;  // the stage's tile
+          const int kv_elems = ring.stage * kBlockN * kHeadDim;  // the stage's tile
           // Slot free? (Parity phase ^ 1: the first pass over the ring finds
           // every slot free.)
-          MbarWait(&k_empty[stage], phase ^ 1);
+          MbarWait(&k_empty[ring.stage], ring.phase ^ 1);
           load_tile(s_k + kv_elems, Tr::kKvPanelBytes, &args.tma_k, args.k_heads_inner,
-                    &k_full[stage], key0, kv_head);
-          MbarWait(&v_empty[stage], phase ^ 1);
+                    &k_full[ring.stage], key0, kv_head);
+          MbarWait(&v_empty[ring.stage], ring.phase ^ 1);
           load_tile(s_v + kv_elems, Tr::kKvPanelBytes, &args.tma_v, args.v_heads_inner,
-                    &v_full[stage], key0, kv_head);
-          if (++stage == kStages) {
-            stage = 0;
-            phase ^= 1;
-          }
+                    &v_full[ring.stage], key0, kv_head);
+          ring.Advance();
         }
         if constexpr (!kPersistent) break;
       }
@@ -370,8 +372,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
     if constexpr (kPingpong) NamedBarrierArrive(1 + (cg == kLastGroup ? 0 : cg + 1), 256);
   };
 
-  int stage = 0;
-  uint32_t phase = 0;
+  RingPos<kStages> ring;
   uint32_t q_phase = 0;
   for (int round = 0; round * gridDim.x < args.num_tiles; ++round) {
     const int tile = tile_of_round(round);
@@ -384,13 +385,11 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
     mask.KeyRange(wg_row0, wg_row0 + 1, &lo, &hi);
     full_end = static_cast<int>(hi);
     // Key blocks after the last one any row of this warpgroup sees are
-    // consumed without computing (at least one block is computed). Only
-    // tiles taller than a key block have such blocks under a causal mask:
-    // the first 64 rows of a 192-row tile end a block or more before its
-    // last row. (Elsewhere it is compiled out: the extra loop cost the
-    // 128-row D 128 kernels 2-4% at T 512-2048 for nothing.)
+    // consumed without computing (at least one block is computed): under a
+    // causal mask the first 64 rows of a 192-row tile end a block or more
+    // before its last row.
     int wg_n_end = tl.n_end;
-    if constexpr (kBlockM > kBlockN) {
+    if constexpr (kSkipsKeyBlocks) {
       if (wg_row0 < tl.row_end) {
         mask.KeyRange(wg_row0, min(wg_row0 + 64, tl.row_end), &lo, &hi);
         const int n_seen_end = static_cast<int>((hi + kBlockN - 1) / kBlockN);
@@ -421,18 +420,15 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
       // The skipped blocks: wait until they land (the ring's phases stay in
       // step), release them, and take their pingpong turns empty (every
       // warpgroup takes the same number of turns per tile).
-      if constexpr (kBlockM > kBlockN) {
+      if constexpr (kSkipsKeyBlocks) {
         for (int n = tl.n_end - 1; n >= wg_n_end; --n) {
-          MbarWait(&k_full[stage], phase);
-          MbarWait(&v_full[stage], phase);
+          MbarWait(&k_full[ring.stage], ring.phase);
+          MbarWait(&v_full[ring.stage], ring.phase);
           take_turn();
           pass_turn();
-          release(&k_empty[stage]);
-          release(&v_empty[stage]);
-          if (++stage == kStages) {
-            stage = 0;
-            phase ^= 1;
-          }
+          release(&k_empty[ring.stage]);
+          release(&v_empty[ring.stage]);
+          ring.Advance();
         }
       }
       const int n_end = wg_n_end;
@@ -442,24 +438,21 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
       if constexpr (kSchedule == Sm90Schedule::kSerial) {
         // Per key block: S = Q K^T; wait; softmax; O *= c; O += P V; wait.
         for (int n = n_end - 1; n >= n_first; --n) {
-          MbarWait(&k_full[stage], phase);
+          MbarWait(&k_full[ring.stage], ring.phase);
           WgmmaFence();
-          issue_s(s, stage);
+          issue_s(s, ring.stage);
           WgmmaWaitFenced<0>(s);
-          release(&k_empty[stage]);
+          release(&k_empty[ring.stage]);
           softmax(s, n, correction);
           convert_p(s, pa);
           rescale_o(correction);
-          MbarWait(&v_full[stage], phase);
+          MbarWait(&v_full[ring.stage], ring.phase);
           WgmmaFenceOperands(pa);
           WgmmaFence();
-          issue_pv(pa, stage);
+          issue_pv(pa, ring.stage);
           WgmmaWaitFenced<0>(o);
-          release(&v_empty[stage]);
-          if (++stage == kStages) {
-            stage = 0;
-            phase ^= 1;
-          }
+          release(&v_empty[ring.stage]);
+          ring.Advance();
         }
         if constexpr (kPersistent) release(q_empty);  // every S of the tile is done
       } else {  // kOverlap, kPingpong
@@ -471,57 +464,49 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
         // Epilogue: O += P V of the last block. The tensor cores run PV while
         // the softmax runs on the CUDA cores and MUFU.
         int n = n_end - 1;
-        MbarWait(&k_full[stage], phase);
+        MbarWait(&k_full[ring.stage], ring.phase);
         take_turn();
         WgmmaFence();
-        issue_s(s, stage);
+        issue_s(s, ring.stage);
         pass_turn();
         WgmmaWaitFenced<0>(s);
-        release(&k_empty[stage]);
+        release(&k_empty[ring.stage]);
         softmax(s, n, correction);  // correction is 0 here and O is still 0
         convert_p(s, pa);
-        int v_stage = stage;
-        uint32_t v_phase = phase;
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
+        RingPos<kStages> v_ring = ring;  // the V tile of the block whose P is in pa
+        ring.Advance();
         for (--n; n >= n_first; --n) {
           // Both waits come before the fence: a wait loop between the fence
           // and a wgmma makes ptxas inject another fence (C7519).
-          MbarWait(&k_full[stage], phase);
-          MbarWait(&v_full[v_stage], v_phase);
+          MbarWait(&k_full[ring.stage], ring.phase);
+          MbarWait(&v_full[v_ring.stage], v_ring.phase);
           take_turn();
           WgmmaFenceOperands(pa);
           WgmmaFenceOperands(o);
           WgmmaFence();  // orders the register writes of pa and o before the wgmmas
-          issue_s(s, stage);
-          issue_pv(pa, v_stage);
+          issue_s(s, ring.stage);
+          issue_pv(pa, v_ring.stage);
           pass_turn();
           WgmmaWaitFenced<1>(s);  // S_n done; the PV group may still run
-          release(&k_empty[stage]);
+          release(&k_empty[ring.stage]);
           softmax(s, n, correction);
           WgmmaWaitFenced<0>(o, pa);
-          release(&v_empty[v_stage]);
+          release(&v_empty[v_ring.stage]);
           rescale_o(correction);
           convert_p(s, pa);
-          v_stage = stage;
-          v_phase = phase;
-          if (++stage == kStages) {
-            stage = 0;
-            phase ^= 1;
-          }
+          v_ring = ring;
+          ring.Advance();
         }
         if constexpr (kPersistent) release(q_empty);  // every S is done: the next Q may land
-        MbarWait(&v_full[v_stage], v_phase);
+        MbarWait(&v_full[v_ring.stage], v_ring.phase);
         take_turn();
         WgmmaFenceOperands(pa);
         WgmmaFenceOperands(o);
         WgmmaFence();
-        issue_pv(pa, v_stage);
+        issue_pv(pa, v_ring.stage);
         pass_turn();
         WgmmaWaitFenced<0>(o);
-        release(&v_empty[v_stage]);
+        release(&v_empty[v_ring.stage]);
         if (kPingpong && cg == 0) NamedBarrierSync(1, 256);
         // The warpgroups leave the tile together: otherwise the last one's
         // first hand-over of the next tile could join this tile's last turn.

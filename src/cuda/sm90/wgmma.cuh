@@ -65,74 +65,63 @@ struct Wgmma;
 #define JF2_WGMMA_D88_OPERANDS \
   JF2_WGMMA_D64_OPERANDS, JF2_WGMMA_ACC8(64), JF2_WGMMA_ACC8(72), JF2_WGMMA_ACC8(80)
 
-// The asm of one wgmma, for the wrappers below. SHAPE: "m64nNk16"; PTX: the
-// type suffix, "bf16.bf16" or "f16.f16"; D / D_OPERANDS: the accumulator
-// list and its operands (above); then the numbers of the operands that follow
-// them, as text. SS: both operands from shared memory, AB = "%desc_a,
-// %desc_b", TRANS = the two transpose immediates (0: K-major). RS: A from
-// registers, A = "{%a0, %a1, %a2, %a3}", B = "%desc_b", B MN-major.
-#define JF2_WGMMA_SS_ASM(SHAPE, PTX, D, D_OPERANDS, AB, SCALE, TRANS)                     \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\n"                         \
-               "wgmma.mma_async.sync.aligned." SHAPE ".f32." PTX " " D ", " AB ", p, 1, 1, " \
-               TRANS ";\n}\n"                                                               \
-               : D_OPERANDS                                                                 \
-               : "l"(desc_a), "l"(desc_b), "r"(scale_d))
-#define JF2_WGMMA_RS_ASM(SHAPE, PTX, D, D_OPERANDS, A, B, SCALE)                     \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\n"                    \
-               "wgmma.mma_async.sync.aligned." SHAPE ".f32." PTX " " D ", " A ", " B \
-               ", p, 1, 1, 1;\n}\n"                                                    \
-               : D_OPERANDS                                                            \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d))
+// One wgmma wrapper, a static member of Wgmma<ELEM, N>. SHAPE: "m64nNk16";
+// PTX: the type suffix, "bf16.bf16" or "f16.f16"; ACC: the accumulator
+// count N / 2, D / D_OPERANDS its register list and operands (above); then
+// the numbers of the operands that follow them, as text. SS: both operands
+// from shared memory, AB = "%desc_a, %desc_b", TRANS = the two transpose
+// immediates (0: K-major). RS: A from registers, A = "{%a0, %a1, %a2, %a3}",
+// B = "%desc_b", B MN-major.
+#define JF2_WGMMA_SS_FN(NAME, SHAPE, PTX, ACC, D, D_OPERANDS, AB, SCALE, TRANS)                 \
+  static __device__ __forceinline__ void NAME(float(&d)[ACC], uint64_t desc_a, uint64_t desc_b, \
+                                              int scale_d) {                                    \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\n"                              \
+                 "wgmma.mma_async.sync.aligned." SHAPE ".f32." PTX " " D ", " AB ", p, 1, 1, "    \
+                 TRANS ";\n}\n"                                                                  \
+                 : D_OPERANDS                                                                   \
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));                                     \
+  }
+#define JF2_WGMMA_RS_FN(SHAPE, PTX, ACC, D, D_OPERANDS, A, B, SCALE)                            \
+  static __device__ __forceinline__ void RS(float(&d)[ACC], const uint32_t(&a)[4],              \
+                                            uint64_t desc_b, int scale_d) {                     \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\n"                              \
+                 "wgmma.mma_async.sync.aligned." SHAPE ".f32." PTX " " D ", " A ", " B            \
+                 ", p, 1, 1, 1;\n}\n"                                                            \
+                 : D_OPERANDS                                                                   \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));      \
+  }
 
 // N = 64: operands after the 32 accumulators: SS / SSMN desc_a %32, desc_b
 // %33, scale_d %34; RS a %32-%35, desc_b %36, scale_d %37.
-#define JF2_WGMMA_N64(ELEM, PTX)                                                            \
-  template <>                                                                               \
-  struct Wgmma<ELEM, 64> {                                                                  \
-    static __device__ __forceinline__ void SSMN(float (&d)[32], uint64_t desc_a,            \
-                                                uint64_t desc_b, int scale_d) {             \
-      JF2_WGMMA_SS_ASM("m64n64k16", PTX, JF2_WGMMA_D32, JF2_WGMMA_D32_OPERANDS, "%32, %33", \
-                       "%34", "1, 1");                                                      \
-    }                                                                                       \
-    static __device__ __forceinline__ void SS(float (&d)[32], uint64_t desc_a,              \
-                                              uint64_t desc_b, int scale_d) {               \
-      JF2_WGMMA_SS_ASM("m64n64k16", PTX, JF2_WGMMA_D32, JF2_WGMMA_D32_OPERANDS, "%32, %33", \
-                       "%34", "0, 0");                                                      \
-    }                                                                                       \
-    static __device__ __forceinline__ void RS(float (&d)[32], const uint32_t (&a)[4],       \
-                                              uint64_t desc_b, int scale_d) {               \
-      JF2_WGMMA_RS_ASM("m64n64k16", PTX, JF2_WGMMA_D32, JF2_WGMMA_D32_OPERANDS,             \
-                       "{%32, %33, %34, %35}", "%36", "%37");                               \
-    }                                                                                       \
+#define JF2_WGMMA_N64(ELEM, PTX)                                                     \
+  template <>                                                                        \
+  struct Wgmma<ELEM, 64> {                                                           \
+    JF2_WGMMA_SS_FN(SSMN, "m64n64k16", PTX, 32, JF2_WGMMA_D32, JF2_WGMMA_D32_OPERANDS, \
+                    "%32, %33", "%34", "1, 1")                                       \
+    JF2_WGMMA_SS_FN(SS, "m64n64k16", PTX, 32, JF2_WGMMA_D32, JF2_WGMMA_D32_OPERANDS,   \
+                    "%32, %33", "%34", "0, 0")                                       \
+    JF2_WGMMA_RS_FN("m64n64k16", PTX, 32, JF2_WGMMA_D32, JF2_WGMMA_D32_OPERANDS,       \
+                    "{%32, %33, %34, %35}", "%36", "%37")                            \
   };
 
 // N = 128: operands after the 64 accumulators: SS desc_a %64, desc_b %65,
 // scale_d %66; RS a %64-%67, desc_b %68, scale_d %69.
-#define JF2_WGMMA_N128(ELEM, PTX)                                                             \
-  template <>                                                                                 \
-  struct Wgmma<ELEM, 128> {                                                                   \
-    static __device__ __forceinline__ void SS(float (&d)[64], uint64_t desc_a,                \
-                                              uint64_t desc_b, int scale_d) {                 \
-      JF2_WGMMA_SS_ASM("m64n128k16", PTX, JF2_WGMMA_D64, JF2_WGMMA_D64_OPERANDS, "%64, %65", \
-                       "%66", "0, 0");                                                        \
-    }                                                                                         \
-    static __device__ __forceinline__ void RS(float (&d)[64], const uint32_t (&a)[4],         \
-                                              uint64_t desc_b, int scale_d) {                 \
-      JF2_WGMMA_RS_ASM("m64n128k16", PTX, JF2_WGMMA_D64, JF2_WGMMA_D64_OPERANDS,             \
-                       "{%64, %65, %66, %67}", "%68", "%69");                                 \
-    }                                                                                         \
+#define JF2_WGMMA_N128(ELEM, PTX)                                                   \
+  template <>                                                                       \
+  struct Wgmma<ELEM, 128> {                                                         \
+    JF2_WGMMA_SS_FN(SS, "m64n128k16", PTX, 64, JF2_WGMMA_D64, JF2_WGMMA_D64_OPERANDS, \
+                    "%64, %65", "%66", "0, 0")                                      \
+    JF2_WGMMA_RS_FN("m64n128k16", PTX, 64, JF2_WGMMA_D64, JF2_WGMMA_D64_OPERANDS,     \
+                    "{%64, %65, %66, %67}", "%68", "%69")                           \
   };
 
 // N = 176 (the forward's S = Q K^T at D = 128 without a mask; SS only):
 // operands after the 88 accumulators: desc_a %88, desc_b %89, scale_d %90.
-#define JF2_WGMMA_N176(ELEM, PTX)                                                             \
-  template <>                                                                                 \
-  struct Wgmma<ELEM, 176> {                                                                   \
-    static __device__ __forceinline__ void SS(float (&d)[88], uint64_t desc_a,                \
-                                              uint64_t desc_b, int scale_d) {                 \
-      JF2_WGMMA_SS_ASM("m64n176k16", PTX, JF2_WGMMA_D88, JF2_WGMMA_D88_OPERANDS, "%88, %89", \
-                       "%90", "0, 0");                                                        \
-    }                                                                                         \
+#define JF2_WGMMA_N176(ELEM, PTX)                                                   \
+  template <>                                                                       \
+  struct Wgmma<ELEM, 176> {                                                         \
+    JF2_WGMMA_SS_FN(SS, "m64n176k16", PTX, 88, JF2_WGMMA_D88, JF2_WGMMA_D88_OPERANDS, \
+                    "%88, %89", "%90", "0, 0")                                      \
   };
 
 JF2_WGMMA_N64(__nv_bfloat16, "bf16.bf16")
@@ -145,8 +134,8 @@ JF2_WGMMA_N176(__half, "f16.f16")
 #undef JF2_WGMMA_N64
 #undef JF2_WGMMA_N128
 #undef JF2_WGMMA_N176
-#undef JF2_WGMMA_SS_ASM
-#undef JF2_WGMMA_RS_ASM
+#undef JF2_WGMMA_SS_FN
+#undef JF2_WGMMA_RS_FN
 #undef JF2_WGMMA_D32
 #undef JF2_WGMMA_D32_OPERANDS
 #undef JF2_WGMMA_D64
