@@ -447,6 +447,10 @@ int main(int argc, char** argv) {
   if (!tiny && !no_time) {
     std::printf("timings (median of 15; whole backward incl. preprocess and convert):\n");
     const std::vector<Case> timed = {
+        {"B8 T=S=2048 H16 D128", bf, 8, 2048, 2048, 16, 16, 128, -1, -1},
+        {"B8 T=S=2048 H16 D128 causal", bf, 8, 2048, 2048, 16, 16, 128, -1, 0},
+        {"B8 T=S=2048 H32 D64", bf, 8, 2048, 2048, 32, 32, 64, -1, -1},
+        {"B8 T=S=2048 H32 D64 causal", bf, 8, 2048, 2048, 32, 32, 64, -1, 0},
         {"B4 T=S=4096 H16 D128", bf, 4, 4096, 4096, 16, 16, 128, -1, -1},
         {"B4 T=S=4096 H16 D128 causal", bf, 4, 4096, 4096, 16, 16, 128, -1, 0},
         {"B4 T=S=4096 H32 D64", bf, 4, 4096, 4096, 32, 32, 64, -1, -1},

@@ -105,6 +105,8 @@ struct BwdSm90Args {
   CUtensorMap tma_k;
   CUtensorMap tma_v;
   CUtensorMap tma_dq;  // fp32 dq_acc [B, T, H, D], boxes of 32 columns x 64 rows
+  CUtensorMap tma_dk;  // dk, dv [B, S, K, D] (k's strides): boxes of 64 rows
+  CUtensorMap tma_dv;
   FlashParams p;
   const float* lse2 = nullptr;  // [B, H, t_pad]
   const float* dvec = nullptr;  // [B, H, t_pad]
@@ -114,6 +116,7 @@ struct BwdSm90Args {
   bool do_heads_inner = true;
   bool k_heads_inner = true;
   bool v_heads_inner = true;
+  bool kv_grad_heads_inner = true;
 };
 
 }  // namespace sm90

@@ -569,24 +569,45 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   }
 
   // Epilogue: dK = scale * acc_dk, dV = acc_dv into [B, S, K, D] (dk and dv
-  // share k's strides), straight from the accumulator fragment. Keys no query
-  // sees get zeros (num_iters == 0).
+  // share k's strides), staged in this warpgroup's rows of the K and V tiles
+  // (in the TMA's swizzled layout) and written by TMA stores: direct stores
+  // of the accumulator fragments are 4-byte pieces of 8 rows per
+  // instruction. K is free once both warpgroups are done (dQ = dS K reads all
+  // of it). Keys no query sees get zeros (num_iters == 0); keys past S are
+  // dropped by the copy engine.
+  NamedBarrierSync(7, 256);
+  unsigned char* s_dk = s_k + 64 * cg * 128;
+  unsigned char* s_dv = s_v + 64 * cg * 128;
 #pragma unroll
   for (int rh = 0; rh < 2; ++rh) {
-    const int n = key0 + 16 * warp + g + 8 * rh;
-    if (n >= seqlen_k) continue;
-    const int64_t off = b * p.k_batch_stride + n * p.k_row_stride + kv_head * p.k_head_stride;
-    Elem* dk = static_cast<Elem*>(p.dk) + off;
-    Elem* dv = static_cast<Elem*>(p.dv) + off;
+    const int row = 16 * warp + g + 8 * rh;  // within the warpgroup's 64 keys
 #pragma unroll
     for (int j = 0; j < kHeadDim / 8; ++j) {
-      const int d = 8 * j + 2 * t4;
-      *reinterpret_cast<uint32_t*>(dk + d) =
+      // 16-byte chunk c of a 128-byte row r sits at chunk c ^ (r % 8): a
+      // warp's stores hit 32 distinct banks.
+      const int offset =
+          (j / 8) * Tr::kKvPanelBytes + row * 128 + ((j % 8) ^ (row % 8)) * 16 + 4 * t4;
+      *reinterpret_cast<uint32_t*>(s_dk + offset) =
           PackFloat2<Elem>(acc_dk[4 * j + 2 * rh] * p.softmax_scale,
                            acc_dk[4 * j + 2 * rh + 1] * p.softmax_scale);
-      *reinterpret_cast<uint32_t*>(dv + d) =
+      *reinterpret_cast<uint32_t*>(s_dv + offset) =
           PackFloat2<Elem>(acc_dv[4 * j + 2 * rh], acc_dv[4 * j + 2 * rh + 1]);
     }
+  }
+  FenceProxyAsync();
+  NamedBarrierSync(8 + cg, 128);
+  if (wg_tid == 0 && key0 < seqlen_k) {
+    const int c1 = args.kv_grad_heads_inner ? kv_head : key0;
+    const int c2 = args.kv_grad_heads_inner ? key0 : kv_head;
+#pragma unroll
+    for (int panel = 0; panel < Tr::kPanels; ++panel) {
+      TmaStore4d(s_dk + panel * Tr::kKvPanelBytes, &args.tma_dk, panel * Tr::kPanelCols, c1, c2, b);
+      TmaStore4d(s_dv + panel * Tr::kKvPanelBytes, &args.tma_dv, panel * Tr::kPanelCols, c1, c2, b);
+    }
+    BulkCommitGroup();
+    // The staging must outlive the copy engine's reads (the grid's completion
+    // covers the global writes, as for plain stores).
+    BulkWaitGroupRead<0>();
   }
 }
 

@@ -116,6 +116,17 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
                                 p.num_heads_kv, p.head_dim, p.v_batch_stride, p.v_row_stride,
                                 p.v_head_stride, tile.block_n, &args.v_heads_inner);
   }
+  // dK and dV leave through TMA stores, a consumer warpgroup's 64 keys each.
+  if (err == cudaSuccess) {
+    err = sm90::EncodeTensorMap(&args.tma_dk, encode, p.dtype, p.dk, p.batch, p.seqlen_k,
+                                p.num_heads_kv, p.head_dim, p.k_batch_stride, p.k_row_stride,
+                                p.k_head_stride, 64, &args.kv_grad_heads_inner);
+  }
+  if (err == cudaSuccess) {
+    err = sm90::EncodeTensorMap(&args.tma_dv, encode, p.dtype, p.dv, p.batch, p.seqlen_k,
+                                p.num_heads_kv, p.head_dim, p.k_batch_stride, p.k_row_stride,
+                                p.k_head_stride, 64, &args.kv_grad_heads_inner);
+  }
   if (err != cudaSuccess) return err;
   switch (p.dtype) {
     case DType::kFloat16: return LaunchForHeadDim<__half>(args, stream);

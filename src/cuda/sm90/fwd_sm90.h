@@ -99,9 +99,11 @@ namespace sm90 {
 //   masked), within 3% below. Under a causal mask at 16k the persistent
 //   grid lost 25-30% (its fixed walk against the hardware's longest-first
 //   order); the 176-key tile (S > 4096, no mask) measured the same either
-//   way.
-// - D 64: pingpong above S = 1024 (+1-5% over overlap from S = 2048),
-//   overlap at S <= 1024 (+2-10%; T 512 causal 175 vs 160).
+//   way. Since O leaves through TMA stores (ninth session), masked calls
+//   above S = 8192 run overlap in one tile per block (T 16k causal 645 vs
+//   615 pingpong; at 8192 persistent pingpong still leads, 625 vs 593).
+// - D 64: pingpong (+1-5% over overlap from S = 2048; with the TMA stores
+//   also at S = 1024, 391 vs 364 and causal 262 vs 240, and level at 512).
 inline constexpr int64_t kAnyKeys = INT64_MAX;
 
 struct FwdSm90Tile {
@@ -121,9 +123,9 @@ struct FwdSm90Tile {
 inline constexpr FwdSm90Tile kFwdSm90TileTable[] = {
     // D, block_m x block_n, stages; masked, unmasked, S range; schedule;
     // persistent up to S (masked, unmasked).
-    {64, 192, 128, 3, true, true, 0, 1024, Sm90Schedule::kOverlap, 1024, 1024},
     {64, 192, 128, 3, true, true, 0, kAnyKeys, Sm90Schedule::kPingpong, 2048, 1024},
     {128, 128, 176, 2, false, true, 4096 + 1, kAnyKeys, Sm90Schedule::kOverlap, 0, 0},
+    {128, 128, 128, 2, true, false, 8192 + 1, kAnyKeys, Sm90Schedule::kOverlap, 0, 0},
     {128, 128, 128, 2, true, true, 0, kAnyKeys, Sm90Schedule::kPingpong, 8192, 4096},
     // The tile D 64 used before (two consumer warpgroups): serves nothing,
     // built with JF2_SM90_ALL_SCHEDULES for the self-test's comparisons.
@@ -156,17 +158,17 @@ constexpr int FwdSm90TileIndex(int64_t head_dim, bool masked, int64_t seqlen_k) 
   }
   return -1;
 }
-static_assert(FwdSm90TileIndex(64, false, 512) == 0 && FwdSm90TileIndex(64, true, 1024) == 0);
-static_assert(FwdSm90TileIndex(64, false, 1025) == 1 && FwdSm90TileIndex(64, true, 16384) == 1);
-static_assert(FwdSm90TileIndex(128, false, 4096) == 3 && FwdSm90TileIndex(128, false, 4097) == 2);
-static_assert(FwdSm90TileIndex(128, true, 16384) == 3 && FwdSm90TileIndex(96, false, 512) == -1);
+static_assert(FwdSm90TileIndex(64, false, 512) == 0 && FwdSm90TileIndex(64, true, 16384) == 0);
+static_assert(FwdSm90TileIndex(128, false, 4096) == 3 && FwdSm90TileIndex(128, false, 4097) == 1);
+static_assert(FwdSm90TileIndex(128, true, 8192) == 3 && FwdSm90TileIndex(128, true, 8193) == 2);
+static_assert(FwdSm90TileIndex(96, false, 512) == -1);
 static_assert(FwdSm90Persistent(kFwdSm90TileTable[3], true, 8192) &&
-              !FwdSm90Persistent(kFwdSm90TileTable[3], true, 8193) &&
               FwdSm90Persistent(kFwdSm90TileTable[3], false, 4096) &&
-              !FwdSm90Persistent(kFwdSm90TileTable[1], false, 2048) &&
+              FwdSm90Persistent(kFwdSm90TileTable[0], true, 2048) &&
+              !FwdSm90Persistent(kFwdSm90TileTable[0], false, 2048) &&
+              !FwdSm90EverPersistent(kFwdSm90TileTable[1]) &&
               !FwdSm90EverPersistent(kFwdSm90TileTable[2]) &&
-              FwdSm90AlwaysPersistent(kFwdSm90TileTable[0]) &&
-              !FwdSm90AlwaysPersistent(kFwdSm90TileTable[1]));
+              !FwdSm90AlwaysPersistent(kFwdSm90TileTable[0]));
 
 // Warp roles: warpgroup 0 produces (one thread issues every TMA copy), the
 // block_m / 64 others consume (wgmma + softmax), 64 query rows each.
@@ -184,13 +186,25 @@ constexpr int FwdSm90ConsumerRegs(const FwdSm90Tile& t) {
   return FwdSm90ConsumerWarpgroups(t) == 2 ? 240 : 160;
 }
 
-// Bytes of dynamic shared memory: the tiles, the mbarriers, and 1 KB of
-// slack to align the tiles to the 1024-byte swizzle atom.
-constexpr int FwdSm90SmemBytes(const FwdSm90Tile& t) {
+// The epilogue stages O (block_m x D) in shared memory and writes it with TMA
+// stores: in a region of its own where that fits beside the ring (all but the
+// 128 x 176 D 128 tile, which stages it in Q). Direct stores of the
+// accumulator fragments (4-byte pieces of 8 rows per instruction) kept the
+// tensor cores idle between tiles: 5-10% at D 128 T 2048.
+constexpr int FwdSm90RingSmemBytes(const FwdSm90Tile& t) {
   const int tiles = (t.block_m + 2 * t.stages * t.block_n) * t.head_dim * 2;
   const int barriers = (2 + 4 * t.stages) * 8;  // q full/empty; k/v full and empty per stage
-  return tiles + barriers + 1024;
+  return tiles + barriers + 1024;  // + 1 KB to align the tiles to the 1024-byte swizzle atom
 }
+inline constexpr int kSm90SmemBytesMax = 232448;  // cc 9.0's opt-in limit per block
+constexpr bool FwdSm90StagesO(const FwdSm90Tile& t) {
+  return FwdSm90RingSmemBytes(t) + t.block_m * t.head_dim * 2 <= kSm90SmemBytesMax;
+}
+// Bytes of dynamic shared memory: Q, the K/V ring, O where staged, barriers.
+constexpr int FwdSm90SmemBytes(const FwdSm90Tile& t) {
+  return FwdSm90RingSmemBytes(t) + (FwdSm90StagesO(t) ? t.block_m * t.head_dim * 2 : 0);
+}
+static_assert(FwdSm90StagesO(kFwdSm90TileTable[3]) && !FwdSm90StagesO(kFwdSm90TileTable[1]));
 
 // The kernel's by-value argument block (__grid_constant__), so the tensor maps
 // sit in parameter space where the TMA unit may read them. Each map is 4-D
@@ -202,12 +216,14 @@ struct FwdSm90Args {
   CUtensorMap tma_q;
   CUtensorMap tma_k;
   CUtensorMap tma_v;
+  CUtensorMap tma_o;  // boxes of 64 rows (one consumer warpgroup's)
   FlashParams p;
   int num_m_blocks = 0;
   int num_tiles = 0;  // num_m_blocks * H * B; the grid has one block per tile, or fewer
   bool q_heads_inner = true;
   bool k_heads_inner = true;
   bool v_heads_inner = true;
+  bool o_heads_inner = true;
 };
 
 }  // namespace sm90

@@ -25,8 +25,12 @@
 //   l = l * exp2((m - m') * scale_log2) + rowsum P;  O = O * (same)
 //   O += P V_n                        wgmma RS: P (bf16/fp16) in registers
 // releasing K_n once S is done, V_n once PV is done and Q after the tile's
-// last S; at the end O / l and LSE = m * scale + log(l), written straight
-// from the accumulator registers.
+// last S; at the end O / l and LSE = m * scale + log(l). Each warpgroup
+// stages its 64 rows of O in shared memory (the TMA's swizzled layout) and
+// one of its threads stores them with TMA, so the next tile starts while the
+// copy engine writes: in a region of their own where it fits
+// (FwdSm90StagesO), else in the warpgroup's Q rows, which a kernel of one
+// tile per block no longer reads then (the 128 x 176 tile).
 // Three schedules of that loop (Sm90Schedule, fwd_sm90.h): kSerial runs it
 // as written; kOverlap pipelines it by one block so that O += P_{n+1} V_{n+1}
 // executes on the tensor cores while the softmax of block n runs (see the
@@ -73,6 +77,8 @@ struct FwdSm90Traits {
   static constexpr int kPSlices = kBlockN / 16;  // k16 slices of P
   static constexpr int kConsumerWarpgroups = FwdSm90ConsumerWarpgroups(kTile);
   static constexpr int kConsumerWarps = 4 * kConsumerWarpgroups;
+  static constexpr bool kStagesO = FwdSm90StagesO(kTile);  // in a region of its own
+  static constexpr int kOWarpgroupBytes = 64 * kHeadDim * 2;  // panels of 64 rows x 128 bytes
   static_assert(kBlockM == 64 * kConsumerWarpgroups, "each consumer warpgroup owns 64 rows");
   static_assert(kHeadDim % kPanelCols == 0 && kBlockN % 16 == 0 && kBlockN <= 256);
 };
@@ -84,8 +90,10 @@ struct FwdSm90Smem {
   static constexpr int kQ = 0;
   static constexpr int kK = kQ + Tr::kQBytes;
   static constexpr int kV = kK + Tr::kStages * Tr::kKvBytes;
-  static constexpr int kBars = kV + Tr::kStages * Tr::kKvBytes;
-  static_assert(kK % 1024 == 0 && kV % 1024 == 0 && Tr::kKvBytes % 1024 == 0);
+  static constexpr int kO = kV + Tr::kStages * Tr::kKvBytes;  // where Tr::kStagesO
+  static constexpr int kBars =
+      kO + (Tr::kStagesO ? Tr::kConsumerWarpgroups * Tr::kOWarpgroupBytes : 0);
+  static_assert(kK % 1024 == 0 && kV % 1024 == 0 && kO % 1024 == 0 && Tr::kKvBytes % 1024 == 0);
 };
 
 // kPersistent: the grid may be smaller than the tile count (see the top).
@@ -105,6 +113,9 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
   // compiled out: its loop cost the 128-row D 128 kernels 2-4% at T 512-2048
   // for nothing.
   constexpr bool kSkipsKeyBlocks = kBlockM > kBlockN;
+  // O goes out through shared memory and TMA (see the top) unless there is
+  // no room: the persistent grid's Q buffer holds the next tile's Q by then.
+  constexpr bool kTmaStoreO = Tr::kStagesO || !kPersistent;
 
   unsigned char* smem = AlignedDynamicSmem();
   Elem* s_q = reinterpret_cast<Elem*>(smem + Smem::kQ);
@@ -188,6 +199,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
       PrefetchTensorMap(&args.tma_q);
       PrefetchTensorMap(&args.tma_k);
       PrefetchTensorMap(&args.tma_v);
+      if constexpr (kTmaStoreO) PrefetchTensorMap(&args.tma_o);
       RingPos<kStages> ring;
       uint32_t q_phase = 0;
       for (int round = 0; round * gridDim.x < args.num_tiles; ++round) {
@@ -372,6 +384,15 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
     if constexpr (kPingpong) NamedBarrierArrive(1 + (cg == kLastGroup ? 0 : cg + 1), 256);
   };
 
+  // O staging of this warpgroup (kTmaStoreO): panels of 64 rows x 128 bytes
+  // kOPanelStride apart, in the O region or in this warpgroup's Q rows; and
+  // its named barrier (the pingpong turns use 1 .. warpgroups, the tile's
+  // closing barrier the next).
+  unsigned char* s_o_staged = Tr::kStagesO ? smem + Smem::kO + cg * Tr::kOWarpgroupBytes
+                                           : smem + Smem::kQ + cg * 64 * 128;
+  constexpr int kOPanelStride = Tr::kStagesO ? 64 * 128 : Tr::kQPanelBytes;
+  constexpr int kOStagedBarrier = 2 + Tr::kConsumerWarpgroups;
+
   RingPos<kStages> ring;
   uint32_t q_phase = 0;
   for (int round = 0; round * gridDim.x < args.num_tiles; ++round) {
@@ -516,30 +537,67 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
       }
     }
 
-    // Epilogue: O / l and LSE, straight from the accumulator fragment.
+    // Epilogue: O / l and LSE.
     const int64_t num_heads = p.num_heads_q;
     const int head = tl.head;
     const int b = tl.b;
+    if constexpr (kTmaStoreO) {
+      // This warpgroup's previous store has finished reading its staging.
+      if (wg_tid == 0) BulkWaitGroupRead<0>();
+      NamedBarrierSync(kOStagedBarrier + cg, 128);
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float l = QuadSum(row_sum[h]);
-      const int t = wg_row0 + warp * 16 + g + 8 * h;
-      if (t >= tl.row_end) continue;
+      const int row = warp * 16 + g + 8 * h;  // within the warpgroup's 64
+      const int t = wg_row0 + row;
       // l == 0 exactly when the row saw no key (its max key contributes
       // exp2(0) = 1 otherwise): output 0 and LSE -inf rather than 0 / 0.
       const float inv_l = l > 0.f ? 1.f / l : 0.f;
-      const float lse = l > 0.f ? row_max[h] * p.softmax_scale + logf(l) : -INFINITY;
-      Elem* o_row = static_cast<Elem*>(p.o) + b * p.o_batch_stride + t * p.o_row_stride +
-                    head * p.o_head_stride;
+      if constexpr (kTmaStoreO) {
+        // 16-byte chunk c of a 128-byte row r sits at chunk c ^ (r % 8) (the
+        // 128-byte swizzle); a warp's stores then hit 32 distinct banks.
 #pragma unroll
-      for (int j = 0; j < kHeadDim / 8; ++j) {
-        *reinterpret_cast<uint32_t*>(o_row + 8 * j + 2 * t4) =
-            PackFloat2<Elem>(o[4 * j + 2 * h] * inv_l, o[4 * j + 2 * h + 1] * inv_l);
+        for (int j = 0; j < kHeadDim / 8; ++j) {
+          const int offset =
+              (j / 8) * kOPanelStride + row * 128 + ((j % 8) ^ (row % 8)) * 16 + 4 * t4;
+          *reinterpret_cast<uint32_t*>(s_o_staged + offset) =
+              PackFloat2<Elem>(o[4 * j + 2 * h] * inv_l, o[4 * j + 2 * h + 1] * inv_l);
+        }
       }
-      if (t4 == 0) p.lse[(b * num_heads + head) * seqlen_q + t] = lse;
+      if (t >= tl.row_end) continue;
+      if constexpr (!kTmaStoreO) {
+        Elem* o_row = static_cast<Elem*>(p.o) + b * p.o_batch_stride + t * p.o_row_stride +
+                      head * p.o_head_stride;
+#pragma unroll
+        for (int j = 0; j < kHeadDim / 8; ++j) {
+          *reinterpret_cast<uint32_t*>(o_row + 8 * j + 2 * t4) =
+              PackFloat2<Elem>(o[4 * j + 2 * h] * inv_l, o[4 * j + 2 * h + 1] * inv_l);
+        }
+      }
+      if (t4 == 0) {
+        p.lse[(b * num_heads + head) * seqlen_q + t] =
+            l > 0.f ? row_max[h] * p.softmax_scale + logf(l) : -INFINITY;
+      }
+    }
+    if constexpr (kTmaStoreO) {
+      FenceProxyAsync();
+      NamedBarrierSync(kOStagedBarrier + cg, 128);
+      // Rows past T are dropped by the copy engine (out of the map's bounds).
+      if (wg_tid == 0 && wg_row0 < tl.row_end) {
+#pragma unroll
+        for (int panel = 0; panel < Tr::kPanels; ++panel) {
+          TmaStore4d(s_o_staged + panel * kOPanelStride, &args.tma_o, panel * Tr::kPanelCols,
+                     args.o_heads_inner ? head : wg_row0, args.o_heads_inner ? wg_row0 : head, b);
+        }
+        BulkCommitGroup();
+      }
     }
     if constexpr (!kPersistent) break;
   }
+  // The staging must stay valid until the last store has read it (the
+  // grid's completion covers the global writes, as for plain stores).
+  if (kTmaStoreO && wg_tid == 0) BulkWaitGroupRead<0>();
 }
 
 }  // namespace jax_flash2::cuda::sm90

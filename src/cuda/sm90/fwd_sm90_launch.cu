@@ -172,6 +172,11 @@ cudaError_t sm90::RunForwardSm90Schedule(const FlashParams& p, const DeviceInfo&
                           p.head_dim, p.v_batch_stride, p.v_row_stride, p.v_head_stride,
                           tile.block_n, &args.v_heads_inner);
   }
+  if (err == cudaSuccess) {  // O leaves through shared memory and TMA stores
+    err = EncodeTensorMap(&args.tma_o, encode, p.dtype, p.o, p.batch, p.seqlen_q, p.num_heads_q,
+                          p.head_dim, p.o_batch_stride, p.o_row_stride, p.o_head_stride, 64,
+                          &args.o_heads_inner);
+  }
   if (err != cudaSuccess) return err;
   switch (p.dtype) {
     case DType::kFloat16:

@@ -114,6 +114,17 @@ __device__ __forceinline__ void TmaReduceAdd4d(const void* smem_src, const CUten
       : "memory");
 }
 
+// out[box at {c0, c1, c2, c3}] = the smem tile, by the copy engine; tracked
+// in bulk groups like TmaReduceAdd4d. Box elements out of bounds are dropped.
+__device__ __forceinline__ void TmaStore4d(const void* smem_src, const CUtensorMap* map, int c0,
+                                           int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group"
+      " [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(SmemAddr(smem_src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
 __device__ __forceinline__ void BulkCommitGroup() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
