@@ -430,6 +430,9 @@ int main(int argc, char** argv) {
       {"T385 S353 D64 causal bf16 B2", bf, 2, 385, 353, 3, 3, 64, -1, 0},
       {"T191 S529 D128 fp16 B2", fp, 2, 191, 529, 3, 3, 128, -1, -1},
       {"T700 S177 D128 bf16", bf, 1, 700, 177, 2, 1, 128, -1, -1},
+      // Masked above 8192 keys: D 128's row for them (one tile per block).
+      {"T300 S9000 D128 causal bf16", bf, 1, 300, 9000, 2, 2, 128, -1, 0},
+      {"T300 S9000 D128 window(700,0) fp16", fp, 1, 300, 9000, 2, 2, 128, 700, 0},
       // More tiles than SMs without a mask: the persistent grid, each block
       // walking several tiles (Q and the K/V ring reused across them).
       {"T600 S400 D64 GQA4 bf16 B4 H16 (persistent)", bf, 4, 600, 400, 16, 4, 64, -1, -1},

@@ -101,7 +101,10 @@ namespace sm90 {
 //   order); the 176-key tile (S > 4096, no mask) measured the same either
 //   way. Since O leaves through TMA stores (ninth session), masked calls
 //   above S = 8192 run overlap in one tile per block (T 16k causal 645 vs
-//   615 pingpong; at 8192 persistent pingpong still leads, 625 vs 593).
+//   615 pingpong; at 8192 persistent pingpong still leads, 625 vs 593), and
+//   the 176-key tile pingpong (T 8192 670-677 vs 666, 16k 656-681 vs
+//   649-668 overlap; at 4096 the 128-key persistent grid still leads, 643
+//   vs 630-634).
 // - D 64: pingpong (+1-5% over overlap from S = 2048; with the TMA stores
 //   also at S = 1024, 391 vs 364 and causal 262 vs 240, and level at 512).
 inline constexpr int64_t kAnyKeys = INT64_MAX;
@@ -124,7 +127,7 @@ inline constexpr FwdSm90Tile kFwdSm90TileTable[] = {
     // D, block_m x block_n, stages; masked, unmasked, S range; schedule;
     // persistent up to S (masked, unmasked).
     {64, 192, 128, 3, true, true, 0, kAnyKeys, Sm90Schedule::kPingpong, 2048, 1024},
-    {128, 128, 176, 2, false, true, 4096 + 1, kAnyKeys, Sm90Schedule::kOverlap, 0, 0},
+    {128, 128, 176, 2, false, true, 4096 + 1, kAnyKeys, Sm90Schedule::kPingpong, 0, 0},
     {128, 128, 128, 2, true, false, 8192 + 1, kAnyKeys, Sm90Schedule::kOverlap, 0, 0},
     {128, 128, 128, 2, true, true, 0, kAnyKeys, Sm90Schedule::kPingpong, 8192, 4096},
     // The tile D 64 used before (two consumer warpgroups): serves nothing,
