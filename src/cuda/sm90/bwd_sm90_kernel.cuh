@@ -574,7 +574,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   // of the accumulator fragments are 4-byte pieces of 8 rows per
   // instruction. K is free once both warpgroups are done (dQ = dS K reads all
   // of it). Keys no query sees get zeros (num_iters == 0); keys past S are
-  // dropped by the copy engine.
+  // dropped by the copy engine. Named barriers: 7 over both consumer
+  // warpgroups, 8 + cg over warpgroup cg (1 and 3-6 are the loop's).
   NamedBarrierSync(7, 256);
   unsigned char* s_dk = s_k + 64 * cg * 128;
   unsigned char* s_dv = s_v + 64 * cg * 128;

@@ -106,7 +106,8 @@ namespace sm90 {
 //   649-668 overlap; at 4096 the 128-key persistent grid still leads, 643
 //   vs 630-634).
 // - D 64: pingpong (+1-5% over overlap from S = 2048; with the TMA stores
-//   also at S = 1024, 391 vs 364 and causal 262 vs 240, and level at 512).
+//   also at S = 1024, 391-392 vs 360-367 and causal 261-263 vs 236-245, and
+//   level at 512).
 inline constexpr int64_t kAnyKeys = INT64_MAX;
 
 struct FwdSm90Tile {
