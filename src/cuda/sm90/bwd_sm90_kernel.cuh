@@ -582,18 +582,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
 #pragma unroll
   for (int rh = 0; rh < 2; ++rh) {
     const int row = 16 * warp + g + 8 * rh;  // within the warpgroup's 64 keys
-#pragma unroll
-    for (int j = 0; j < kHeadDim / 8; ++j) {
-      // 16-byte chunk c of a 128-byte row r sits at chunk c ^ (r % 8): a
-      // warp's stores hit 32 distinct banks.
-      const int offset =
-          (j / 8) * Tr::kKvPanelBytes + row * 128 + ((j % 8) ^ (row % 8)) * 16 + 4 * t4;
-      *reinterpret_cast<uint32_t*>(s_dk + offset) =
-          PackFloat2<Elem>(acc_dk[4 * j + 2 * rh] * p.softmax_scale,
-                           acc_dk[4 * j + 2 * rh + 1] * p.softmax_scale);
-      *reinterpret_cast<uint32_t*>(s_dv + offset) =
-          PackFloat2<Elem>(acc_dv[4 * j + 2 * rh], acc_dv[4 * j + 2 * rh + 1]);
-    }
+    StageAccumulatorRow<Elem>(s_dk, Tr::kKvPanelBytes, row, t4, acc_dk, rh, p.softmax_scale);
+    StageAccumulatorRow<Elem>(s_dv, Tr::kKvPanelBytes, row, t4, acc_dv, rh, 1.f);
   }
   FenceProxyAsync();
   NamedBarrierSync(8 + cg, 128);

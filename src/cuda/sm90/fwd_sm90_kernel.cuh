@@ -555,15 +555,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
       // exp2(0) = 1 otherwise): output 0 and LSE -inf rather than 0 / 0.
       const float inv_l = l > 0.f ? 1.f / l : 0.f;
       if constexpr (kTmaStoreO) {
-        // 16-byte chunk c of a 128-byte row r sits at chunk c ^ (r % 8) (the
-        // 128-byte swizzle); a warp's stores then hit 32 distinct banks.
-#pragma unroll
-        for (int j = 0; j < kHeadDim / 8; ++j) {
-          const int offset =
-              (j / 8) * kOPanelStride + row * 128 + ((j % 8) ^ (row % 8)) * 16 + 4 * t4;
-          *reinterpret_cast<uint32_t*>(s_o_staged + offset) =
-              PackFloat2<Elem>(o[4 * j + 2 * h] * inv_l, o[4 * j + 2 * h + 1] * inv_l);
-        }
+        StageAccumulatorRow<Elem>(s_o_staged, kOPanelStride, row, t4, o, h, inv_l);
       }
       if (t >= tl.row_end) continue;
       if constexpr (!kTmaStoreO) {

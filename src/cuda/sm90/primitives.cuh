@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "../primitives.cuh"  // PackFloat2
+
 namespace jax_flash2::cuda::sm90 {
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* ptr) {
@@ -123,6 +125,25 @@ __device__ __forceinline__ void TmaStore4d(const void* smem_src, const CUtensorM
       " [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
       "r"(SmemAddr(smem_src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
+}
+
+// Row `row` (< 64) of a warpgroup's fp32 accumulator tile, times `scale`, as
+// Elem pairs into a tile staged for TMA stores: acc[4 j + 2 h], acc[4 j + 2 h
+// + 1] hold columns 8 j + 2 t4, + 1 (the wgmma accumulator layout, wgmma.cuh;
+// h picks row g or g + 8). The tile is 64-column panels of 128-byte rows,
+// `panel_bytes` apart, in the 128-byte swizzle the tensor maps use: 16-byte
+// chunk c of row r at chunk c ^ (r % 8), so the 8 rows of a warp's store hit
+// 32 distinct banks.
+template <typename Elem, int kAcc>
+__device__ __forceinline__ void StageAccumulatorRow(unsigned char* tile, int panel_bytes, int row,
+                                                    int t4, const float (&acc)[kAcc], int h,
+                                                    float scale) {
+#pragma unroll
+  for (int j = 0; j < kAcc / 4; ++j) {
+    const int offset = (j / 8) * panel_bytes + row * 128 + ((j % 8) ^ (row % 8)) * 16 + 4 * t4;
+    *reinterpret_cast<uint32_t*>(tile + offset) =
+        PackFloat2<Elem>(acc[4 * j + 2 * h] * scale, acc[4 * j + 2 * h + 1] * scale);
+  }
 }
 
 __device__ __forceinline__ void BulkCommitGroup() {
