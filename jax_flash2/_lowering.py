@@ -26,10 +26,28 @@ def _attributes(config) -> dict:
   )
 
 
+def _without_unused_inputs(ctx, args, config):
+  """The optional inputs (ALiBi slopes, the two segment ids, dropout seeds)
+  that the call does not read become zero-size constants, so that XLA
+  computes nothing for them: their zero fills cost a kernel launch each
+  (about 2 us apiece on the H200)."""
+  first = 3 if len(args) == 7 else 7  # forward: q, k, v first; backward: + out, lse, d_out, d_lse
+  used = (config.has_alibi, config.has_segment_ids, config.has_segment_ids,
+          config.dropout_rate > 0)
+  args, avals = list(args), list(ctx.avals_in)
+  for i, is_used in enumerate(used):
+    if not is_used:
+      dtype = avals[first + i].dtype
+      args[first + i] = mlir.ir_constant(np.zeros((0,), dtype))
+      avals[first + i] = jax.core.ShapedArray((0,), dtype)
+  return ctx.replace(avals_in=avals), args
+
+
 def _cpu_rule(target: str):
   ffi_rule = jax.ffi.ffi_lowering(target)
 
   def rule(ctx, *args, config):
+    ctx, args = _without_unused_inputs(ctx, args, config)
     return ffi_rule(ctx, *args, **_attributes(config))
 
   return rule
@@ -67,6 +85,7 @@ def _cuda_rule(target: str, backward: bool):
       )
     batch, seqlen_q, heads_q, head_dim = ctx.avals_in[0].shape
     seqlen_k, heads_kv = ctx.avals_in[1].shape[1:3]
+    ctx, args = _without_unused_inputs(ctx, args, config)
     sm_count = _sm_count()
     # Scratch (split-KV partials; D and the fp32 dQ accumulator) is an extra
     # output, so XLA allocates it with the call's other buffers.

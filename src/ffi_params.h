@@ -96,15 +96,21 @@ inline ffi::Error ParamsFromInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer
 // The ALiBi slopes [B, H] float32, segment ids [B, T], [B, S] int32 and
 // dropout seeds [B, H, 2] uint32 are always operands; the attributes say
 // whether the call uses them, and only then do their pointers go into p (the
-// kernels test for null).
+// kernels test for null). One the call does not read may also be a
+// zero-size placeholder (the lowering passes those, so that XLA launches
+// nothing to fill it).
 inline ffi::Error SetOptionalInputs(const ffi::AnyBuffer& alibi_slopes,
                                     const ffi::AnyBuffer& q_segment_ids,
                                     const ffi::AnyBuffer& kv_segment_ids,
                                     const ffi::AnyBuffer& dropout_seeds, bool has_alibi,
                                     bool has_segment_ids, float dropout_rate, FlashParams* p) {
+  const auto placeholder = [](const ffi::AnyBuffer& input, bool used) {
+    return !used && input.element_count() == 0;
+  };
   const auto sd = alibi_slopes.dimensions();
-  if (alibi_slopes.element_type() != ffi::DataType::F32 || sd.size() != 2 || sd[0] != p->batch ||
-      sd[1] != p->num_heads_q) {
+  if (!placeholder(alibi_slopes, has_alibi) &&
+      (alibi_slopes.element_type() != ffi::DataType::F32 || sd.size() != 2 ||
+       sd[0] != p->batch || sd[1] != p->num_heads_q)) {
     return ffi::Error::InvalidArgument("jax_flash2: alibi_slopes must be float32 [B, H] = [" +
                                        std::to_string(p->batch) + ", " +
                                        std::to_string(p->num_heads_q) + "]; got " +
@@ -114,8 +120,9 @@ inline ffi::Error SetOptionalInputs(const ffi::AnyBuffer& alibi_slopes,
        {std::tuple{&q_segment_ids, p->seqlen_q, "q_segment_ids [B, T]"},
         std::tuple{&kv_segment_ids, p->seqlen_k, "kv_segment_ids [B, S]"}}) {
     const auto d = ids->dimensions();
-    if (ids->element_type() != ffi::DataType::S32 || d.size() != 2 || d[0] != p->batch ||
-        d[1] != length) {
+    if (!placeholder(*ids, has_segment_ids) &&
+        (ids->element_type() != ffi::DataType::S32 || d.size() != 2 || d[0] != p->batch ||
+         d[1] != length)) {
       return ffi::Error::InvalidArgument(std::string("jax_flash2: ") + name +
                                          " must be int32 of batch " + std::to_string(p->batch) +
                                          " and length " + std::to_string(length) + "; got " +
@@ -123,8 +130,9 @@ inline ffi::Error SetOptionalInputs(const ffi::AnyBuffer& alibi_slopes,
     }
   }
   const auto dd = dropout_seeds.dimensions();
-  if (dropout_seeds.element_type() != ffi::DataType::U32 || dd.size() != 3 ||
-      dd[0] != p->batch || dd[1] != p->num_heads_q || dd[2] != 2) {
+  if (!placeholder(dropout_seeds, dropout_rate > 0.0f) &&
+      (dropout_seeds.element_type() != ffi::DataType::U32 || dd.size() != 3 ||
+       dd[0] != p->batch || dd[1] != p->num_heads_q || dd[2] != 2)) {
     return ffi::Error::InvalidArgument("jax_flash2: dropout_seeds must be uint32 [B, H, 2] = [" +
                                        std::to_string(p->batch) + ", " +
                                        std::to_string(p->num_heads_q) + ", 2]; got " +

@@ -46,6 +46,7 @@ PATH_CASES = [
     (8, 1025, 1500, 16, 4, 64, False, "sm90"),  # GQA by index, T != S
     (8, 1000, 1000, 16, 16, 96, False, "sm80"),  # no Hopper tile for D = 96
     (2, 1024, 9000, 16, 16, 128, True, "sm90"),  # masked above 8192 keys: its own tile row
+    (3, 700, 900, 24, 8, 128, False, "sm90"),  # 432 tiles: 2 whole rounds, then stream-K pieces
     (2, 300, 300, 4, 4, 128, False, "sm80"),  # a small grid: split-KV
     (1, 1, 4096, 8, 2, 128, False, "decode"),  # GQA group packed, split-KV
     (2, 2, 3001, 16, 2, 64, True, "decode"),  # 16 packed rows, causal, ragged tail

@@ -104,6 +104,30 @@ def test_alibi_slopes_get_zero_gradient(backend, rng):
   assert np.all(np.asarray(jax.grad(loss)(slopes)) == 0)
 
 
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_unread_inputs_are_placeholders(platform):
+  """The optional inputs a call does not read (ALiBi slopes, segment ids,
+  dropout seeds) reach the kernels as zero-size constants, so XLA computes
+  nothing for them; the ones it reads keep their shapes."""
+  if platform == "cuda" and _ext.cuda_ext is None:
+    pytest.skip("needs the CUDA extension to lower for CUDA")
+  q = jnp.ones((2, 9, 2, 16), jnp.bfloat16)
+  slopes = jnp.ones((2,), jnp.float32)
+
+  def operand_types(**kwargs):
+    fn = jax.jit(lambda q: jax_flash2.flash_attention(q, q, q, **kwargs))
+    ir = fn.trace(q).lower(lowering_platforms=(platform,)).as_text()
+    (operands,) = re.findall(r"stablehlo\.custom_call @jax_flash2_\w+\(.*\} : \((.*)\) ->", ir)
+    return [t.strip() for t in operands.split(",")][3:]
+
+  assert operand_types() == ["tensor<0xf32>", "tensor<0xi32>", "tensor<0xi32>", "tensor<0xui32>"]
+  assert operand_types(alibi_slopes=slopes) == [
+      "tensor<2x2xf32>", "tensor<0xi32>", "tensor<0xi32>", "tensor<0xui32>"]
+  if platform == "cpu":  # the compiled module fills no placeholder
+    hlo = jax.jit(lambda q: jax_flash2.flash_attention(q, q, q)).lower(q).compile().as_text()
+    assert "broadcast" not in hlo, hlo
+
+
 @pytest.mark.skipif(_ext.cuda_ext is None, reason="needs the CUDA extension to lower for CUDA")
 @pytest.mark.parametrize("option", ["alibi_slopes", "segment_ids", "softcap"])
 def test_cuda_lowering_passes_score_options(option):

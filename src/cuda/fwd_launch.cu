@@ -354,19 +354,7 @@ std::string Unsupported(const FlashParams& p, const DeviceInfo& dev) {
   return "";
 }
 
-size_t ForwardScratchBytes(const FlashParams& p, const DeviceInfo& dev) {
-  if (!Unsupported(p, dev).empty() || p.batch * p.seqlen_q * p.num_heads_q == 0) return 0;
-  const size_t bytes = ScratchBytes(p, MakePrefillPlan(p, dev));
-  // The lowering sizes the workspace without the score options, which decide
-  // between the decode and prefill kernels: enough for either.
-  return IsDecodeShape(p) ? std::max(bytes, ScratchBytes(p, MakeDecodePlan(p, dev))) : bytes;
-}
-
 namespace {
-
-// Calls served by each forward kernel in this process, for tests and
-// kernel_info: which path ran is otherwise invisible to the caller.
-std::atomic<int64_t> forward_calls[3];  // sm80 prefill, sm90, decode
 
 #if JF2_HAVE_SM90
 // The Hopper kernel serves cc 9.0 calls it supports that the sm80 prefill
@@ -377,6 +365,26 @@ bool UseSm90Forward(const FlashParams& p, const DeviceInfo& dev, const FwdPlan& 
          Sm90ForwardSupports(p);
 }
 #endif
+
+}  // namespace
+
+size_t ForwardScratchBytes(const FlashParams& p, const DeviceInfo& dev) {
+  if (!Unsupported(p, dev).empty() || p.batch * p.seqlen_q * p.num_heads_q == 0) return 0;
+  const FwdPlan prefill = MakePrefillPlan(p, dev);
+  size_t bytes = ScratchBytes(p, prefill);
+#if JF2_HAVE_SM90
+  if (UseSm90Forward(p, dev, prefill)) bytes = std::max(bytes, Sm90ForwardScratchBytes(p, dev));
+#endif
+  // The lowering sizes the workspace without the score options, which decide
+  // between the decode and prefill kernels: enough for either.
+  return IsDecodeShape(p) ? std::max(bytes, ScratchBytes(p, MakeDecodePlan(p, dev))) : bytes;
+}
+
+namespace {
+
+// Calls served by each forward kernel in this process, for tests and
+// kernel_info: which path ran is otherwise invisible to the caller.
+std::atomic<int64_t> forward_calls[3];  // sm80 prefill, sm90, decode
 
 }  // namespace
 
@@ -392,7 +400,7 @@ cudaError_t RunForward(const FlashParams& p, void* scratch, const DeviceInfo& de
 #if JF2_HAVE_SM90
   if (UseSm90Forward(p, dev, plan)) {
     ++forward_calls[1];
-    return RunForwardSm90(p, dev, stream);
+    return RunForwardSm90(p, scratch, dev, stream);
   }
 #endif
   ++forward_calls[plan.decode ? 2 : 0];

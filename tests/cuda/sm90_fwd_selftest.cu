@@ -21,8 +21,13 @@
 //                                   matches (else the package's tile)
 //   sm90_fwd_selftest --persistent 0|1
 //                                   force the one-tile or the persistent grid
+//   sm90_fwd_selftest --stream-k 0|1
+//                                   the persistent grid's last rounds in whole tiles
+//                                   or stream-K pieces (default: the package's rule)
 //   sm90_fwd_selftest --grid        time the benchmark grid's shapes instead (B T = 16k,
 //                                   H D = 2048), sm90 only; --filter picks among them
+// Built with -DJF2_FWD90_TRACE (and the kernels with it), each timing also
+// prints the last launch's per-item clock64 stamps of the first two blocks.
 //
 // Outputs are poisoned with NaN before each run, so an element the kernel
 // fails to write shows up as a NaN. Each launch is watched (SyncWithWatchdog,
@@ -89,7 +94,7 @@ const char* ScheduleName(Sm90Schedule s) {
 }
 
 // The schedules to check (--schedules); all three by default.
-// --tile, --persistent: applied to every sm90 run.
+// --tile, --persistent, --stream-k: applied to every sm90 run.
 cuda::sm90::FwdSm90Choice g_choice;
 
 // g_choice for this head dim: a forced tile only where it fits.
@@ -123,8 +128,15 @@ int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
   for (int64_t i = 0; i < nk; ++i) { hk[i] = ToBits(c.dtype, normal(rng)); fk[i] = FromBits(c.dtype, hk[i]); }
   for (int64_t i = 0; i < nk; ++i) { hv[i] = ToBits(c.dtype, normal(rng)); fv[i] = FromBits(c.dtype, hv[i]); }
 
-  void *dq, *dk, *dv, *d_o;
+  void *dq, *dk, *dv, *d_o, *scratch = nullptr;
   float* dlse;
+  const size_t scratch_bytes = cuda::sm90::Sm90ForwardScratchBytesFor(p0, dev, ChoiceFor(c.D));
+  if (scratch_bytes) {
+    CHECK_CUDA(cudaMalloc(&scratch, scratch_bytes));
+    // Poison: the kernel zeroes the flags it needs (a stale flag would hang
+    // or merge garbage).
+    CHECK_CUDA(cudaMemset(scratch, 0x7F, scratch_bytes));
+  }
   CHECK_CUDA(cudaMalloc(&dq, nq * 2));
   CHECK_CUDA(cudaMalloc(&dk, nk * 2));
   CHECK_CUDA(cudaMalloc(&dv, nk * 2));
@@ -150,8 +162,8 @@ int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
     CHECK_CUDA(cudaMemset(d_o, 0xFF, nq * 2));
     CHECK_CUDA(cudaMemset(dlse, 0xFF, nlse * sizeof(float)));
     CHECK_CUDA(cudaDeviceSynchronize());
-    cudaError_t err =
-        cuda::sm90::RunForwardSm90Schedule(p, dev, 0, g_schedules[si], ChoiceFor(c.D));
+    cudaError_t err = cuda::sm90::RunForwardSm90Schedule(p, scratch, dev, 0, g_schedules[si],
+                                                         ChoiceFor(c.D));
     if (err == cudaSuccess) err = SyncWithWatchdog(what);
     if (err != cudaSuccess) {
       std::printf("FAIL %-44s RunForwardSm90: %s\n", what.c_str(), cudaGetErrorString(err));
@@ -173,6 +185,7 @@ int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
   CHECK_CUDA(cudaFree(dv));
   CHECK_CUDA(cudaFree(d_o));
   CHECK_CUDA(cudaFree(dlse));
+  if (scratch) CHECK_CUDA(cudaFree(scratch));
 
   // Oracle (float64) and naive same-dtype attention (S and P rounded to the
   // dtype, fp32 accumulation, as a framework's plain attention computes it).
@@ -278,6 +291,39 @@ int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
   return failures;
 }
 
+#ifdef JF2_FWD90_TRACE
+// The last launch's stamps (cycles from the block's first), per item: the
+// producer's (before / after its q_empty wait, first K/V issued, last
+// issued), then each consumer warpgroup's (item start, Q landed, first S
+// done, last PV done, tile closed, epilogue done; inside the epilogue:
+// staging free, staged, fenced).
+void PrintTrace(const std::string& what) {
+  namespace s9 = cuda::sm90;
+  std::vector<long long> t(s9::kFwd90TraceBlocks * s9::kFwd90TraceRoles * s9::kFwd90TraceItems *
+                           s9::kFwd90TraceStamps);
+  s9::ReadFwdSm90Trace(t.data());
+  auto at = [&](int b, int r, int i, int k) {
+    return t[((b * s9::kFwd90TraceRoles + r) * s9::kFwd90TraceItems + i) * s9::kFwd90TraceStamps +
+             k];
+  };
+  for (int b = 0; b < 2; ++b) {
+    long long base = at(b, 1, 0, 0);
+    std::printf("TRACE %s block %d (cycles from its first item)\n", what.c_str(), b);
+    for (int i = 0; i < s9::kFwd90TraceItems; ++i) {
+      if (at(b, 1, i, 0) == 0) break;
+      std::printf("TRACE b%d i%2d P", b, i);
+      for (int k = 0; k < 4; ++k) std::printf(" %8lld", at(b, 0, i, k) - base);
+      for (int r = 1; r < 3; ++r) {
+        std::printf(" | C%d", r - 1);
+        for (int k = 0; k < 9; ++k) std::printf(" %8lld", at(b, r, i, k) - base);
+      }
+      std::printf("\n");
+    }
+  }
+  std::fflush(stdout);
+}
+#endif
+
 // Times the sm80 forward and each sm90 schedule on the same inputs (median
 // of `reps`, L2 cold only in the sense that the working set exceeds it) and
 // prints one line per implementation as soon as it is measured, so a hang in
@@ -298,7 +344,8 @@ void TimeCase(const Case& c, const cuda::DeviceInfo& dev, int reps, bool with_sm
   FillRandom<<<1024, 256>>>(static_cast<uint16_t*>(v), nk, 3, bf16, 1.f);
   CHECK_CUDA(cudaGetLastError());
   p.q = q; p.k = k; p.v = v; p.o = o; p.lse = lse;
-  const size_t scratch_bytes = cuda::ForwardScratchBytes(p, dev);
+  const size_t scratch_bytes = std::max(cuda::ForwardScratchBytes(p, dev),
+                                        cuda::sm90::Sm90ForwardScratchBytesFor(p, dev, ChoiceFor(c.D)));
   if (scratch_bytes) CHECK_CUDA(cudaMalloc(&scratch, scratch_bytes));
   double flops = 4.0 * c.B * c.T * c.S * c.H * c.D;
   if (c.wr == 0) flops /= 2;
@@ -313,12 +360,16 @@ void TimeCase(const Case& c, const cuda::DeviceInfo& dev, int reps, bool with_sm
   for (Sm90Schedule sch : g_schedules) {
     const std::string impl = std::string("sm90 ") + ScheduleName(sch);
     time(impl.c_str(), [&](int) {
-      return cuda::sm90::RunForwardSm90Schedule(p, dev, 0, sch, ChoiceFor(c.D));
+      return cuda::sm90::RunForwardSm90Schedule(p, scratch, dev, 0, sch, ChoiceFor(c.D));
     });
+#ifdef JF2_FWD90_TRACE
+    PrintTrace(c.name + " [" + impl + "]");
+#endif
   }
   for (void* ptr : {q, k, v, o, static_cast<void*>(lse)}) CHECK_CUDA(cudaFree(ptr));
   if (scratch) CHECK_CUDA(cudaFree(scratch));
 }
+
 
 std::string Name(const char* fmt, long long a, long long b, long long c, const char* d) {
   char buf[128];
@@ -352,6 +403,8 @@ int main(int argc, char** argv) {
       g_choice.tile = std::atoi(argv[++i]);
     } else if (a == "--persistent" && i + 1 < argc) {
       g_choice.persistent = std::atoi(argv[++i]);
+    } else if (a == "--stream-k" && i + 1 < argc) {
+      g_choice.stream_k = std::atoi(argv[++i]);
     } else if (a == "--grid") {
       grid = true;
       time_only = true;
@@ -437,6 +490,10 @@ int main(int argc, char** argv) {
       // walking several tiles (Q and the K/V ring reused across them).
       {"T600 S400 D64 GQA4 bf16 B4 H16 (persistent)", bf, 4, 600, 400, 16, 4, 64, -1, -1},
       {"T300 S333 D128 fp16 B3 H24 bhtd (persistent)", fp, 3, 300, 333, 24, 24, 128, -1, -1, true},
+      // Whole-tile rounds, then stream-K pieces (640 tiles on 132 SMs: 3
+      // rounds, then 244 tiles' key blocks shared out, 8 per tile).
+      {"T1000 S1000 D128 bf16 B2 H40 (persistent, stream-K)", bf, 2, 1000, 1000, 40, 40, 128, -1, -1},
+      {"T2000 S700 D64 GQA2 fp16 B1 H40 (persistent, stream-K)", fp, 1, 2000, 700, 40, 20, 64, -1, -1},
   };
   cases.insert(cases.end(), special.begin(), special.end());
   if (tiny) {

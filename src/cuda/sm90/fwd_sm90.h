@@ -23,10 +23,16 @@ namespace jax_flash2::cuda {
 // them to the decode kernel or the sm80 split-KV path, which serve them better.
 bool Sm90ForwardSupports(const FlashParams& p);
 
-// Runs the forward on the current device (must be cc 9.0). Returns
+// Bytes of scratch RunForwardSm90 needs for p on dev (the stream-K pieces'
+// partial O and their flags; 0 when the call runs none).
+size_t Sm90ForwardScratchBytes(const FlashParams& p, const DeviceInfo& dev);
+
+// Runs the forward on the current device (must be cc 9.0). `scratch` holds
+// Sm90ForwardScratchBytes(p, dev) bytes (may be null when that is 0). Returns
 // cudaErrorInvalidValue when !Sm90ForwardSupports(p), and the driver's error
 // (as cudaErrorInvalidValue) when a tensor map cannot be encoded.
-cudaError_t RunForwardSm90(const FlashParams& p, const DeviceInfo& dev, cudaStream_t stream);
+cudaError_t RunForwardSm90(const FlashParams& p, void* scratch, const DeviceInfo& dev,
+                           cudaStream_t stream);
 
 namespace sm90 {
 // Consumer schedules (a kernel template argument; see fwd_sm90_kernel.cuh).
@@ -49,14 +55,19 @@ namespace sm90 {
 enum class Sm90Schedule : int { kSerial = 0, kOverlap = 1, kPingpong = 2 };
 
 // Self-test overrides of the host's choices (-1: the package's rule): the
-// row of kFwdSm90TileTable, and 0 / 1 for the one-tile / persistent grid.
+// row of kFwdSm90TileTable, 0 / 1 for the one-tile / persistent grid, and 0 /
+// 1 for the persistent grid's last rounds without / with stream-K pieces.
 struct FwdSm90Choice {
   int tile = -1;
   int persistent = -1;
+  int stream_k = -1;
 };
 
-// RunForwardSm90 with an explicit consumer schedule (for the self-test).
-cudaError_t RunForwardSm90Schedule(const FlashParams& p, const DeviceInfo& dev,
+// Sm90ForwardScratchBytes and RunForwardSm90 with an explicit consumer
+// schedule and choices (for the self-test).
+size_t Sm90ForwardScratchBytesFor(const FlashParams& p, const DeviceInfo& dev,
+                                  FwdSm90Choice choice);
+cudaError_t RunForwardSm90Schedule(const FlashParams& p, void* scratch, const DeviceInfo& dev,
                                    cudaStream_t stream, Sm90Schedule schedule,
                                    FwdSm90Choice choice = {});
 }  // namespace sm90
@@ -198,7 +209,8 @@ constexpr int FwdSm90ConsumerRegs(const FwdSm90Tile& t) {
 constexpr int FwdSm90RingSmemBytes(const FwdSm90Tile& t) {
   const int tiles = (t.block_m + 2 * t.stages * t.block_n) * t.head_dim * 2;
   const int barriers = (2 + 4 * t.stages) * 8;  // q full/empty; k/v full and empty per stage
-  return tiles + barriers + 1024;  // + 1 KB to align the tiles to the 1024-byte swizzle atom
+  const int piece_roles = 16;  // a stream-K piece's arrival order, per consumer warpgroup
+  return tiles + barriers + piece_roles + 1024;  // + 1 KB: tiles on the 1024-byte swizzle atom
 }
 inline constexpr int kSm90SmemBytesMax = 232448;  // cc 9.0's opt-in limit per block
 constexpr bool FwdSm90StagesO(const FwdSm90Tile& t) {
@@ -224,11 +236,30 @@ struct FwdSm90Args {
   FlashParams p;
   int num_m_blocks = 0;
   int num_tiles = 0;  // num_m_blocks * H * B; the grid has one block per tile, or fewer
+  // Stream-K (persistent grid, no mask): tiles [0, sk_first_tile) run in
+  // whole-tile rounds; the key blocks of the rest (sk_blocks_per_tile each)
+  // are shared out evenly, a contiguous range per block, and a tile cut
+  // between two blocks is merged through sk_partial (fp32 O, row max and
+  // sum per consumer thread) and sk_flags (zeroed before the launch).
+  // sk_first_tile == num_tiles: whole tiles only.
+  int sk_first_tile = 0;
+  int sk_blocks_per_tile = 0;
+  float* sk_partial = nullptr;
+  int* sk_flags = nullptr;
   bool q_heads_inner = true;
   bool k_heads_inner = true;
   bool v_heads_inner = true;
   bool o_heads_inner = true;
 };
+
+#ifdef JF2_FWD90_TRACE
+// Timing experiments only: the kernel's clock64 stamps (fwd_sm90_kernel.cuh).
+inline constexpr int kFwd90TraceBlocks = 4;
+inline constexpr int kFwd90TraceRoles = 4;   // producer, consumer warpgroups 0..2
+inline constexpr int kFwd90TraceItems = 40;
+inline constexpr int kFwd90TraceStamps = 9;
+void ReadFwdSm90Trace(long long* out);  // kFwd90TraceBlocks x Roles x Items x Stamps
+#endif
 
 }  // namespace sm90
 }  // namespace jax_flash2::cuda

@@ -11,6 +11,18 @@
 // persistent (one block per SM, for short sequences). Then the producer
 // loads the next tile's Q and first K/V stages while the consumers finish
 // the current one, and the load latency at the start of each tile is hidden.
+// Without a mask every tile has the same length, and a grid of G blocks
+// walking N tiles in whole rounds ends with a partial round (2048 tiles on
+// 132 SMs: 16 rounds for 15.5 rounds of work). The host then makes the last
+// two rounds stream-K (FwdSm90Args::sk_*): their key blocks are shared out
+// evenly, a contiguous range per block, so a block's range may begin or end
+// inside a tile. A block computes the piece that ends its range first and the
+// one that begins it last; the two pieces of a cut tile meet through a flag
+// pair in global memory: the first to finish stores its unnormalised O, row
+// max and row sum (fp32, in its threads' fragment order) and sets "ready";
+// the second waits for that (never long: the first was already storing),
+// merges, and writes O and LSE. No block ever waits on one that may not have
+// started, so any grid size is safe.
 //
 // Producer (warpgroup 0, one thread; setmaxnreg down to its budget), per
 //   tile: wait q_empty, Q -> q_full; then for each visible key block n, from
@@ -58,6 +70,23 @@
 #include "wgmma.cuh"
 
 namespace jax_flash2::cuda::sm90 {
+
+#ifdef JF2_FWD90_TRACE
+// Timing experiments only (-DJF2_FWD90_TRACE): clock64 stamps of the first
+// blocks' items, per role (producer, consumer warpgroups), read back by
+// ReadFwdSm90Trace.
+__device__ long long g_fwd90_trace[kFwd90TraceBlocks][kFwd90TraceRoles][kFwd90TraceItems]
+                                  [kFwd90TraceStamps];
+#define JF2_FWD90_STAMP(role, item, k)                                                  \
+  do {                                                                                  \
+    if (blockIdx.x < kFwd90TraceBlocks && (item) < kFwd90TraceItems)                    \
+      g_fwd90_trace[blockIdx.x][role][item][k] = clock64();                             \
+  } while (0)
+#else
+#define JF2_FWD90_STAMP(role, item, k) \
+  do {                                 \
+  } while (0)
+#endif
 
 template <int kTileIndex>
 struct FwdSm90Traits {
@@ -130,6 +159,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
   uint64_t* v_full = k_full + kStages;
   uint64_t* k_empty = v_full + kStages;
   uint64_t* v_empty = k_empty + kStages;
+  int* piece_role = reinterpret_cast<int*>(v_empty + kStages);  // per consumer warpgroup
 
   const FlashParams& p = args.p;
   const int seqlen_q = static_cast<int>(p.seqlen_q);
@@ -167,6 +197,63 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
            ((r & 1) ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x));
   };
 
+  // The block's walk: items 0 .. num_items - 1, each a tile or a stream-K
+  // piece of one (key blocks [lo, hi) counted from its first visible block,
+  // merged through `slot`; slot -1: the whole tile). Producer and consumers
+  // take the same items in the same order.
+  struct Item {
+    int tile, lo, hi, slot;
+  };
+  const bool stream_k = kPersistent && args.sk_first_tile < args.num_tiles;
+  int num_items = 1;
+  int sk_rounds = 0, sk_tail_tile = 0, sk_tail_end = 0, sk_whole_begin = 0, sk_whole_end = 0;
+  int sk_head_tile = 0, sk_head_begin = 0;
+  if constexpr (kPersistent) {
+    const int grid = static_cast<int>(gridDim.x);
+    if (stream_k) {
+      // This block's share [u0, u1) of the stream-K key blocks; tile t of
+      // them covers [t L, t L + L).
+      const int blocks_per_tile = args.sk_blocks_per_tile;
+      const int64_t units =
+          static_cast<int64_t>(args.num_tiles - args.sk_first_tile) * blocks_per_tile;
+      const int64_t u0 = units * blockIdx.x / grid;
+      const int64_t u1 = units * (blockIdx.x + 1) / grid;
+      sk_rounds = args.sk_first_tile / grid;
+      sk_head_tile = args.sk_first_tile + static_cast<int>(u0 / blocks_per_tile);
+      sk_head_begin = static_cast<int>(u0 % blocks_per_tile);
+      sk_tail_tile = args.sk_first_tile + static_cast<int>(u1 / blocks_per_tile);
+      sk_tail_end = static_cast<int>(u1 % blocks_per_tile);
+      sk_whole_begin = sk_head_tile + (sk_head_begin > 0);
+      sk_whole_end = sk_tail_tile;
+      num_items = sk_rounds + (sk_tail_end > 0) + (sk_whole_end - sk_whole_begin) +
+                  (sk_head_begin > 0);
+    } else {
+      num_items = (args.num_tiles + grid - 1) / grid;
+    }
+  }
+  const auto item_at = [&](int i) {
+    constexpr int kAll = 1 << 30;
+    if (!stream_k || i < sk_rounds) return Item{tile_of_round(i), 0, kAll, -1};
+    i -= sk_rounds;
+    // The piece that ends this block's range starts its tile: the next block
+    // computes the rest of it last, so this one goes first.
+    if (sk_tail_end > 0) {
+      if (i == 0) return Item{sk_tail_tile, 0, sk_tail_end, static_cast<int>(blockIdx.x)};
+      --i;
+    }
+    if (i < sk_whole_end - sk_whole_begin) return Item{sk_whole_begin + i, 0, kAll, -1};
+    return Item{sk_head_tile, sk_head_begin, kAll, static_cast<int>(blockIdx.x) - 1};
+  };
+  // Where item `it` lies: its tile, with the key blocks narrowed to the piece.
+  const auto locate_item = [&](const Item& it) {
+    Tile t = locate(it.tile);
+    if (it.slot >= 0) {
+      t.n_end = min(t.n_end, t.n_first + it.hi);
+      t.n_first += it.lo;
+    }
+    return t;
+  };
+
   if (threadIdx.x == 0) {
     MbarInit(q_full, 1);
     MbarInit(q_empty, Tr::kConsumerWarps);
@@ -202,18 +289,20 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
       if constexpr (kTmaStoreO) PrefetchTensorMap(&args.tma_o);
       RingPos<kStages> ring;
       uint32_t q_phase = 0;
-      for (int round = 0; round * gridDim.x < args.num_tiles; ++round) {
-        const int tile = tile_of_round(round);
-        if (tile >= args.num_tiles) continue;
-        const Tile t = locate(tile);
+      for (int i = 0; i < num_items; ++i) {
+        const Item it = item_at(i);
+        if (it.tile >= args.num_tiles) continue;
+        const Tile t = locate_item(it);
         if (t.n_first >= t.n_end) continue;  // the consumers write O = 0 alone
         const int kv_head = t.head / static_cast<int>(p.group_size);  // GQA by index
         const int b = t.b;
+        JF2_FWD90_STAMP(0, i, 0);
         if constexpr (kPersistent) {
           // The consumers are done with the previous tile's Q (first tile: free).
           MbarWait(q_empty, q_phase ^ 1);
           q_phase ^= 1;
         }
+        JF2_FWD90_STAMP(0, i, 1);
         // Rows [row, + panel_bytes / 128) of `head` into dst, one panel of
         // 64 columns at a time, completing on `full`. The two middle
         // coordinates are (head, row) or (row, head), by the tensor map's
@@ -241,9 +330,10 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
           MbarWait(&v_empty[ring.stage], ring.phase ^ 1);
           load_tile(s_v + kv_elems, Tr::kKvPanelBytes, &args.tma_v, args.v_heads_inner,
                     &v_full[ring.stage], key0, kv_head);
+          if (n == t.n_end - 1) JF2_FWD90_STAMP(0, i, 2);
           ring.Advance();
         }
-        if constexpr (!kPersistent) break;
+        JF2_FWD90_STAMP(0, i, 3);
       }
     }
     return;
@@ -395,10 +485,11 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
 
   RingPos<kStages> ring;
   uint32_t q_phase = 0;
-  for (int round = 0; round * gridDim.x < args.num_tiles; ++round) {
-    const int tile = tile_of_round(round);
-    if (tile >= args.num_tiles) continue;
-    const Tile tl = locate(tile);
+  for (int item = 0; item < num_items; ++item) {
+    const Item it = item_at(item);
+    if (it.tile >= args.num_tiles) continue;
+    if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 0);
+    const Tile tl = locate_item(it);
     const int wg_row0 = tl.row_begin + 64 * cg;
     int64_t lo, hi;
     mask.KeyRange(wg_row0 + 63, wg_row0 + 64, &lo, &hi);
@@ -438,6 +529,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
       if (kPingpong && cg == kLastGroup) NamedBarrierArrive(1, 256);
       MbarWait(q_full, q_phase);
       q_phase ^= 1;
+      if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 1);
       // The skipped blocks: wait until they land (the ring's phases stay in
       // step), release them, and take their pingpong turns empty (every
       // warpgroup takes the same number of turns per tile).
@@ -491,6 +583,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
         issue_s(s, ring.stage);
         pass_turn();
         WgmmaWaitFenced<0>(s);
+        if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 2);
         release(&k_empty[ring.stage]);
         softmax(s, n, correction);  // correction is 0 here and O is still 0
         convert_p(s, pa);
@@ -527,6 +620,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
         issue_pv(pa, v_ring.stage);
         pass_turn();
         WgmmaWaitFenced<0>(o);
+        if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 3);
         release(&v_empty[v_ring.stage]);
         if (kPingpong && cg == 0) NamedBarrierSync(1, 256);
         // The warpgroups leave the tile together: otherwise the last one's
@@ -534,6 +628,55 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
         if constexpr (kPingpong) {
           NamedBarrierSync(1 + Tr::kConsumerWarpgroups, 128 * Tr::kConsumerWarpgroups);
         }
+        if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 4);
+      }
+    }
+
+    // A stream-K piece (see the top): the first of a tile's two pieces to
+    // get here parks its state, the second merges it into its own.
+    if (stream_k && it.slot >= 0) {
+      constexpr int kPartialRegs = Tr::kOAcc + 4;  // O, then row max and row sum of both rows
+      const int pair = it.slot * Tr::kConsumerWarpgroups + cg;
+      int* arrivals = args.sk_flags + 2 * pair;
+      int* ready = arrivals + 1;
+      // [register][thread]: each store and load is one coalesced row.
+      float* partial = args.sk_partial + static_cast<int64_t>(pair) * kPartialRegs * 128 + wg_tid;
+      if (wg_tid == 0) piece_role[cg] = atomicAdd(arrivals, 1);
+      NamedBarrierSync(kOStagedBarrier + cg, 128);
+      if (piece_role[cg] == 0) {
+#pragma unroll
+        for (int i = 0; i < Tr::kOAcc; ++i) __stcg(partial + i * 128, o[i]);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          __stcg(partial + (Tr::kOAcc + h) * 128, row_max[h]);
+          __stcg(partial + (Tr::kOAcc + 2 + h) * 128, row_sum[h]);
+        }
+        __threadfence();
+        NamedBarrierSync(kOStagedBarrier + cg, 128);
+        if (wg_tid == 0) StoreRelease(ready, 1);
+        continue;
+      }
+      if (wg_tid == 0) {
+        while (LoadAcquire(ready) == 0) {
+        }
+      }
+      NamedBarrierSync(kOStagedBarrier + cg, 128);
+      float own[2], parked[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float other_max = __ldcg(partial + (Tr::kOAcc + h) * 128);
+        const float other_sum = __ldcg(partial + (Tr::kOAcc + 2 + h) * 128);
+        const float mx = fmaxf(row_max[h], other_max);
+        const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;  // as in softmax
+        own[h] = FastExp2(row_max[h] * scale_log2 - max_scaled);
+        parked[h] = FastExp2(other_max * scale_log2 - max_scaled);
+        row_max[h] = mx;
+        row_sum[h] = row_sum[h] * own[h] + other_sum * parked[h];
+      }
+#pragma unroll
+      for (int i = 0; i < Tr::kOAcc; ++i) {
+        const int h = (i / 2) % 2;
+        o[i] = o[i] * own[h] + __ldcg(partial + i * 128) * parked[h];
       }
     }
 
@@ -546,6 +689,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
       if (wg_tid == 0) BulkWaitGroupRead<0>();
       NamedBarrierSync(kOStagedBarrier + cg, 128);
     }
+    if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 6);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float l = QuadSum(row_sum[h]);
@@ -572,9 +716,11 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
             l > 0.f ? row_max[h] * p.softmax_scale + logf(l) : -INFINITY;
       }
     }
+    if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 7);
     if constexpr (kTmaStoreO) {
       FenceProxyAsync();
       NamedBarrierSync(kOStagedBarrier + cg, 128);
+      if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 8);
       // Rows past T are dropped by the copy engine (out of the map's bounds).
       if (wg_tid == 0 && wg_row0 < tl.row_end) {
 #pragma unroll
@@ -585,7 +731,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
         BulkCommitGroup();
       }
     }
-    if constexpr (!kPersistent) break;
+    if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 5);
   }
   // The staging must stay valid until the last store has read it (the
   // grid's completion covers the global writes, as for plain stores).

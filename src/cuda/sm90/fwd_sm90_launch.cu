@@ -106,7 +106,90 @@ int PackageTileIndex(const FlashParams& p) {
   return sm90::FwdSm90TileIndex(p.head_dim, IsMasked(p), p.seqlen_k);
 }
 
+// The grid of a call, shared by the scratch size and the launch so that they
+// cannot disagree.
+struct FwdSm90Plan {
+  int tile_index = -1;
+  int num_m_blocks = 0;
+  int num_tiles = 0;
+  int grid_blocks = 0;
+  int sk_first_tile = 0;  // == num_tiles: no stream-K pieces
+  int sk_blocks_per_tile = 0;
+};
+
+FwdSm90Plan MakePlan(const FlashParams& p, const DeviceInfo& dev, sm90::FwdSm90Choice choice) {
+  FwdSm90Plan plan;
+  plan.tile_index = choice.tile >= 0 ? choice.tile : PackageTileIndex(p);
+  if (plan.tile_index < 0 || plan.tile_index >= sm90::kFwdSm90NumTiles) {
+    plan.tile_index = -1;
+    return plan;
+  }
+  const FwdSm90Tile tile = sm90::kFwdSm90TileTable[plan.tile_index];
+  plan.num_m_blocks = static_cast<int>(CeilDiv(p.seqlen_q, tile.block_m));
+  plan.num_tiles = static_cast<int>(plan.num_m_blocks * p.num_heads_q * p.batch);
+  // Persistent (one block per SM, each walking tiles in rounds; see the
+  // kernel) when the tiles are short, so that the start of one (Q and the
+  // first K/V loads) hides under the end of the previous one: up to the
+  // tile's persistent_keys_* (fwd_sm90.h). Measured on the H200 (NOTES.md):
+  // +14-19% at T = S = 512, causal or not; D 64 at S = 2048 without a mask
+  // 1-3% slower than a block per tile.
+  const bool persistent = choice.persistent >= 0
+                              ? choice.persistent == 1
+                              : sm90::FwdSm90Persistent(tile, IsMasked(p), p.seqlen_k);
+  plan.grid_blocks =
+      persistent ? static_cast<int>(std::min<int64_t>(plan.num_tiles, dev.sm_count))
+                 : plan.num_tiles;
+  plan.sk_first_tile = plan.num_tiles;
+  // Stream-K for the last two rounds when the tiles do not fill whole rounds
+  // (without a mask, where every tile has the same key blocks). Two rounds
+  // give each block at least a tile's worth of key blocks, so a tile is cut
+  // at most once. Measured on the H200 (sm90_fwd_selftest --grid, NOTES.md):
+  // B8 T=S=2048 H16 D128 575 -> 581 TFLOP/s, B4 T 4096 611 -> 616-626.
+  const int grid = plan.grid_blocks;
+  if (persistent && choice.stream_k != 0 && !IsMasked(p) && p.seqlen_k > 0 &&
+      plan.num_tiles > grid && plan.num_tiles % grid != 0) {
+    plan.sk_first_tile = (plan.num_tiles / grid - 1) * grid;
+    plan.sk_blocks_per_tile = static_cast<int>(CeilDiv(p.seqlen_k, tile.block_n));
+  }
+  return plan;
+}
+
+// Scratch of a stream-K plan: the flag pairs (padded to 256 bytes), then the
+// partial state, both per (cut tile, consumer warpgroup); a cut tile per
+// boundary between two blocks' ranges.
+size_t FlagBytes(const FwdSm90Plan& plan) {
+  const FwdSm90Tile tile = sm90::kFwdSm90TileTable[plan.tile_index];
+  const size_t pairs = static_cast<size_t>(plan.grid_blocks) *
+                       sm90::FwdSm90ConsumerWarpgroups(tile);
+  return (pairs * 2 * sizeof(int) + 255) / 256 * 256;
+}
+
+size_t PlanScratchBytes(const FwdSm90Plan& plan) {
+  if (plan.tile_index < 0 || plan.sk_first_tile >= plan.num_tiles) return 0;
+  const FwdSm90Tile tile = sm90::kFwdSm90TileTable[plan.tile_index];
+  const size_t pairs = static_cast<size_t>(plan.grid_blocks) *
+                       sm90::FwdSm90ConsumerWarpgroups(tile);
+  const size_t partial_floats = (tile.head_dim / 2 + 4) * 128;  // per warpgroup
+  return FlagBytes(plan) + pairs * partial_floats * sizeof(float);
+}
+
 }  // namespace
+
+size_t sm90::Sm90ForwardScratchBytesFor(const FlashParams& p, const DeviceInfo& dev,
+                                        sm90::FwdSm90Choice choice) {
+  if (!Sm90ForwardSupports(p) || p.batch * p.seqlen_q * p.num_heads_q == 0) return 0;
+  return PlanScratchBytes(MakePlan(p, dev, choice));
+}
+
+#ifdef JF2_FWD90_TRACE
+void sm90::ReadFwdSm90Trace(long long* out) {
+  cudaMemcpyFromSymbol(out, sm90::g_fwd90_trace, sizeof(sm90::g_fwd90_trace));
+}
+#endif
+
+size_t Sm90ForwardScratchBytes(const FlashParams& p, const DeviceInfo& dev) {
+  return sm90::Sm90ForwardScratchBytesFor(p, dev, {});
+}
 
 bool Sm90ForwardSupports(const FlashParams& p) {
   // One grid dimension of tiles (m-blocks x H x B; 128 rows bounds every tile).
@@ -115,20 +198,22 @@ bool Sm90ForwardSupports(const FlashParams& p) {
          tiles < (int64_t{1} << 31);
 }
 
-cudaError_t RunForwardSm90(const FlashParams& p, const DeviceInfo& dev, cudaStream_t stream) {
+cudaError_t RunForwardSm90(const FlashParams& p, void* scratch, const DeviceInfo& dev,
+                           cudaStream_t stream) {
   sm90::FwdSm90Choice choice;
   choice.tile = PackageTileIndex(p);
   if (choice.tile < 0) return cudaErrorInvalidValue;
-  return sm90::RunForwardSm90Schedule(p, dev, stream,
+  return sm90::RunForwardSm90Schedule(p, scratch, dev, stream,
                                       sm90::kFwdSm90TileTable[choice.tile].schedule, choice);
 }
 
-cudaError_t sm90::RunForwardSm90Schedule(const FlashParams& p, const DeviceInfo& dev,
-                                         cudaStream_t stream, Sm90Schedule schedule,
-                                         sm90::FwdSm90Choice choice) {
+cudaError_t sm90::RunForwardSm90Schedule(const FlashParams& p, void* scratch,
+                                         const DeviceInfo& dev, cudaStream_t stream,
+                                         Sm90Schedule schedule, sm90::FwdSm90Choice choice) {
   if (!Sm90ForwardSupports(p) || dev.cc_major != 9) return cudaErrorInvalidValue;
-  const int tile_index = choice.tile >= 0 ? choice.tile : PackageTileIndex(p);
-  if (tile_index >= sm90::kFwdSm90NumTiles) return cudaErrorInvalidValue;
+  const FwdSm90Plan plan = MakePlan(p, dev, choice);
+  const int tile_index = plan.tile_index;
+  if (tile_index < 0) return cudaErrorInvalidValue;
   const FwdSm90Tile tile = sm90::kFwdSm90TileTable[tile_index];
   if (tile.head_dim != p.head_dim) return cudaErrorInvalidValue;
   if (static_cast<size_t>(sm90::FwdSm90SmemBytes(tile)) > dev.max_smem_per_block_optin) {
@@ -140,20 +225,16 @@ cudaError_t sm90::RunForwardSm90Schedule(const FlashParams& p, const DeviceInfo&
 
   FwdSm90Args args;
   args.p = p;
-  args.num_m_blocks = static_cast<int>(CeilDiv(p.seqlen_q, tile.block_m));
-  args.num_tiles = static_cast<int>(args.num_m_blocks * p.num_heads_q * p.batch);
-  // Persistent (one block per SM, each walking tiles in rounds; see the
-  // kernel) when the tiles are short, so that the start of one (Q and the
-  // first K/V loads) hides under the end of the previous one: up to the
-  // tile's persistent_keys_* (fwd_sm90.h). Measured on the H200 (NOTES.md):
-  // +14-19% at T = S = 512, causal or not; D 64 at S = 2048 without a mask
-  // 1-3% slower than a block per tile.
-  const bool persistent = choice.persistent >= 0
-                              ? choice.persistent == 1
-                              : sm90::FwdSm90Persistent(tile, IsMasked(p), p.seqlen_k);
-  const int grid_blocks =
-      persistent ? static_cast<int>(std::min<int64_t>(args.num_tiles, dev.sm_count))
-                 : args.num_tiles;
+  args.num_m_blocks = plan.num_m_blocks;
+  args.num_tiles = plan.num_tiles;
+  args.sk_first_tile = plan.sk_first_tile;
+  args.sk_blocks_per_tile = plan.sk_blocks_per_tile;
+  const int grid_blocks = plan.grid_blocks;
+  if (plan.sk_first_tile < plan.num_tiles) {
+    if (scratch == nullptr) return cudaErrorInvalidValue;
+    args.sk_flags = static_cast<int*>(scratch);
+    args.sk_partial = reinterpret_cast<float*>(static_cast<char*>(scratch) + FlagBytes(plan));
+  }
   cudaError_t err = EncodeTensorMap(&args.tma_q, encode, p.dtype, p.q, p.batch, p.seqlen_q,
                                     p.num_heads_q, p.head_dim, p.q_batch_stride,
                                     p.q_row_stride, p.q_head_stride, tile.block_m,
@@ -176,6 +257,9 @@ cudaError_t sm90::RunForwardSm90Schedule(const FlashParams& p, const DeviceInfo&
     err = EncodeTensorMap(&args.tma_o, encode, p.dtype, p.o, p.batch, p.seqlen_q, p.num_heads_q,
                           p.head_dim, p.o_batch_stride, p.o_row_stride, p.o_head_stride, 64,
                           &args.o_heads_inner);
+  }
+  if (err == cudaSuccess && args.sk_flags != nullptr) {
+    err = cudaMemsetAsync(args.sk_flags, 0, FlagBytes(plan), stream);  // the pieces' flags
   }
   if (err != cudaSuccess) return err;
   switch (p.dtype) {

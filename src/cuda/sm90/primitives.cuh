@@ -309,4 +309,16 @@ __device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// A flag in global memory handed between blocks: the writer's earlier
+// global writes are visible to a reader whose acquiring load sees the value.
+__device__ __forceinline__ void StoreRelease(int* flag, int value) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flag), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ int LoadAcquire(const int* flag) {
+  int value;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(flag) : "memory");
+  return value;
+}
+
 }  // namespace jax_flash2::cuda::sm90
