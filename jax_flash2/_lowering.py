@@ -26,12 +26,12 @@ def _attributes(config) -> dict:
   )
 
 
-def _without_unused_inputs(ctx, args, config):
+def _without_unused_inputs(ctx, args, config, backward: bool):
   """The optional inputs (ALiBi slopes, the two segment ids, dropout seeds)
   that the call does not read become zero-size constants, so that XLA
   computes nothing for them: their zero fills cost a kernel launch each
   (about 2 us apiece on the H200)."""
-  first = 3 if len(args) == 7 else 7  # forward: q, k, v first; backward: + out, lse, d_out, d_lse
+  first = 7 if backward else 3  # after q, k, v (and out, lse, d_out, d_lse)
   used = (config.has_alibi, config.has_segment_ids, config.has_segment_ids,
           config.dropout_rate > 0)
   args, avals = list(args), list(ctx.avals_in)
@@ -43,11 +43,11 @@ def _without_unused_inputs(ctx, args, config):
   return ctx.replace(avals_in=avals), args
 
 
-def _cpu_rule(target: str):
+def _cpu_rule(target: str, backward: bool):
   ffi_rule = jax.ffi.ffi_lowering(target)
 
   def rule(ctx, *args, config):
-    ctx, args = _without_unused_inputs(ctx, args, config)
+    ctx, args = _without_unused_inputs(ctx, args, config, backward)
     return ffi_rule(ctx, *args, **_attributes(config))
 
   return rule
@@ -85,7 +85,7 @@ def _cuda_rule(target: str, backward: bool):
       )
     batch, seqlen_q, heads_q, head_dim = ctx.avals_in[0].shape
     seqlen_k, heads_kv = ctx.avals_in[1].shape[1:3]
-    ctx, args = _without_unused_inputs(ctx, args, config)
+    ctx, args = _without_unused_inputs(ctx, args, config, backward)
     sm_count = _sm_count()
     # Scratch (split-KV partials; D and the fp32 dQ accumulator) is an extra
     # output, so XLA allocates it with the call's other buffers.
@@ -113,7 +113,7 @@ def _missing_rule(platform: str):
 
 def register(fwd_p, bwd_p) -> None:
   for prim, target in ((fwd_p, _ext.FORWARD_TARGET), (bwd_p, _ext.BACKWARD_TARGET)):
-    mlir.register_lowering(prim, _cpu_rule(target), platform="cpu")
     backward = prim is bwd_p
+    mlir.register_lowering(prim, _cpu_rule(target, backward), platform="cpu")
     cuda_rule = _cuda_rule(target, backward) if _ext.cuda_ext is not None else _missing_rule("cuda")
     mlir.register_lowering(prim, cuda_rule, platform="cuda")

@@ -156,21 +156,21 @@ FwdSm90Plan MakePlan(const FlashParams& p, const DeviceInfo& dev, sm90::FwdSm90C
 
 // Scratch of a stream-K plan: the flag pairs (padded to 256 bytes), then the
 // partial state, both per (cut tile, consumer warpgroup); a cut tile per
-// boundary between two blocks' ranges.
-size_t FlagBytes(const FwdSm90Plan& plan) {
+// boundary between two blocks' ranges, so at most one per block.
+size_t PieceSlots(const FwdSm90Plan& plan) {
   const FwdSm90Tile tile = sm90::kFwdSm90TileTable[plan.tile_index];
-  const size_t pairs = static_cast<size_t>(plan.grid_blocks) *
-                       sm90::FwdSm90ConsumerWarpgroups(tile);
-  return (pairs * 2 * sizeof(int) + 255) / 256 * 256;
+  return static_cast<size_t>(plan.grid_blocks) * sm90::FwdSm90ConsumerWarpgroups(tile);
+}
+
+size_t FlagBytes(const FwdSm90Plan& plan) {
+  return (PieceSlots(plan) * 2 * sizeof(int) + 255) / 256 * 256;
 }
 
 size_t PlanScratchBytes(const FwdSm90Plan& plan) {
   if (plan.tile_index < 0 || plan.sk_first_tile >= plan.num_tiles) return 0;
-  const FwdSm90Tile tile = sm90::kFwdSm90TileTable[plan.tile_index];
-  const size_t pairs = static_cast<size_t>(plan.grid_blocks) *
-                       sm90::FwdSm90ConsumerWarpgroups(tile);
-  const size_t partial_floats = (tile.head_dim / 2 + 4) * 128;  // per warpgroup
-  return FlagBytes(plan) + pairs * partial_floats * sizeof(float);
+  const int head_dim = sm90::kFwdSm90TileTable[plan.tile_index].head_dim;
+  const size_t partial_floats = (head_dim / 2 + 4) * 128;  // O, row max, row sum per thread
+  return FlagBytes(plan) + PieceSlots(plan) * partial_floats * sizeof(float);
 }
 
 }  // namespace
