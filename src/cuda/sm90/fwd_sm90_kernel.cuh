@@ -585,6 +585,10 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
         WgmmaWaitFenced<0>(s);
         if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 2);
         release(&k_empty[ring.stage]);
+        // After the tile's last S the next tile's Q may land: released as
+        // soon as that S is done, its load starts a softmax and a PV earlier
+        // than at the end of the tile.
+        if (kPersistent && n == n_first) release(q_empty);
         softmax(s, n, correction);  // correction is 0 here and O is still 0
         convert_p(s, pa);
         RingPos<kStages> v_ring = ring;  // the V tile of the block whose P is in pa
@@ -603,6 +607,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
           pass_turn();
           WgmmaWaitFenced<1>(s);  // S_n done; the PV group may still run
           release(&k_empty[ring.stage]);
+          if (kPersistent && n == n_first) release(q_empty);
           softmax(s, n, correction);
           WgmmaWaitFenced<0>(o, pa);
           release(&v_empty[v_ring.stage]);
@@ -611,7 +616,6 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
           v_ring = ring;
           ring.Advance();
         }
-        if constexpr (kPersistent) release(q_empty);  // every S is done: the next Q may land
         MbarWait(&v_full[v_ring.stage], v_ring.phase);
         take_turn();
         WgmmaFenceOperands(pa);
