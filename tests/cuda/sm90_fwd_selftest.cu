@@ -295,8 +295,7 @@ int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
 // The last launch's stamps (cycles from the block's first), per item: the
 // producer's (before / after its q_empty wait, first K/V issued, last
 // issued), then each consumer warpgroup's (item start, Q landed, first S
-// done, last PV done, tile closed, epilogue done; inside the epilogue:
-// staging free, staged, fenced).
+// done, last PV done, tile closed, epilogue done).
 void PrintTrace(const std::string& what) {
   namespace s9 = cuda::sm90;
   std::vector<long long> t(s9::kFwd90TraceBlocks * s9::kFwd90TraceRoles * s9::kFwd90TraceItems *
@@ -315,7 +314,9 @@ void PrintTrace(const std::string& what) {
       for (int k = 0; k < 4; ++k) std::printf(" %8lld", at(b, 0, i, k) - base);
       for (int r = 1; r < 3; ++r) {
         std::printf(" | C%d", r - 1);
-        for (int k = 0; k < 9; ++k) std::printf(" %8lld", at(b, r, i, k) - base);
+        for (int k = 0; k < s9::kFwd90TraceStamps; ++k) {
+          std::printf(" %8lld", at(b, r, i, k) - base);
+        }
       }
       std::printf("\n");
     }

@@ -257,7 +257,7 @@ struct FwdSm90Args {
 inline constexpr int kFwd90TraceBlocks = 4;
 inline constexpr int kFwd90TraceRoles = 4;   // producer, consumer warpgroups 0..2
 inline constexpr int kFwd90TraceItems = 40;
-inline constexpr int kFwd90TraceStamps = 9;
+inline constexpr int kFwd90TraceStamps = 6;
 void ReadFwdSm90Trace(long long* out);  // kFwd90TraceBlocks x Roles x Items x Stamps
 #endif
 

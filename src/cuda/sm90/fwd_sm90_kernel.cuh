@@ -693,7 +693,6 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
       if (wg_tid == 0) BulkWaitGroupRead<0>();
       NamedBarrierSync(kOStagedBarrier + cg, 128);
     }
-    if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 6);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float l = QuadSum(row_sum[h]);
@@ -720,11 +719,9 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
             l > 0.f ? row_max[h] * p.softmax_scale + logf(l) : -INFINITY;
       }
     }
-    if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 7);
     if constexpr (kTmaStoreO) {
       FenceProxyAsync();
       NamedBarrierSync(kOStagedBarrier + cg, 128);
-      if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 8);
       // Rows past T are dropped by the copy engine (out of the map's bounds).
       if (wg_tid == 0 && wg_row0 < tl.row_end) {
 #pragma unroll
