@@ -460,12 +460,22 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
   // Pingpong turns (kPingpong only): consumer warpgroup cg issues its wgmmas
   // after a bar.sync on named barrier 1 + cg, then hands the turn to the next
   // warpgroup (round robin) with a bar.arrive on its barrier (each completes
-  // at 256 = 128 syncing + 128 arriving threads). Every warpgroup issues the
-  // same number of groups per tile, the last one hands warpgroup 0 the first
-  // turn, and warpgroup 0 takes one extra turn at the end to consume the last
-  // one's final hand-over, so no barrier is left half-arrived when the block
-  // exits. Named barrier 1 + kConsumerWarpgroups closes each tile.
+  // at 256 = 128 syncing + 128 arriving threads). Every warpgroup takes the
+  // same number of turns per tile (one per key block, plus one). The last
+  // warpgroup hands warpgroup 0 the first turn, and warpgroup 0 takes one
+  // extra turn at the end to consume the last one's final hand-over, so no
+  // barrier is left half-arrived when the block exits.
+  // With two consumer warpgroups (and in a grid of one tile per block) the
+  // round robin runs on from tile to tile: a warpgroup that has written its O
+  // takes its turn for the next tile's first S while the other finishes its
+  // last PV and its epilogue (D 128 T 1024-4096 +2-7% over a barrier
+  // between tiles). With three (D 64, persistent) the turns start and end
+  // with each tile, and named barrier 1 + kConsumerWarpgroups closes it:
+  // running on measured 2-4% slower there.
   constexpr bool kPingpong = kSchedule == Sm90Schedule::kPingpong;
+  constexpr bool kTurnsAcrossTiles =
+      kPingpong && (Tr::kConsumerWarpgroups == 2 || !kPersistent);
+  constexpr bool kTurnsPerTile = kPingpong && !kTurnsAcrossTiles;
   constexpr int kLastGroup = Tr::kConsumerWarpgroups - 1;
   auto take_turn = [&] {
     if constexpr (kPingpong) NamedBarrierSync(1 + cg, 256);
@@ -485,6 +495,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
 
   RingPos<kStages> ring;
   uint32_t q_phase = 0;
+  if (kTurnsAcrossTiles && cg == kLastGroup) NamedBarrierArrive(1, 256);
   for (int item = 0; item < num_items; ++item) {
     const Item it = item_at(item);
     if (it.tile >= args.num_tiles) continue;
@@ -526,7 +537,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
 
     if (tl.n_first < tl.n_end) {
       const int n_first = tl.n_first;
-      if (kPingpong && cg == kLastGroup) NamedBarrierArrive(1, 256);
+      if (kTurnsPerTile && cg == kLastGroup) NamedBarrierArrive(1, 256);
       MbarWait(q_full, q_phase);
       q_phase ^= 1;
       if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 1);
@@ -626,10 +637,10 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
         WgmmaWaitFenced<0>(o);
         if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 3);
         release(&v_empty[v_ring.stage]);
-        if (kPingpong && cg == 0) NamedBarrierSync(1, 256);
-        // The warpgroups leave the tile together: otherwise the last one's
-        // first hand-over of the next tile could join this tile's last turn.
-        if constexpr (kPingpong) {
+        if constexpr (kTurnsPerTile) {
+          if (cg == 0) NamedBarrierSync(1, 256);
+          // The warpgroups leave the tile together: otherwise the last one's
+          // first hand-over of the next tile could join this tile's last turn.
           NamedBarrierSync(1 + Tr::kConsumerWarpgroups, 128 * Tr::kConsumerWarpgroups);
         }
         if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 4);
@@ -693,6 +704,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
       if (wg_tid == 0) BulkWaitGroupRead<0>();
       NamedBarrierSync(kOStagedBarrier + cg, 128);
     }
+    float lse[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float l = QuadSum(row_sum[h]);
@@ -701,6 +713,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
       // l == 0 exactly when the row saw no key (its max key contributes
       // exp2(0) = 1 otherwise): output 0 and LSE -inf rather than 0 / 0.
       const float inv_l = l > 0.f ? 1.f / l : 0.f;
+      lse[h] = l > 0.f ? row_max[h] * p.softmax_scale + logf(l) : -INFINITY;
       if constexpr (kTmaStoreO) {
         StageAccumulatorRow<Elem>(s_o_staged, kOPanelStride, row, t4, o, h, inv_l);
       }
@@ -713,10 +726,6 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
           *reinterpret_cast<uint32_t*>(o_row + 8 * j + 2 * t4) =
               PackFloat2<Elem>(o[4 * j + 2 * h] * inv_l, o[4 * j + 2 * h + 1] * inv_l);
         }
-      }
-      if (t4 == 0) {
-        p.lse[(b * num_heads + head) * seqlen_q + t] =
-            l > 0.f ? row_max[h] * p.softmax_scale + logf(l) : -INFINITY;
       }
     }
     if constexpr (kTmaStoreO) {
@@ -732,8 +741,17 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
         BulkCommitGroup();
       }
     }
+    // LSE last: the proxy fence above also waits for this thread's earlier
+    // global stores, and an LSE store before it held every warpgroup's
+    // epilogue for a round trip to L2.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int t = wg_row0 + warp * 16 + g + 8 * h;
+      if (t4 == 0 && t < tl.row_end) p.lse[(b * num_heads + head) * seqlen_q + t] = lse[h];
+    }
     if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 5);
   }
+  if (kTurnsAcrossTiles && cg == 0) NamedBarrierSync(1, 256);
   // The staging must stay valid until the last store has read it (the
   // grid's completion covers the global writes, as for plain stores).
   if (kTmaStoreO && wg_tid == 0) BulkWaitGroupRead<0>();
