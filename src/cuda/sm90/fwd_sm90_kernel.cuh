@@ -468,10 +468,10 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
   // With two consumer warpgroups (and in a grid of one tile per block) the
   // round robin runs on from tile to tile: a warpgroup that has written its O
   // takes its turn for the next tile's first S while the other finishes its
-  // last PV and its epilogue (D 128 T 1024-4096 +2-7% over a barrier
-  // between tiles). With three (D 64, persistent) the turns start and end
-  // with each tile, and named barrier 1 + kConsumerWarpgroups closes it:
-  // running on measured 2-4% slower there.
+  // last PV and its epilogue (D 128 T 1024-4096 +0-7% over a barrier
+  // between tiles in the self-test, two device calls). With three (D 64,
+  // persistent) the turns start and end with each tile, and named barrier
+  // 1 + kConsumerWarpgroups closes it: running on measured 2-6% slower there.
   constexpr bool kPingpong = kSchedule == Sm90Schedule::kPingpong;
   constexpr bool kTurnsAcrossTiles =
       kPingpong && (Tr::kConsumerWarpgroups == 2 || !kPersistent);
@@ -741,9 +741,9 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
         BulkCommitGroup();
       }
     }
-    // LSE last: the proxy fence above also waits for this thread's earlier
-    // global stores, and an LSE store before it held every warpgroup's
-    // epilogue for a round trip to L2.
+    // LSE last: the proxy fence above compiles to MEMBAR.ALL.CTA, which also
+    // waits for this thread's earlier global stores (D 128 T 1024 +6% with
+    // the LSE stored after it).
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int t = wg_row0 + warp * 16 + g + 8 * h;
