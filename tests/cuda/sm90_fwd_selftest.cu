@@ -295,7 +295,8 @@ int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
 // The last launch's stamps (cycles from the block's first), per item: the
 // producer's (before / after its q_empty wait, first K/V issued, last
 // issued), then each consumer warpgroup's (item start, Q landed, first S
-// done, last PV done, tile closed, epilogue done).
+// done, last PV done, past the closing barrier where a tile has one,
+// epilogue done).
 void PrintTrace(const std::string& what) {
   namespace s9 = cuda::sm90;
   std::vector<long long> t(s9::kFwd90TraceBlocks * s9::kFwd90TraceRoles * s9::kFwd90TraceItems *
@@ -370,7 +371,6 @@ void TimeCase(const Case& c, const cuda::DeviceInfo& dev, int reps, bool with_sm
   for (void* ptr : {q, k, v, o, static_cast<void*>(lse)}) CHECK_CUDA(cudaFree(ptr));
   if (scratch) CHECK_CUDA(cudaFree(scratch));
 }
-
 
 std::string Name(const char* fmt, long long a, long long b, long long c, const char* d) {
   char buf[128];

@@ -213,14 +213,20 @@ constexpr int FwdSm90RingSmemBytes(const FwdSm90Tile& t) {
   return tiles + barriers + piece_roles + 1024;  // + 1 KB: tiles on the 1024-byte swizzle atom
 }
 inline constexpr int kSm90SmemBytesMax = 232448;  // cc 9.0's opt-in limit per block
+constexpr int FwdSm90OBytes(const FwdSm90Tile& t) { return t.block_m * t.head_dim * 2; }
 constexpr bool FwdSm90StagesO(const FwdSm90Tile& t) {
-  return FwdSm90RingSmemBytes(t) + t.block_m * t.head_dim * 2 <= kSm90SmemBytesMax;
+  return FwdSm90RingSmemBytes(t) + FwdSm90OBytes(t) <= kSm90SmemBytesMax;
 }
 // Bytes of dynamic shared memory: Q, the K/V ring, O where staged, barriers.
 constexpr int FwdSm90SmemBytes(const FwdSm90Tile& t) {
-  return FwdSm90RingSmemBytes(t) + (FwdSm90StagesO(t) ? t.block_m * t.head_dim * 2 : 0);
+  return FwdSm90RingSmemBytes(t) + (FwdSm90StagesO(t) ? FwdSm90OBytes(t) : 0);
 }
 static_assert(FwdSm90StagesO(kFwdSm90TileTable[3]) && !FwdSm90StagesO(kFwdSm90TileTable[1]));
+
+// A stream-K piece's parked state, per consumer warpgroup: its threads'
+// O accumulators (D / 2 each), then row max and row sum of their two rows,
+// stored [register][thread] (fwd_sm90_kernel.cuh).
+constexpr int FwdSm90PiecePartialRegs(int head_dim) { return head_dim / 2 + 4; }
 
 // The kernel's by-value argument block (__grid_constant__), so the tensor maps
 // sit in parameter space where the TMA unit may read them. Each map is 4-D

@@ -206,7 +206,11 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
   };
   const bool stream_k = kPersistent && args.sk_first_tile < args.num_tiles;
   int num_items = 1;
-  int sk_rounds = 0, sk_tail_tile = 0, sk_tail_end = 0, sk_whole_begin = 0, sk_whole_end = 0;
+  // After sk_rounds rounds of whole tiles: the tail piece [0, sk_tail_end)
+  // of sk_tail_tile (if sk_tail_end > 0), the whole tiles [sk_whole_begin,
+  // sk_tail_tile), then the head piece of sk_head_tile from key block
+  // sk_head_begin (if sk_head_begin > 0).
+  int sk_rounds = 0, sk_tail_tile = 0, sk_tail_end = 0, sk_whole_begin = 0;
   int sk_head_tile = 0, sk_head_begin = 0;
   if constexpr (kPersistent) {
     const int grid = static_cast<int>(gridDim.x);
@@ -224,8 +228,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
       sk_tail_tile = args.sk_first_tile + static_cast<int>(u1 / blocks_per_tile);
       sk_tail_end = static_cast<int>(u1 % blocks_per_tile);
       sk_whole_begin = sk_head_tile + (sk_head_begin > 0);
-      sk_whole_end = sk_tail_tile;
-      num_items = sk_rounds + (sk_tail_end > 0) + (sk_whole_end - sk_whole_begin) +
+      num_items = sk_rounds + (sk_tail_end > 0) + (sk_tail_tile - sk_whole_begin) +
                   (sk_head_begin > 0);
     } else {
       num_items = (args.num_tiles + grid - 1) / grid;
@@ -241,7 +244,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
       if (i == 0) return Item{sk_tail_tile, 0, sk_tail_end, static_cast<int>(blockIdx.x)};
       --i;
     }
-    if (i < sk_whole_end - sk_whole_begin) return Item{sk_whole_begin + i, 0, kAll, -1};
+    if (i < sk_tail_tile - sk_whole_begin) return Item{sk_whole_begin + i, 0, kAll, -1};
     return Item{sk_head_tile, sk_head_begin, kAll, static_cast<int>(blockIdx.x) - 1};
   };
   // Where item `it` lies: its tile, with the key blocks narrowed to the piece.
@@ -650,7 +653,8 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
     // A stream-K piece (see the top): the first of a tile's two pieces to
     // get here parks its state, the second merges it into its own.
     if (stream_k && it.slot >= 0) {
-      constexpr int kPartialRegs = Tr::kOAcc + 4;  // O, then row max and row sum of both rows
+      constexpr int kPartialRegs = FwdSm90PiecePartialRegs(kHeadDim);
+      static_assert(kPartialRegs == Tr::kOAcc + 4, "O, then row max and row sum of both rows");
       const int pair = it.slot * Tr::kConsumerWarpgroups + cg;
       int* arrivals = args.sk_flags + 2 * pair;
       int* ready = arrivals + 1;

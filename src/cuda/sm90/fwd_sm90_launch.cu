@@ -169,7 +169,7 @@ size_t FlagBytes(const FwdSm90Plan& plan) {
 size_t PlanScratchBytes(const FwdSm90Plan& plan) {
   if (plan.tile_index < 0 || plan.sk_first_tile >= plan.num_tiles) return 0;
   const int head_dim = sm90::kFwdSm90TileTable[plan.tile_index].head_dim;
-  const size_t partial_floats = (head_dim / 2 + 4) * 128;  // O, row max, row sum per thread
+  const size_t partial_floats = sm90::FwdSm90PiecePartialRegs(head_dim) * 128;  // per thread
   return FlagBytes(plan) + PieceSlots(plan) * partial_floats * sizeof(float);
 }
 
