@@ -66,10 +66,6 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   AllowDependentLaunch();
   JF2_TRACE_BEGIN(g_decode_ring);
   JF2_STAMP(kStart);
-  // Launched early (args.programmatic_launch): nothing before this line may
-  // touch global memory, which the previous grid may still be using.
-  WaitForPrimaryGrid();
-  JF2_STAMP(kWaited);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Q (16 rows), then per warp kStages x (K tile, V tile).
   Elem* s_q = reinterpret_cast<Elem*>(smem_raw);
@@ -112,6 +108,34 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
       static_cast<const Elem*>(p.k) + b * p.k_batch_stride + kv_head * p.k_head_stride;
   const Elem* v_head =
       static_cast<const Elem*>(p.v) + b * p.v_batch_stride + kv_head * p.v_head_stride;
+
+  // Launched early (args.programmatic_launch), the block may start while the
+  // grid before it still runs (the previous call's split combine, say), and
+  // must not read or write global memory until WaitForPrimaryGrid returns.
+  // An L2 prefetch is neither: it returns nothing to the SM, and L2 is where
+  // the GPU's writes meet, so a line the previous grid writes after the
+  // prefetch is updated there. Prefetching this warp's first kStages chunks
+  // (what it asks for first anyway) and Q meanwhile keeps the memory busy
+  // during that grid's tail: B1 S32k 24.2-24.6 -> 22.2-22.6 us (NOTES.md,
+  // twelfth session; one, three or four chunks measured slower).
+  {
+    const int row_bytes = head_dim * static_cast<int>(sizeof(Elem));
+#pragma unroll
+    for (int i = 0; i < kStages; ++i) {
+      const int key = (c_begin + warp + i * kDecodeWarps) * kKeys + lane;
+      if (i >= num_mine || lane >= kKeys || key >= seqlen_k) continue;
+      PrefetchRowL2(k_head + key * p.k_row_stride, row_bytes);
+      PrefetchRowL2(v_head + key * p.v_row_stride, row_bytes);
+    }
+    if (tid < num_rows) {
+      const Elem* q_row = static_cast<const Elem*>(p.q) + b * p.q_batch_stride +
+                          (tid / group) * p.q_row_stride +
+                          (kv_head * group + tid % group) * p.q_head_stride;
+      PrefetchRowL2(q_row, row_bytes);
+    }
+  }
+  WaitForPrimaryGrid();
+  JF2_STAMP(kWaited);
 
   // Q by the whole block: row r is query r / group of head kv_head * group +
   // r % group; rows past num_rows are zero-filled (and never written).

@@ -156,6 +156,21 @@ __device__ __forceinline__ float FastExp2(float x) {
   return y;
 }
 
+// Asks L2 to fetch [row, row + bytes) (16-byte aligned, bytes a multiple of
+// 16); no data comes back to the SM and nothing waits for it. The bulk copy
+// engine's prefetch on sm90 (B1 S32k decode 22.2 us against 22.8 with one
+// prefetch per 128-byte line), the line prefetch before it.
+__device__ __forceinline__ void PrefetchRowL2(const void* row, int bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(row), "r"(bytes) : "memory");
+#else
+  const char* ptr = static_cast<const char*>(row);
+  for (int offset = 0; offset < bytes; offset += 128) {
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ptr + offset));
+  }
+#endif
+}
+
 // Programmatic dependent launch (sm90+; no-ops before): a primary kernel
 // lets its dependent grid be scheduled early, and the dependent waits here
 // until the primary grid has completed and its writes are visible.
