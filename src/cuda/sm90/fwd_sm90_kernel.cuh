@@ -708,31 +708,30 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
       if (wg_tid == 0) BulkWaitGroupRead<0>();
       NamedBarrierSync(kOStagedBarrier + cg, 128);
     }
-    float lse[2];
+    float lse[2], inv_l[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float l = QuadSum(row_sum[h]);
-      const int row = warp * 16 + g + 8 * h;  // within the warpgroup's 64
-      const int t = wg_row0 + row;
       // l == 0 exactly when the row saw no key (its max key contributes
       // exp2(0) = 1 otherwise): output 0 and LSE -inf rather than 0 / 0.
-      const float inv_l = l > 0.f ? 1.f / l : 0.f;
-      lse[h] = l > 0.f ? row_max[h] * p.softmax_scale + logf(l) : -INFINITY;
-      if constexpr (kTmaStoreO) {
-        StageAccumulatorRow<Elem>(s_o_staged, kOPanelStride, row, t4, o, h, inv_l);
-      }
-      if (t >= tl.row_end) continue;
+      // Otherwise l >= 1, where the MUFU reciprocal and logarithm are
+      // within a few ulp, without the IEEE forms' special-case paths.
+      inv_l[h] = l > 0.f ? __fdividef(1.f, l) : 0.f;
+      lse[h] = l > 0.f ? row_max[h] * p.softmax_scale + __logf(l) : -INFINITY;
       if constexpr (!kTmaStoreO) {
+        const int t = wg_row0 + warp * 16 + g + 8 * h;
+        if (t >= tl.row_end) continue;
         Elem* o_row = static_cast<Elem*>(p.o) + b * p.o_batch_stride + t * p.o_row_stride +
                       head * p.o_head_stride;
 #pragma unroll
         for (int j = 0; j < kHeadDim / 8; ++j) {
           *reinterpret_cast<uint32_t*>(o_row + 8 * j + 2 * t4) =
-              PackFloat2<Elem>(o[4 * j + 2 * h] * inv_l, o[4 * j + 2 * h + 1] * inv_l);
+              PackFloat2<Elem>(o[4 * j + 2 * h] * inv_l[h], o[4 * j + 2 * h + 1] * inv_l[h]);
         }
       }
     }
     if constexpr (kTmaStoreO) {
+      StageAccumulatorTile<Elem>(s_o_staged, kOPanelStride, warp, lane, o, inv_l);
       FenceProxyAsync();
       NamedBarrierSync(kOStagedBarrier + cg, 128);
       // Rows past T are dropped by the copy engine (out of the map's bounds).

@@ -146,6 +146,35 @@ __device__ __forceinline__ void StageAccumulatorRow(unsigned char* tile, int pan
   }
 }
 
+// The same for all 16 rows of warp `warp`'s slice at once, row g scaled by
+// scale[0] and row g + 8 by scale[1], with stmatrix: one instruction stores
+// four 8 x 8 blocks (rows 0-7 and 8-15 of two 8-column groups) from the
+// registers the accumulator layout already gives each lane, each lane naming
+// one 16-byte row chunk (lanes 8 m .. 8 m + 7: block m). A quarter of the
+// per-row stores' instructions and none of their per-lane byte offsets.
+template <typename Elem, int kAcc>
+__device__ __forceinline__ void StageAccumulatorTile(unsigned char* tile, int panel_bytes, int warp,
+                                                     int lane, const float (&acc)[kAcc],
+                                                     const float (&scale)[2]) {
+  static_assert(kAcc % 8 == 0, "pairs of 8-column groups");
+  const int block = lane / 8;
+  const int row = warp * 16 + (block % 2) * 8 + lane % 8;
+  const uint32_t row_addr = SmemAddr(tile) + row * 128;
+#pragma unroll
+  for (int j = 0; j < kAcc / 4; j += 2) {
+    // Groups j and j + 1 lie in one 64-column panel (j is even).
+    const int chunk = (j % 8 + block / 2) ^ (row % 8);
+    const uint32_t addr = row_addr + (j / 8) * panel_bytes + chunk * 16;
+    const uint32_t r0 = PackFloat2<Elem>(acc[4 * j] * scale[0], acc[4 * j + 1] * scale[0]);
+    const uint32_t r1 = PackFloat2<Elem>(acc[4 * j + 2] * scale[1], acc[4 * j + 3] * scale[1]);
+    const uint32_t r2 = PackFloat2<Elem>(acc[4 * j + 4] * scale[0], acc[4 * j + 5] * scale[0]);
+    const uint32_t r3 = PackFloat2<Elem>(acc[4 * j + 6] * scale[1], acc[4 * j + 7] * scale[1]);
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+                 "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+  }
+}
+
 __device__ __forceinline__ void BulkCommitGroup() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
