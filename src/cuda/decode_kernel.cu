@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // the GPU's writes meet, so a line the previous grid writes after the
   // prefetch is updated there. Prefetching this warp's first kStages chunks
   // (what it asks for first anyway) and Q meanwhile keeps the memory busy
-  // during that grid's tail: B1 S32k 24.2-24.6 -> 22.2-22.6 us (NOTES.md,
+  // during that grid's tail: B1 S32k 24.2-24.6 -> 22.1-22.6 us (NOTES.md,
   // twelfth session; one, three or four chunks measured slower).
   {
     const int row_bytes = head_dim * static_cast<int>(sizeof(Elem));
