@@ -108,6 +108,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
       static_cast<const Elem*>(p.k) + b * p.k_batch_stride + kv_head * p.k_head_stride;
   const Elem* v_head =
       static_cast<const Elem*>(p.v) + b * p.v_batch_stride + kv_head * p.v_head_stride;
+  // Packed row r (< num_rows) is query r / group of head kv_head * group + r % group.
+  auto q_row = [&](int r) {
+    return static_cast<const Elem*>(p.q) + b * p.q_batch_stride + (r / group) * p.q_row_stride +
+           (kv_head * group + r % group) * p.q_head_stride;
+  };
 
   // Launched early (args.programmatic_launch), the block may start while the
   // grid before it still runs (the previous call's split combine, say), and
@@ -127,33 +132,21 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
       PrefetchRowL2(k_head + key * p.k_row_stride, row_bytes);
       PrefetchRowL2(v_head + key * p.v_row_stride, row_bytes);
     }
-    if (tid < num_rows) {
-      const Elem* q_row = static_cast<const Elem*>(p.q) + b * p.q_batch_stride +
-                          (tid / group) * p.q_row_stride +
-                          (kv_head * group + tid % group) * p.q_head_stride;
-      PrefetchRowL2(q_row, row_bytes);
-    }
+    if (tid < num_rows) PrefetchRowL2(q_row(tid), row_bytes);
   }
   WaitForPrimaryGrid();
   JF2_STAMP(kWaited);
 
-  // Q by the whole block: row r is query r / group of head kv_head * group +
-  // r % group; rows past num_rows are zero-filled (and never written).
-  // (fwd::LoadQTile does the same for a block of Tr::kThreads; here the
-  // traits' kThreads is one warp, for the per-warp K/V copies.)
+  // Q by the whole block; rows past num_rows are zero-filled (and never
+  // written). (fwd::LoadQTile does the same for a block of Tr::kThreads; here
+  // the traits' kThreads is one warp, for the per-warp K/V copies.)
   {
-    const Elem* q = static_cast<const Elem*>(p.q);
     constexpr int kChunks = kDecodeRows * Tr::kChunksPerRow;
     for (int idx = tid; idx < kChunks; idx += kDecodeWarps * 32) {
       const int r = idx / Tr::kChunksPerRow;
       const int c = (idx % Tr::kChunksPerRow) * 8;
       const bool valid = r < num_rows && c < head_dim;
-      const Elem* src = q;
-      if (valid) {
-        const int head = kv_head * group + r % group;
-        src = q + b * p.q_batch_stride + (r / group) * p.q_row_stride + head * p.q_head_stride + c;
-      }
-      CpAsync16(s_q + r * kStride + c, src, valid);
+      CpAsync16(s_q + r * kStride + c, valid ? q_row(r) + c : static_cast<const Elem*>(p.q), valid);
     }
     CpAsyncCommit();
   }

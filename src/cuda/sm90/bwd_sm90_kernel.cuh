@@ -579,12 +579,10 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   NamedBarrierSync(7, 256);
   unsigned char* s_dk = s_k + 64 * cg * 128;
   unsigned char* s_dv = s_v + 64 * cg * 128;
-#pragma unroll
-  for (int rh = 0; rh < 2; ++rh) {
-    const int row = 16 * warp + g + 8 * rh;  // within the warpgroup's 64 keys
-    StageAccumulatorRow<Elem>(s_dk, Tr::kKvPanelBytes, row, t4, acc_dk, rh, p.softmax_scale);
-    StageAccumulatorRow<Elem>(s_dv, Tr::kKvPanelBytes, row, t4, acc_dv, rh, 1.f);
-  }
+  const float dk_scale[2] = {p.softmax_scale, p.softmax_scale};
+  const float dv_scale[2] = {1.f, 1.f};
+  StageAccumulatorTile<Elem>(s_dk, Tr::kKvPanelBytes, warp, lane, acc_dk, dk_scale);
+  StageAccumulatorTile<Elem>(s_dv, Tr::kKvPanelBytes, warp, lane, acc_dv, dv_scale);
   FenceProxyAsync();
   NamedBarrierSync(8 + cg, 128);
   if (wg_tid == 0 && key0 < seqlen_k) {

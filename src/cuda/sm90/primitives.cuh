@@ -127,31 +127,17 @@ __device__ __forceinline__ void TmaStore4d(const void* smem_src, const CUtensorM
       : "memory");
 }
 
-// Row `row` (< 64) of a warpgroup's fp32 accumulator tile, times `scale`, as
-// Elem pairs into a tile staged for TMA stores: acc[4 j + 2 h], acc[4 j + 2 h
-// + 1] hold columns 8 j + 2 t4, + 1 (the wgmma accumulator layout, wgmma.cuh;
-// h picks row g or g + 8). The tile is 64-column panels of 128-byte rows,
-// `panel_bytes` apart, in the 128-byte swizzle the tensor maps use: 16-byte
-// chunk c of row r at chunk c ^ (r % 8), so the 8 rows of a warp's store hit
-// 32 distinct banks.
-template <typename Elem, int kAcc>
-__device__ __forceinline__ void StageAccumulatorRow(unsigned char* tile, int panel_bytes, int row,
-                                                    int t4, const float (&acc)[kAcc], int h,
-                                                    float scale) {
-#pragma unroll
-  for (int j = 0; j < kAcc / 4; ++j) {
-    const int offset = (j / 8) * panel_bytes + row * 128 + ((j % 8) ^ (row % 8)) * 16 + 4 * t4;
-    *reinterpret_cast<uint32_t*>(tile + offset) =
-        PackFloat2<Elem>(acc[4 * j + 2 * h] * scale, acc[4 * j + 2 * h + 1] * scale);
-  }
-}
-
-// The same for all 16 rows of warp `warp`'s slice at once, row g scaled by
-// scale[0] and row g + 8 by scale[1], with stmatrix: one instruction stores
-// four 8 x 8 blocks (rows 0-7 and 8-15 of two 8-column groups) from the
-// registers the accumulator layout already gives each lane, each lane naming
-// one 16-byte row chunk (lanes 8 m .. 8 m + 7: block m). A quarter of the
-// per-row stores' instructions and none of their per-lane byte offsets.
+// Warp `warp`'s 16 rows of a warpgroup's fp32 accumulator tile (< 64 rows),
+// row g times scale[0] and row g + 8 times scale[1], as Elem pairs into a
+// tile staged for TMA stores. acc[4 j + 2 h], acc[4 j + 2 h + 1] hold columns
+// 8 j + 2 t4, + 1 of row g + 8 h (the wgmma accumulator layout, wgmma.cuh).
+// The tile is 64-column panels of 128-byte rows, `panel_bytes` apart, in the
+// 128-byte swizzle the tensor maps use: 16-byte chunk c of row r at chunk
+// c ^ (r % 8), so each 8-row block's stores hit 32 distinct banks. One
+// stmatrix stores four 8 x 8 blocks (rows 0-7 and 8-15 of two 8-column
+// groups) from the registers the accumulator layout already gives each lane,
+// each lane naming one 16-byte row chunk (lanes 8 m .. 8 m + 7: block m):
+// a quarter of the instructions of 4-byte stores, and no per-lane offsets.
 template <typename Elem, int kAcc>
 __device__ __forceinline__ void StageAccumulatorTile(unsigned char* tile, int panel_bytes, int warp,
                                                      int lane, const float (&acc)[kAcc],
