@@ -56,6 +56,10 @@ struct Case {
   int64_t wl, wr;     // window; causal = (-1, 0)
   bool dlse = false;  // nonzero dLSE
   bool bhtd = false;  // [B, H, T, D] layout through strides
+  // > 0: the backward is told the GPU has this many SMs, so a persistent
+  // grid (unmasked, D = 64: BwdSm90Tile) has that many CTAs, each walking
+  // several tiles.
+  int sm_count = 0;
 };
 
 
@@ -290,7 +294,9 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
   CHECK_CUDA(cudaMemset(d_dv, 0xff, nk * 2));
   CHECK_CUDA(cudaMemset(d_scratch, 0xff, scratch_bytes));
   CHECK_CUDA(cudaDeviceSynchronize());
-  cudaError_t err = RunSm90(p, d_scratch, dev);
+  DeviceInfo run_dev = dev;
+  if (c.sm_count > 0) run_dev.sm_count = c.sm_count;
+  cudaError_t err = RunSm90(p, d_scratch, run_dev);
   if (err == cudaSuccess) err = SyncWithWatchdog(c.name);
   if (err != cudaSuccess) {
     std::printf("FAIL %-57s %s\n", c.name.c_str(), cudaGetErrorString(err));
@@ -362,6 +368,12 @@ void TimeCase(const Case& c, const DeviceInfo& dev) {
   };
   time("sm80", [&](int) { return cuda::RunBackward(p, scratch, dev, 0); });
   time("sm90", [&](int) { return RunSm90(p, scratch, dev); });
+  if (c.wl < 0 && c.wr < 0 && cuda::sm90::BwdSm90TileFor(c.D).persistent) {
+    // The same kernel with one CTA per tile (the grid of masked calls).
+    DeviceInfo tile_dev = dev;
+    tile_dev.sm_count = 1 << 24;
+    time("sm90 1/tile", [&](int) { return RunSm90(p, scratch, tile_dev); });
+  }
   for (void* ptr : bufs) CHECK_CUDA(cudaFree(ptr));
   CHECK_CUDA(cudaFree(scratch));
 }
@@ -402,6 +414,10 @@ int main(int argc, char** argv) {
         {"tiny bf16 d128 T200 S100 causal (empty rows)", bf, 1, 200, 100, 2, 2, 128, -1, 0},
         {"tiny bf16 d64 T130 S200 window(64,16) bhtd", bf, 1, 130, 200, 2, 2, 64, 64, 16, false,
          true},
+        {"tiny bf16 d64 T70 S300 full gqa2 (2 CTAs)", bf, 1, 70, 300, 2, 1, 64, -1, -1, false,
+         false, 2},
+        {"tiny fp16 d64 T33 S200 B2 full dlse (1 CTA)", fp, 2, 33, 200, 1, 1, 64, -1, -1, true,
+         false, 1},
     };
   } else if (!time_only) {
     cases = {
@@ -431,6 +447,14 @@ int main(int argc, char** argv) {
         {"fp16 d64 T384 S384 B3 H12 gqa3 full", fp, 3, 384, 384, 12, 4, 64, -1, -1},
         {"fp16 d128 T257 S257 causal gqa2 bhtd", fp, 1, 257, 257, 4, 2, 128, -1, 0, false, true},
         {"bf16 d64 T300 S500 full bhtd dlse", bf, 2, 300, 500, 2, 2, 64, -1, -1, true, true},
+        // Persistent grids of a few CTAs (several tiles each; unmasked D = 64).
+        {"bf16 d64 T300 S700 B2 H4 gqa2 full (3 CTAs)", bf, 2, 300, 700, 4, 2, 64, -1, -1, false,
+         false, 3},
+        {"fp16 d64 T257 S1000 B2 H6 gqa3 full dlse bhtd (5 CTAs)", fp, 2, 257, 1000, 6, 2, 64, -1,
+         -1, true, true, 5},
+        {"bf16 d64 T1 S300 full mqa (2 CTAs)", bf, 1, 1, 300, 4, 1, 64, -1, -1, false, false, 2},
+        {"fp16 d64 T100 S129 B3 H2 full (1 CTA)", fp, 3, 100, 129, 2, 2, 64, -1, -1, false, false,
+         1},
     };
   }
   int failed = 0, run = 0;

@@ -40,38 +40,47 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
 
 namespace sm90 {
 
-// One row per head dim. A CTA owns kBlockN = 128 keys of one (batch, K/V
-// head), 64 per consumer warpgroup, and loops over block_m query rows at a
+// One row per head dim. A CTA's tile is kBlockN = 128 keys of one (batch, K/V
+// head), 64 per consumer warpgroup, and it loops over block_m query rows at a
 // time (of every query head of its group): 128 at D = 64, where the five
 // products are half as long per query, so that the per-block costs (waits,
 // barriers, the dQ reduction) are paid half as often; 64 at D = 128, whose
 // dK, dV accumulators leave no registers for more. Shared memory, 2-byte
 // elements: K, V (block_n x D each), `stages` x (Q, dO) (block_m x D each),
-// two dS^T buffers (block_n x block_m), and in fp32 the dQ staging tiles
-// (64 x 64 per consumer warpgroup) and `stages` x (lse2, Dvec) (block_m each):
+// two dS^T buffers (block_n x block_m), in fp32 the dQ staging tiles (64 x
+// 64 per consumer warpgroup), at D = 128 a dV staging tile (block_n x D; see
+// the kernel's epilogue), and `stages` x (lse2, Dvec) (block_m each):
 //   D = 64:  32 KB + 2 x 32 KB + 64 KB + 32 KB + 2 KB = 194 KB
-//   D = 128: 64 KB + 2 x 32 KB + 32 KB + 32 KB + 1 KB = 193 KB
+//   D = 128: 64 KB + 2 x 32 KB + 32 KB + 32 KB + 32 KB + 1 KB = 225 KB
 // Registers per consumer thread: dK, dV (D / 2 fp32 each), S^T and dP^T
 // (block_m / 2 fp32 each), dQ (32 fp32), P^T and dS^T as A fragments
 // (block_m / 4 b32 each), lse2 and Dvec of the block (block_m / 4 fp32
 // each): about 230 at the peak (S^T, dP^T beside dK, dV).
+// persistent: unmasked calls run one CTA per SM, each walking tiles (key
+// blocks) in rounds, so that a tile's K, V and first Q, dO load under the
+// previous tile's dK, dV epilogue. Measured (NOTES.md, thirteenth session):
+// +2-5% at D = 64; at D = 128, whose tiles are as long with half as many
+// query rows per iteration, nothing, and 2-3% less at T = 16k (a static
+// walk cannot even out tiles that happen to run slow), so D = 128 keeps one
+// CTA per tile.
 struct BwdSm90Tile {
   int head_dim;
   int block_m;
   int block_n;
   int stages;
+  bool persistent;
 };
 
 inline constexpr BwdSm90Tile kBwdSm90TileTable[] = {
-    {64, 128, 128, 2},
-    {128, 64, 128, 2},
+    {64, 128, 128, 2, true},
+    {128, 64, 128, 2, false},
 };
 
 constexpr BwdSm90Tile BwdSm90TileFor(int64_t head_dim) {
   for (const BwdSm90Tile& t : kBwdSm90TileTable) {
     if (head_dim == t.head_dim) return t;
   }
-  return BwdSm90Tile{0, 0, 0, 0};
+  return BwdSm90Tile{0, 0, 0, 0, false};
 }
 
 // Warp roles: warpgroup 0 produces (one thread issues every TMA load, one
@@ -79,10 +88,19 @@ constexpr BwdSm90Tile BwdSm90TileFor(int64_t head_dim) {
 // and 2 consume, 64 keys each.
 inline constexpr int kBwdConsumerWarpgroups = 2;
 inline constexpr int kBwdSm90Threads = 128 * (1 + kBwdConsumerWarpgroups);
-// setmaxnreg budget: 128 x 24 + 256 x 240 = 64512 <= 65536 registers. The
-// producer only computes coordinates; the consumers hold dK and dV.
+// setmaxnreg budget: 128 x 24 + 256 x 240 = 64512 registers, what the launch
+// allocates (168 x 384): the consumers' increase waits until the producer's
+// decrease has returned as many, so 32 here hangs the kernel. The producer
+// only computes coordinates (ptxas spills 16 bytes in the D = 64 row warp);
+// the consumers hold dK and dV.
 inline constexpr int kBwdProducerRegs = 24;
 inline constexpr int kBwdConsumerRegs = 240;
+
+// dK and dV are staged for their TMA stores in each warpgroup's own key rows
+// of the two dS^T buffers, which hold 2 block_m / 64 panels of 64 columns
+// per row: dK needs head_dim / 64 of them and dV as many. At D = 64 both
+// fit; at D = 128 only dK does, and dV gets a tile of its own.
+constexpr bool BwdSm90DvStagedInDs(const BwdSm90Tile& t) { return t.block_m >= t.head_dim; }
 
 constexpr int BwdSm90SmemBytes(const BwdSm90Tile& t) {
   const int kv = 2 * t.block_n * t.head_dim * 2;
@@ -90,9 +108,11 @@ constexpr int BwdSm90SmemBytes(const BwdSm90Tile& t) {
   const int ds = 2 * t.block_n * t.block_m * 2;
   // fp32 dQ staging: 64 x 64 per consumer warpgroup.
   const int dq = kBwdConsumerWarpgroups * 64 * 64 * 4;
+  const int dv = BwdSm90DvStagedInDs(t) ? 0 : t.block_n * t.head_dim * 2;
   const int rows = t.stages * 2 * t.block_m * 4;  // lse2 and Dvec per stage
-  const int barriers = (1 + 2 * t.stages) * 8;     // kv_full; q_full, q_empty per stage
-  return kv + q_do + ds + dq + rows + barriers + 1024;  // 1 KB: alignment slack
+  // kv_full, kv_empty; q_full, q_empty per stage
+  const int barriers = (2 + 2 * t.stages) * 8;
+  return kv + q_do + ds + dq + dv + rows + barriers + 1024;  // 1 KB: alignment slack
 }
 
 // The kernel's by-value argument block (__grid_constant__, so the tensor maps
@@ -112,6 +132,11 @@ struct BwdSm90Args {
   const float* dvec = nullptr;  // [B, H, t_pad]
   float* dq_acc = nullptr;      // [B, T, H, D]
   int64_t t_pad = 0;
+  // Tiles: key block n of (b, K/V head) is tile n + num_n_blocks (b + B k),
+  // and CTA i takes tiles i, i + gridDim.x, ... (one each, or a persistent
+  // grid of one CTA per SM).
+  int num_n_blocks = 0;
+  int num_tiles = 0;  // < 2^31 (Sm90BackwardSupports)
   bool q_heads_inner = true;
   bool do_heads_inner = true;
   bool k_heads_inner = true;

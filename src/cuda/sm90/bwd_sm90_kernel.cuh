@@ -8,12 +8,15 @@
 // dq_acc * scale) are that file's kernels, and the scratch layout is
 // bwd_traits.h's.
 //
-// One CTA per (key block of kBlockN = 128 keys, batch, K/V head); consumer
-// warpgroup c owns keys [64 c, 64 c + 64) of the block and keeps their dK, dV
-// (64 x D fp32) in registers while the CTA loops over every query head of the
-// K/V head's group and every query block of kBlockM rows (128 at D = 64, 64 at
-// D = 128; bwd_sm90.h) that can see the key block (so GQA sums dK, dV over the
-// group in registers, as the sm80 kernel does). Per query block, in warpgroup
+// A tile is (key block of kBlockN = 128 keys, batch, K/V head); a CTA takes
+// one tile, or in the persistent grid (unmasked D = 64, bwd_sm90.h) walks
+// every gridDim.x-th tile with its rings and barriers running on, so that
+// the next tile's K, V and first Q, dO load under this tile's epilogue.
+// Consumer warpgroup c owns keys [64 c, 64 c + 64) of a tile and keeps their
+// dK, dV (64 x D fp32) in registers while the CTA loops over every query head
+// of the K/V head's group and every query block of kBlockM rows (128 at D =
+// 64, 64 at D = 128; bwd_sm90.h) that can see the key block (so GQA sums dK,
+// dV over the group in registers, as the sm80 kernel does). Per query block, in warpgroup
 // c (64 keys x kBlockM queries):
 //   S^T  = K_c Q^T                    wgmma SS, both operands K-major (over D)
 //   dP^T = V_c dO^T                   wgmma SS
@@ -100,7 +103,10 @@ struct BwdSm90Traits {
   // reduction: two panels of 32 columns (one 128-byte swizzled row each).
   static constexpr int kDqTileBytes = 64 * 64 * 4;
   static constexpr int kDqPanelBytes = 64 * 128;
+  // dV staged in the dS^T buffers (else in a tile of its own); bwd_sm90.h.
+  static constexpr bool kDvInDs = BwdSm90DvStagedInDs(kTile);
   static_assert(kHeadDim == 64 || kHeadDim == 128);
+  static_assert(kDvInDs ? kPanels == 1 && kBlockM == 128 : kPanels == 2 && kBlockM == 64);
   static_assert(kBlockM * kHeadDim == 64 * 128 && kBlockN == 64 * kBwdConsumerWarpgroups);
   static_assert(kBlockM <= kBwdRowPad && kBwdRowPad % kBlockM == 0);
 };
@@ -115,13 +121,17 @@ struct BwdSm90Smem {
   static constexpr int kDo = kQ + Tr::kStages * Tr::kQBytes;
   static constexpr int kDs = kDo + Tr::kStages * Tr::kQBytes;
   static constexpr int kDq = kDs + 2 * Tr::kDsBytes;  // [warpgroup] dQ tiles
+  // dV's staging tile where the dS^T buffers have no room for it (D = 128):
+  // [warpgroup] 64 keys x D.
+  static constexpr int kDvStage = kDq + kBwdConsumerWarpgroups * Tr::kDqTileBytes;
+  static constexpr int kDvStageBytes = Tr::kDvInDs ? 0 : Tr::kKvBytes;
   // [stage] lse2 then Dvec of the stage's query block (kBlockM floats each).
-  static constexpr int kRows = kDq + kBwdConsumerWarpgroups * Tr::kDqTileBytes;
+  static constexpr int kRows = kDvStage + kDvStageBytes;
   static constexpr int kRowsStageBytes = 2 * Tr::kBlockM * 4;
   static constexpr int kBars = kRows + Tr::kStages * kRowsStageBytes;
-  static_assert(kBars + (1 + 2 * Tr::kStages) * 8 + 1024 <= BwdSm90SmemBytes(Tr::kTile));
+  static_assert(kBars + (2 + 2 * Tr::kStages) * 8 + 1024 <= BwdSm90SmemBytes(Tr::kTile));
   static_assert(kV % 1024 == 0 && kQ % 1024 == 0 && kDo % 1024 == 0 && kDs % 1024 == 0);
-  static_assert(kDq % 1024 == 0 && Tr::kDqTileBytes % 1024 == 0);
+  static_assert(kDq % 1024 == 0 && Tr::kDqTileBytes % 1024 == 0 && kDvStage % 1024 == 0);
   static_assert(Tr::kQBytes % 1024 == 0 && Tr::kDsBytes % 1024 == 0 && kBars % 8 == 0);
 };
 
@@ -142,41 +152,56 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   unsigned char* s_ds = smem + Smem::kDs;
   unsigned char* s_dq = smem + Smem::kDq;
   float* s_rows = reinterpret_cast<float*>(smem + Smem::kRows);
-  // kv_full: K and V landed (once). q_full[s]: Q, dO, lse2, Dvec of stage s
-  // landed; q_empty[s]: every consumer warp is done with them.
+  // kv_full: K and V of a tile landed; kv_empty: every consumer thread is
+  // done with them. q_full[s]: Q, dO, lse2, Dvec of stage s landed;
+  // q_empty[s]: every consumer thread is done with them.
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem + Smem::kBars);
-  uint64_t* q_full = kv_full + 1;
+  uint64_t* kv_empty = kv_full + 1;
+  uint64_t* q_full = kv_full + 2;
   uint64_t* q_empty = q_full + kStages;
 
   const FlashParams& p = args.p;
-  const int n_block = blockIdx.x;
-  const int b = blockIdx.y;
-  const int kv_head = blockIdx.z;
   const int seqlen_k = static_cast<int>(p.seqlen_k);
-  const int n_begin = n_block * kBlockN;
-
-  // Query blocks [m_block_begin, + num_m_blocks) that may see a key of this
-  // block, once per query head of the group.
   const WindowMask mask = MakeWindowMask(p);
-  int64_t q_begin, q_end;
-  mask.QueryRange(n_begin, min(n_begin + kBlockN, seqlen_k), p.seqlen_q, &q_begin, &q_end);
-  const int m_block_begin = static_cast<int>(q_begin / kBlockM);
-  const int num_m_blocks =
-      q_end > q_begin ? static_cast<int>((q_end + kBlockM - 1) / kBlockM) - m_block_begin : 0;
-  const int num_iters = num_m_blocks * static_cast<int>(p.group_size);
-  // Iteration it of every role's loop: query head h of the group, query rows
-  // from m_begin.
+
+  // Tile t (BwdSm90Args): key block n_begin of (b, kv_head), and the query
+  // blocks [m_block_begin, + num_m_blocks) that may see one of its keys,
+  // once per query head of the group: num_iters iterations. Every role walks
+  // the same tiles, so the rings and barriers run on from tile to tile.
+  struct Tile {
+    int n_begin, b, kv_head;
+    int m_block_begin, num_m_blocks, num_iters;
+  };
+  const auto locate = [&](int t) {
+    Tile tile;
+    tile.n_begin = t % args.num_n_blocks * kBlockN;
+    const int bk = t / args.num_n_blocks;
+    tile.b = bk % static_cast<int>(p.batch);
+    tile.kv_head = bk / static_cast<int>(p.batch);
+    int64_t q_begin, q_end;
+    mask.QueryRange(tile.n_begin, min(tile.n_begin + kBlockN, seqlen_k), p.seqlen_q, &q_begin,
+                    &q_end);
+    tile.m_block_begin = static_cast<int>(q_begin / kBlockM);
+    tile.num_m_blocks = q_end > q_begin
+                            ? static_cast<int>((q_end + kBlockM - 1) / kBlockM) - tile.m_block_begin
+                            : 0;
+    tile.num_iters = tile.num_m_blocks * static_cast<int>(p.group_size);
+    return tile;
+  };
+  // Iteration it of a tile, in every role's loop: query head h of the group,
+  // query rows from m_begin.
   struct QueryBlock {
     int h;
     int m_begin;
   };
-  const auto query_block = [&](int it) {
-    return QueryBlock{kv_head * static_cast<int>(p.group_size) + it / num_m_blocks,
-                      (m_block_begin + it % num_m_blocks) * kBlockM};
+  const auto query_block = [&](const Tile& tile, int it) {
+    return QueryBlock{tile.kv_head * static_cast<int>(p.group_size) + it / tile.num_m_blocks,
+                      (tile.m_block_begin + it % tile.num_m_blocks) * kBlockM};
   };
 
   if (threadIdx.x == 0) {
     MbarInit(kv_full, 1);
+    MbarInit(kv_empty, 128 * kBwdConsumerWarpgroups);
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       // The TMA thread's expect-tx arrival and one per lane of the row warp.
@@ -192,40 +217,54 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
     SetMaxNRegDec<kBwdProducerRegs>();
-    if (threadIdx.x == 0 && num_iters > 0) {
-      PrefetchTensorMap(&args.tma_q);
-      PrefetchTensorMap(&args.tma_do);
-      PrefetchTensorMap(&args.tma_k);
-      PrefetchTensorMap(&args.tma_v);
-      PrefetchTensorMap(&args.tma_dq);
-      MbarArriveExpectTx(kv_full, 2 * Tr::kKvBytes);
-#pragma unroll
-      for (int panel = 0; panel < Tr::kPanels; ++panel) {
-        TmaLoad4d(s_k + panel * Tr::kKvPanelBytes, &args.tma_k, kv_full, panel * Tr::kPanelCols,
-                  args.k_heads_inner ? kv_head : n_begin, args.k_heads_inner ? n_begin : kv_head,
-                  b);
-        TmaLoad4d(s_v + panel * Tr::kKvPanelBytes, &args.tma_v, kv_full, panel * Tr::kPanelCols,
-                  args.v_heads_inner ? kv_head : n_begin, args.v_heads_inner ? n_begin : kv_head,
-                  b);
-      }
+    if (threadIdx.x == 0) {
       RingPos<kStages> ring;
-      for (int it = 0; it < num_iters; ++it) {
-        const auto [h, m_begin] = query_block(it);
-        // Slot free? (Parity phase ^ 1: the first pass finds every slot free.)
-        MbarWait(&q_empty[ring.stage], ring.phase ^ 1);
-        MbarArriveExpectTx(&q_full[ring.stage], 2 * Tr::kQBytes);
-        unsigned char* q_dst = s_q + ring.stage * Tr::kQBytes;
-        unsigned char* do_dst = s_do + ring.stage * Tr::kQBytes;
+      int kv_loads = 0;  // tiles whose K and V this thread loaded
+      for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x) {
+        const Tile tile = locate(t);
+        if (tile.num_iters == 0) continue;  // nothing to load (dK = dV = 0)
+        if (kv_loads == 0) {
+          // (The Q, dO and dQ maps are zeroed when T = 0: no tile then gets here.)
+          PrefetchTensorMap(&args.tma_q);
+          PrefetchTensorMap(&args.tma_do);
+          PrefetchTensorMap(&args.tma_k);
+          PrefetchTensorMap(&args.tma_v);
+          PrefetchTensorMap(&args.tma_dq);
+        }
+        // K and V free? (The first tile finds them free.) The consumers free
+        // them after their last products, so this tile's loads run under the
+        // previous tile's dK, dV epilogue.
+        MbarWait(kv_empty, (kv_loads & 1) ^ 1);
+        ++kv_loads;
+        const int kv_head = tile.kv_head, n_begin = tile.n_begin;
+        MbarArriveExpectTx(kv_full, 2 * Tr::kKvBytes);
 #pragma unroll
         for (int panel = 0; panel < Tr::kPanels; ++panel) {
-          TmaLoad4d(q_dst + panel * Tr::kQPanelBytes, &args.tma_q, &q_full[ring.stage],
-                    panel * Tr::kPanelCols, args.q_heads_inner ? h : m_begin,
-                    args.q_heads_inner ? m_begin : h, b);
-          TmaLoad4d(do_dst + panel * Tr::kQPanelBytes, &args.tma_do, &q_full[ring.stage],
-                    panel * Tr::kPanelCols, args.do_heads_inner ? h : m_begin,
-                    args.do_heads_inner ? m_begin : h, b);
+          TmaLoad4d(s_k + panel * Tr::kKvPanelBytes, &args.tma_k, kv_full, panel * Tr::kPanelCols,
+                    args.k_heads_inner ? kv_head : n_begin, args.k_heads_inner ? n_begin : kv_head,
+                    tile.b);
+          TmaLoad4d(s_v + panel * Tr::kKvPanelBytes, &args.tma_v, kv_full, panel * Tr::kPanelCols,
+                    args.v_heads_inner ? kv_head : n_begin, args.v_heads_inner ? n_begin : kv_head,
+                    tile.b);
         }
-        ring.Advance();
+        for (int it = 0; it < tile.num_iters; ++it) {
+          const auto [h, m_begin] = query_block(tile, it);
+        // Slot free? (Parity phase ^ 1: the first pass finds every slot free.)
+          MbarWait(&q_empty[ring.stage], ring.phase ^ 1);
+          MbarArriveExpectTx(&q_full[ring.stage], 2 * Tr::kQBytes);
+          unsigned char* q_dst = s_q + ring.stage * Tr::kQBytes;
+          unsigned char* do_dst = s_do + ring.stage * Tr::kQBytes;
+#pragma unroll
+          for (int panel = 0; panel < Tr::kPanels; ++panel) {
+            TmaLoad4d(q_dst + panel * Tr::kQPanelBytes, &args.tma_q, &q_full[ring.stage],
+                      panel * Tr::kPanelCols, args.q_heads_inner ? h : m_begin,
+                      args.q_heads_inner ? m_begin : h, tile.b);
+            TmaLoad4d(do_dst + panel * Tr::kQPanelBytes, &args.tma_do, &q_full[ring.stage],
+                      panel * Tr::kPanelCols, args.do_heads_inner ? h : m_begin,
+                      args.do_heads_inner ? m_begin : h, tile.b);
+          }
+          ring.Advance();
+        }
       }
     } else if (threadIdx.x / 32 == 1) {
       // The row warp: lse2 and Dvec of each stage's query block into shared
@@ -238,26 +277,35 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // multiple of kBlockM, so the rows of a block are always in bounds.
       const int lane = threadIdx.x % 32;
       RingPos<kStages> ring;
-      for (int it = 0; it < num_iters; ++it) {
-        const auto [h, m_begin] = query_block(it);
-        // float4 x of the stage: lse2 rows 4 x.. for x < kBlockM / 4, then
-        // Dvec's.
-        constexpr int kVecs = kBlockM / 4;
-        const int64_t row0 = (static_cast<int64_t>(b) * p.num_heads_q + h) * args.t_pad + m_begin;
-        float4 v[kVecs / 16];
+      for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x) {
+        const Tile tile = locate(t);
+        // The tile's first query block, of its group's first head: the
+        // iterations (query_block) walk heads outer, blocks inner.
+        const int64_t first_row =
+            (static_cast<int64_t>(tile.b) * p.num_heads_q +
+             tile.kv_head * static_cast<int>(p.group_size)) * args.t_pad +
+            tile.m_block_begin * kBlockM;
+        for (int it = 0; it < tile.num_iters; ++it) {
+          // float4 x of the stage: lse2 rows 4 x.. for x < kBlockM / 4, then
+          // Dvec's.
+          constexpr int kVecs = kBlockM / 4;
+          const int64_t row0 = first_row + (it / tile.num_m_blocks) * args.t_pad +
+                               (it % tile.num_m_blocks) * kBlockM;
+          float4 v[kVecs / 16];
 #pragma unroll
-        for (int k = 0; k < kVecs / 16; ++k) {
-          const int x = lane + 32 * k;
-          const float* src = (x < kVecs ? args.lse2 : args.dvec) + row0 + 4 * (x % kVecs);
-          v[k] = __ldg(reinterpret_cast<const float4*>(src));
-        }
-        MbarWait(&q_empty[ring.stage], ring.phase ^ 1);
+          for (int k = 0; k < kVecs / 16; ++k) {
+            const int x = lane + 32 * k;
+            const float* src = (x < kVecs ? args.lse2 : args.dvec) + row0 + 4 * (x % kVecs);
+            v[k] = __ldg(reinterpret_cast<const float4*>(src));
+          }
+          MbarWait(&q_empty[ring.stage], ring.phase ^ 1);
 #pragma unroll
-        for (int k = 0; k < kVecs / 16; ++k) {
-          reinterpret_cast<float4*>(s_rows + ring.stage * 2 * kBlockM)[lane + 32 * k] = v[k];
+          for (int k = 0; k < kVecs / 16; ++k) {
+            reinterpret_cast<float4*>(s_rows + ring.stage * 2 * kBlockM)[lane + 32 * k] = v[k];
+          }
+          MbarArrive(&q_full[ring.stage]);
+          ring.Advance();
         }
-        MbarArrive(&q_full[ring.stage]);
-        ring.Advance();
       }
     } else if (threadIdx.x / 32 == 2) {
       // The dQ warp: hands each consumer warpgroup's staged dQ tile (see
@@ -270,30 +318,37 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // the consumers 4-7% at D = 128 (NOTES.md).
       const int lane = threadIdx.x % 32;
       for (int c = 0; c < kBwdConsumerWarpgroups; ++c) NamedBarrierArrive(5 + c, 160);
-      for (int it = 0; it < num_iters; ++it) {
-        const auto [h, m_begin] = query_block(it);
-#pragma unroll
-        for (int c = 0; c < kBwdConsumerWarpgroups; ++c) {
-          const int row0 = m_begin + Tr::DqRow0(c);
-          const int col0 = Tr::DqCol0(c);
-          unsigned char* tile = s_dq + c * Tr::kDqTileBytes;
-          NamedBarrierSync(3 + c, 160);  // the warpgroup's tile is staged
-          if (lane == 0) {
-            TmaReduceAdd4d(tile, &args.tma_dq, col0, h, row0, b);
-            TmaReduceAdd4d(tile + Tr::kDqPanelBytes, &args.tma_dq, col0 + 32, h, row0, b);
-            BulkCommitGroup();
+      bool first = true;
+      for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x) {
+        const Tile tile = locate(t);
+        for (int it = 0; it < tile.num_iters; ++it) {
+          const auto [h, m_begin] = query_block(tile, it);
+          // dQ tiles 0 and 1 free again once the previous query block's
+          // groups are read (the oldest first): one arrival per staging
+          // after the first, so the CTA's last tiles are never handed back.
+          if (!first) {
+            static_assert(kBwdConsumerWarpgroups == 2);
+            if (lane == 0) BulkWaitGroupRead<1>();
+            __syncwarp();
+            NamedBarrierArrive(5, 160);
+            if (lane == 0) BulkWaitGroupRead<0>();
+            __syncwarp();
+            NamedBarrierArrive(6, 160);
           }
-        }
-        // Tiles 0 and 1 free once their groups are read (the oldest first);
-        // the last block's are never rewritten.
-        if (it + 1 < num_iters) {
-          static_assert(kBwdConsumerWarpgroups == 2);
-          if (lane == 0) BulkWaitGroupRead<1>();
-          __syncwarp();
-          NamedBarrierArrive(5, 160);
-          if (lane == 0) BulkWaitGroupRead<0>();
-          __syncwarp();
-          NamedBarrierArrive(6, 160);
+          first = false;
+#pragma unroll
+          for (int c = 0; c < kBwdConsumerWarpgroups; ++c) {
+            const int row0 = m_begin + Tr::DqRow0(c);
+            const int col0 = Tr::DqCol0(c);
+            unsigned char* dq_tile = s_dq + c * Tr::kDqTileBytes;
+            NamedBarrierSync(3 + c, 160);  // the warpgroup's tile is staged
+            if (lane == 0) {
+              TmaReduceAdd4d(dq_tile, &args.tma_dq, col0, h, row0, tile.b);
+              TmaReduceAdd4d(dq_tile + Tr::kDqPanelBytes, &args.tma_dq, col0 + 32, h, row0,
+                             tile.b);
+              BulkCommitGroup();
+            }
+          }
         }
       }
       // The reductions must land before the convert kernel reads dq_acc.
@@ -310,12 +365,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   const int lane = wg_tid % 32;
   const int g = lane / 4;        // accumulator row (and g + 8)
   const int t4 = lane % 4;       // accumulator column pair
-  const int key0 = n_begin + 64 * cg;
   const float scale_log2 = p.softmax_scale_log2;
-
-  float acc_dk[Tr::kAcc], acc_dv[Tr::kAcc];
-#pragma unroll
-  for (int i = 0; i < Tr::kAcc; ++i) acc_dk[i] = acc_dv[i] = 0.f;
 
   // Descriptors of stage 0 / buffer 0: K and V rows of this warpgroup
   // (K-major, for S^T and dP^T), Q and dO (K-major for S^T and dP^T, MN-major
@@ -333,19 +383,6 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   // This warpgroup's dQ tile (Traits::DqRow0, DqCol0).
   const int dq_row0 = Tr::DqRow0(cg);
   const int dq_col0 = Tr::DqCol0(cg);
-
-  // Queries [q_lo[rh], q_hi[rh]) see this thread's key row key0 + 16 warp +
-  // g + 8 rh (none for rows past S). Blocks not fully visible compare
-  // against these, in 32-bit ints, without branches.
-  int q_lo[2], q_hi[2];
-#pragma unroll
-  for (int rh = 0; rh < 2; ++rh) {
-    const int key = key0 + 16 * warp + g + 8 * rh;
-    int64_t lo = 0, hi = 0;
-    if (key < seqlen_k) mask.QueryRange(key, key + 1, p.seqlen_q, &lo, &hi);
-    q_lo[rh] = static_cast<int>(lo);
-    q_hi[rh] = static_cast<int>(hi);
-  }
 
   // lse2 (which = 0) or Dvec (1) of the stage's query block at this thread's
   // accumulator columns 8 j + 2 t4, + 1, from the row warp's copy, into
@@ -396,208 +433,259 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     NamedBarrierArrive(3 + cg, 160);  // ids 3, 4: the tile is staged, to the dQ warp
   };
 
+  // dK and dV staging (see the epilogue): this warpgroup's key rows of the
+  // dS^T buffers, and dV's own tile at D = 128.
+  unsigned char* s_dk_stage = s_ds + 64 * cg * 128;
+  constexpr int kDkPanelStride = Tr::kDsBytes;
+  unsigned char* s_dv_stage = Tr::kDvInDs ? s_ds + Tr::kDsPanelBytes + 64 * cg * 128
+                                          : smem + Smem::kDvStage + cg * (Tr::kKvBytes / 2);
+  constexpr int kDvPanelStride = Tr::kDvInDs ? Tr::kDsBytes : 64 * 128;
+  // Whether a TMA store of this warpgroup may still read that staging, and
+  // the wait for it (its issuing thread's bulk group, then the warpgroup).
+  bool store_pending = false;
+  const auto wait_staging_read = [&] {
+    if (!store_pending) return;
+    if (wg_tid == 0) BulkWaitGroupRead<0>();
+    NamedBarrierSync(8 + cg, 128);
+    store_pending = false;
+  };
+
   // Each query block commits five wgmma groups, in this order: S^T, dP^T, dV,
   // dQ, dK. Every wait but the last leaves the newest group running, so the
   // tensor cores have queued work while the warps compute: dP^T runs under
   // the P^T exponentials, dV under dS^T, dK under the dQ staging. (No group
   // stays in flight into the next block: ptxas serialized every wgmma,
   // warnings C7514/C7515, when one did.)
-  if (num_iters > 0) MbarWait(kv_full, 0);
   RingPos<kStages> ring;
-  for (int it = 0; it < num_iters; ++it) {
-    const auto [h, m_begin] = query_block(it);
-    const uint32_t q_off = ring.stage * Tr::kQBytes;
-    const int ds_buf = it % 2;
-
-    // acc = (64 key rows of K or V) x (Q or dO of the stage)^T, both
-    // K-major over D, committed as one group: S^T and dP^T (unscaled).
-    const auto issue_keys_x_queries = [&](float (&acc)[Tr::kSAcc], uint64_t desc_rows,
-                                          uint64_t desc_tile) {
+  int kv_uses = 0;  // tiles whose K and V this warpgroup used
+  for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x) {
+    const Tile tile = locate(t);
+    const int key0 = tile.n_begin + 64 * cg;
+    // Queries [q_lo[rh], q_hi[rh]) see this thread's key row key0 + 16 warp +
+    // g + 8 rh (none for rows past S). Blocks not fully visible compare
+    // against these, in 32-bit ints, without branches.
+    int q_lo[2], q_hi[2];
 #pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        // k16 step ks: panel ks / 4, 32 bytes per step inside a 128-byte row.
-        const uint32_t k_off = (ks % 4) * 32;
-        Wgmma<Elem, kBlockM>::SS(acc, DescAdd(desc_rows, (ks / 4) * Tr::kKvPanelBytes + k_off),
-                                 DescAdd(desc_tile, q_off + (ks / 4) * Tr::kQPanelBytes + k_off),
-                                 ks > 0);
-      }
-      WgmmaCommit();
-    };
-    float s[Tr::kSAcc], dp[Tr::kSAcc];
-    MbarWait(&q_full[ring.stage], ring.phase);
-    float2 lse2[kBlockM / 8], dvec[kBlockM / 8];
-    load_rows(ring.stage, 0, lse2);
-    WgmmaFence();
-    issue_keys_x_queries(s, desc_k_rows, desc_q_k);    // S^T = K_c Q^T
-    issue_keys_x_queries(dp, desc_v_rows, desc_do_k);  // dP^T = V_c dO^T
-
-    // Accumulator element i of the 64 x kBlockM tiles: key row 16 warp + g +
-    // 8 rh, query column 8 j + 2 t4 + e, with j = i / 4, rh = (i / 2) % 2,
-    // e = i % 2.
-    const bool full = mask.BlockFullyVisible(m_begin, m_begin + kBlockM, key0, key0 + 64);
-    WgmmaWaitFenced<1>(s);  // S^T done; dP^T may still run
-    load_rows(ring.stage, 1, dvec);
-    // P^T = exp2(S^T * scale_log2 - lse2[query]); lse2 = +inf (rows past T,
-    // rows that see no key) gives exactly 0. P^T and dS^T become A fragments
-    // (rounded to Elem, as in FlashAttention-2): n8 tiles 2 kk and 2 kk + 1
-    // form k16 slice kk (see wgmma.cuh).
-#pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) {
-      const float2 l = lse2[j];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int i = 4 * j + r;
-        s[i] = FastExp2(fmaf(s[i], scale_log2, -((r & 1) ? l.y : l.x)));
-      }
+    for (int rh = 0; rh < 2; ++rh) {
+      const int key = key0 + 16 * warp + g + 8 * rh;
+      int64_t lo = 0, hi = 0;
+      if (key < seqlen_k) mask.QueryRange(key, key + 1, p.seqlen_q, &lo, &hi);
+      q_lo[rh] = static_cast<int>(lo);
+      q_hi[rh] = static_cast<int>(hi);
     }
-    // One branch per block, none per element (a per-element mask call made
-    // ptxas wrap every exponential in its own branch).
-    if (!full) {
+    float acc_dk[Tr::kAcc], acc_dv[Tr::kAcc];
 #pragma unroll
-      for (int i = 0; i < Tr::kSAcc; ++i) {
-        const int query = m_begin + 8 * (i / 4) + 2 * t4 + (i & 1);
-        const int rh = (i / 2) % 2;
-        if (query < q_lo[rh] || query >= q_hi[rh]) s[i] = 0.f;
+    for (int i = 0; i < Tr::kAcc; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+    if (tile.num_iters > 0) MbarWait(kv_full, kv_uses & 1);
+    for (int it = 0; it < tile.num_iters; ++it) {
+      const auto [h, m_begin] = query_block(tile, it);
+      const uint32_t q_off = ring.stage * Tr::kQBytes;
+      const int ds_buf = it % 2;
+
+      // acc = (64 key rows of K or V) x (Q or dO of the stage)^T, both
+      // K-major over D, committed as one group: S^T and dP^T (unscaled).
+      const auto issue_keys_x_queries = [&](float (&acc)[Tr::kSAcc], uint64_t desc_rows,
+                                            uint64_t desc_tile) {
+#pragma unroll
+        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+          // k16 step ks: panel ks / 4, 32 bytes per step inside a 128-byte row.
+          const uint32_t k_off = (ks % 4) * 32;
+          Wgmma<Elem, kBlockM>::SS(acc, DescAdd(desc_rows, (ks / 4) * Tr::kKvPanelBytes + k_off),
+                                   DescAdd(desc_tile, q_off + (ks / 4) * Tr::kQPanelBytes + k_off),
+                                   ks > 0);
+        }
+        WgmmaCommit();
+      };
+      float s[Tr::kSAcc], dp[Tr::kSAcc];
+      MbarWait(&q_full[ring.stage], ring.phase);
+      float2 lse2[kBlockM / 8], dvec[kBlockM / 8];
+      load_rows(ring.stage, 0, lse2);
+      WgmmaFence();
+      issue_keys_x_queries(s, desc_k_rows, desc_q_k);    // S^T = K_c Q^T
+      issue_keys_x_queries(dp, desc_v_rows, desc_do_k);  // dP^T = V_c dO^T
+
+      // Accumulator element i of the 64 x kBlockM tiles: key row 16 warp + g +
+      // 8 rh, query column 8 j + 2 t4 + e, with j = i / 4, rh = (i / 2) % 2,
+      // e = i % 2.
+      const bool full = mask.BlockFullyVisible(m_begin, m_begin + kBlockM, key0, key0 + 64);
+      WgmmaWaitFenced<1>(s);  // S^T done; dP^T may still run
+      load_rows(ring.stage, 1, dvec);
+      // P^T = exp2(S^T * scale_log2 - lse2[query]); lse2 = +inf (rows past T,
+      // rows that see no key) gives exactly 0. P^T and dS^T become A fragments
+      // (rounded to Elem, as in FlashAttention-2): n8 tiles 2 kk and 2 kk + 1
+      // form k16 slice kk (see wgmma.cuh).
+#pragma unroll
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        const float2 l = lse2[j];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int i = 4 * j + r;
+          s[i] = FastExp2(fmaf(s[i], scale_log2, -((r & 1) ? l.y : l.x)));
+        }
       }
-    }
-    // dV += P^T dO (wgmma RS: P^T from registers, dO MN-major). At block_m =
-    // 64 it is issued before dS^T is computed, to run under that math; at
-    // 128, S^T in fp32 (for dS^T), P^T, dP^T, dK and dV do not all fit in
-    // registers, so it is issued after, as FlashAttention-3 does.
-    uint32_t pa[Tr::kSlices][4], dsa[Tr::kSlices][4];
-    const auto issue_dv = [&] {
+      // One branch per block, none per element (a per-element mask call made
+      // ptxas wrap every exponential in its own branch).
+      if (!full) {
+#pragma unroll
+        for (int i = 0; i < Tr::kSAcc; ++i) {
+          const int query = m_begin + 8 * (i / 4) + 2 * t4 + (i & 1);
+          const int rh = (i / 2) % 2;
+          if (query < q_lo[rh] || query >= q_hi[rh]) s[i] = 0.f;
+        }
+      }
+      // dV += P^T dO (wgmma RS: P^T from registers, dO MN-major). At block_m =
+      // 64 it is issued before dS^T is computed, to run under that math; at
+      // 128, S^T in fp32 (for dS^T), P^T, dP^T, dK and dV do not all fit in
+      // registers, so it is issued after, as FlashAttention-3 does.
+      uint32_t pa[Tr::kSlices][4], dsa[Tr::kSlices][4];
+      const auto issue_dv = [&] {
+#pragma unroll
+        for (int kk = 0; kk < Tr::kSlices; ++kk) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            pa[kk][r] = PackFloat2<Elem>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+          }
+        }
+        WgmmaFenceOperands(pa);
+        WgmmaFenceOperands(acc_dv);
+        WgmmaFence();
+#pragma unroll
+        for (int kk = 0; kk < Tr::kSlices; ++kk) {
+          // k16 slice kk: queries [16 kk, +16) = 2048 bytes into the MN-major tile.
+          Wgmma<Elem, kHeadDim>::RS(acc_dv, pa[kk], DescAdd(desc_do_mn, q_off + kk * 2048), 1);
+        }
+        WgmmaCommit();
+      };
+      constexpr bool kDvUnderDs = kBlockM == 64;
+      if constexpr (kDvUnderDs) issue_dv();
+
+      WgmmaWaitFenced<kDvUnderDs ? 1 : 0>(dp);  // dP^T done; dV may still run
+      // dS^T = P^T o (dP^T - Dvec[query]).
+#pragma unroll
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        const float2 d = dvec[j];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int i = 4 * j + r;
+          dp[i] = s[i] * (dp[i] - ((r & 1) ? d.y : d.x));
+        }
+      }
 #pragma unroll
       for (int kk = 0; kk < Tr::kSlices; ++kk) {
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-          pa[kk][r] = PackFloat2<Elem>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+          dsa[kk][r] = PackFloat2<Elem>(dp[8 * kk + 2 * r], dp[8 * kk + 2 * r + 1]);
         }
       }
-      WgmmaFenceOperands(pa);
-      WgmmaFenceOperands(acc_dv);
+      if constexpr (!kDvUnderDs) issue_dv();
+
+      // dS^T into buffer ds_buf in the 128-byte swizzled layout TMA would give
+      // a [key][query] tile, per panel of 64 queries: row r = key, 16-byte chunk
+      // c at (c ^ (r % 8)). Fragment r of slice kk holds key row 16 warp + g
+      // (+8 for r odd) and queries 16 kk + 8 (r / 2) + 2 t4, + 1: panel kk / 4,
+      // chunk 2 (kk % 4) + r / 2, bytes 4 t4. The 8 rows g of a warp hit 8
+      // distinct chunks: no bank conflicts. Stored before the dK wgmmas are
+      // issued: their A fragments (dsa) may not be touched, not even read,
+      // until those complete.
+      // (The previous tile's dK and dV staging shares these rows: once read by
+      // the copy engine they are free.)
+      if (it == 0) wait_staging_read();
+      {
+        unsigned char* ds_tile = s_ds + ds_buf * Tr::kDsBytes;
+#pragma unroll
+        for (int kk = 0; kk < Tr::kSlices; ++kk) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int row = 64 * cg + 16 * warp + g + 8 * (r % 2);
+            const int chunk = (2 * (kk % 4) + r / 2) ^ g;  // row % 8 == g
+            *reinterpret_cast<uint32_t*>(ds_tile + (kk / 4) * Tr::kDsPanelBytes + row * 128 +
+                                         chunk * 16 + 4 * t4) = dsa[kk][r];
+          }
+        }
+      }
+      FenceProxyAsync();
+
+      // dQ reads the dS^T rows of both warpgroups: barrier 1 over both (0 is
+      // __syncthreads'). Buffer ds_buf was last read by dQ of block it - 2,
+      // which each warpgroup waited for before block it - 1's barrier.
+      NamedBarrierSync(1, 256);
+
+      // dQ = dS K for this warpgroup's 64 x 64 tile, over all kBlockN keys,
+      // then dK += dS^T Q (wgmma RS, Q MN-major).
+      float dq[32];
       WgmmaFence();
 #pragma unroll
-      for (int kk = 0; kk < Tr::kSlices; ++kk) {
-        // k16 slice kk: queries [16 kk, +16) = 2048 bytes into the MN-major tile.
-        Wgmma<Elem, kHeadDim>::RS(acc_dv, pa[kk], DescAdd(desc_do_mn, q_off + kk * 2048), 1);
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        // k16 slice kk: keys [16 kk, +16), 2048 bytes into a dS^T panel and K.
+        Wgmma<Elem, 64>::SSMN(
+            dq,
+            DescAdd(desc_ds_mn,
+                    ds_buf * Tr::kDsBytes + (dq_row0 / 64) * Tr::kDsPanelBytes + kk * 2048),
+            DescAdd(desc_k_mn, (dq_col0 / 64) * Tr::kKvPanelBytes + kk * 2048), kk > 0);
       }
       WgmmaCommit();
-    };
-    constexpr bool kDvUnderDs = kBlockM == 64;
-    if constexpr (kDvUnderDs) issue_dv();
-
-    WgmmaWaitFenced<kDvUnderDs ? 1 : 0>(dp);  // dP^T done; dV may still run
-    // dS^T = P^T o (dP^T - Dvec[query]).
-#pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) {
-      const float2 d = dvec[j];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int i = 4 * j + r;
-        dp[i] = s[i] * (dp[i] - ((r & 1) ? d.y : d.x));
-      }
-    }
-#pragma unroll
-    for (int kk = 0; kk < Tr::kSlices; ++kk) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        dsa[kk][r] = PackFloat2<Elem>(dp[8 * kk + 2 * r], dp[8 * kk + 2 * r + 1]);
-      }
-    }
-    if constexpr (!kDvUnderDs) issue_dv();
-
-    // dS^T into buffer ds_buf in the 128-byte swizzled layout TMA would give
-    // a [key][query] tile, per panel of 64 queries: row r = key, 16-byte chunk
-    // c at (c ^ (r % 8)). Fragment r of slice kk holds key row 16 warp + g
-    // (+8 for r odd) and queries 16 kk + 8 (r / 2) + 2 t4, + 1: panel kk / 4,
-    // chunk 2 (kk % 4) + r / 2, bytes 4 t4. The 8 rows g of a warp hit 8
-    // distinct chunks: no bank conflicts. Stored before the dK wgmmas are
-    // issued: their A fragments (dsa) may not be touched, not even read,
-    // until those complete.
-    {
-      unsigned char* ds_tile = s_ds + ds_buf * Tr::kDsBytes;
+      WgmmaFenceOperands(dsa);
+      WgmmaFenceOperands(acc_dk);
 #pragma unroll
       for (int kk = 0; kk < Tr::kSlices; ++kk) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int row = 64 * cg + 16 * warp + g + 8 * (r % 2);
-          const int chunk = (2 * (kk % 4) + r / 2) ^ g;  // row % 8 == g
-          *reinterpret_cast<uint32_t*>(ds_tile + (kk / 4) * Tr::kDsPanelBytes + row * 128 +
-                                       chunk * 16 + 4 * t4) = dsa[kk][r];
-        }
+        Wgmma<Elem, kHeadDim>::RS(acc_dk, dsa[kk], DescAdd(desc_q_mn, q_off + kk * 2048), 1);
       }
+      WgmmaCommit();
+
+      // dV and dQ done (dK may still run): stage dQ for the dQ warp.
+      WgmmaWaitFenced<1>(acc_dv, pa, dq);
+      stage_dq(dq);
+
+      // dK done: the stage's Q, dO, lse2 and Dvec are free. Every thread
+      // arrives (not one per warp): racecheck orders the row warp's next
+      // stores after each reading thread's own arrival only.
+      WgmmaWaitFenced<0>(acc_dk, dsa);
+      MbarArrive(&q_empty[ring.stage]);
+      ring.Advance();
     }
+
+    // This tile's K and V are free for the next one's loads.
+    if (tile.num_iters > 0) {
+      MbarArrive(kv_empty);
+      ++kv_uses;
+    }
+
+    // Epilogue: dK = scale * acc_dk, dV = acc_dv into [B, S, K, D] (dk and
+    // dv share k's strides), staged in the TMA's swizzled layout and written
+    // by TMA stores: direct stores of the accumulator fragments are 4-byte
+    // pieces of 8 rows per instruction. The staging is this warpgroup's own
+    // key rows of the dS^T buffers (dK panel i in buffer i; dV at D = 64 in
+    // buffer 0's second panel, at D = 128 in a tile of its own), not K and
+    // V, so the next tile's K and V load meanwhile. The other warpgroup's dQ
+    // products read these rows too: barrier 7 over both warpgroups first.
+    // Keys no query sees get zeros (num_iters == 0); keys past S are dropped
+    // by the copy engine. Named barriers: 7 over both consumer warpgroups,
+    // 8 + cg over warpgroup cg (1 and 3-6 are the loop's).
+    wait_staging_read();  // (a tile without iterations did not wait above)
+    NamedBarrierSync(7, 256);
+    const float dk_scale[2] = {p.softmax_scale, p.softmax_scale};
+    const float dv_scale[2] = {1.f, 1.f};
+    StageAccumulatorTile<Elem>(s_dk_stage, kDkPanelStride, warp, lane, acc_dk, dk_scale);
+    StageAccumulatorTile<Elem>(s_dv_stage, kDvPanelStride, warp, lane, acc_dv, dv_scale);
     FenceProxyAsync();
-
-    // dQ reads the dS^T rows of both warpgroups: barrier 1 over both (0 is
-    // __syncthreads'). Buffer ds_buf was last read by dQ of block it - 2,
-    // which each warpgroup waited for before block it - 1's barrier.
-    NamedBarrierSync(1, 256);
-
-    // dQ = dS K for this warpgroup's 64 x 64 tile, over all kBlockN keys,
-    // then dK += dS^T Q (wgmma RS, Q MN-major).
-    float dq[32];
-    WgmmaFence();
+    NamedBarrierSync(8 + cg, 128);
+    if (wg_tid == 0 && key0 < seqlen_k) {
+      const int c1 = args.kv_grad_heads_inner ? tile.kv_head : key0;
+      const int c2 = args.kv_grad_heads_inner ? key0 : tile.kv_head;
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      // k16 slice kk: keys [16 kk, +16), 2048 bytes into a dS^T panel and K.
-      Wgmma<Elem, 64>::SSMN(
-          dq,
-          DescAdd(desc_ds_mn,
-                  ds_buf * Tr::kDsBytes + (dq_row0 / 64) * Tr::kDsPanelBytes + kk * 2048),
-          DescAdd(desc_k_mn, (dq_col0 / 64) * Tr::kKvPanelBytes + kk * 2048), kk > 0);
+      for (int panel = 0; panel < Tr::kPanels; ++panel) {
+        TmaStore4d(s_dk_stage + panel * kDkPanelStride, &args.tma_dk, panel * Tr::kPanelCols, c1,
+                   c2, tile.b);
+        TmaStore4d(s_dv_stage + panel * kDvPanelStride, &args.tma_dv, panel * Tr::kPanelCols, c1,
+                   c2, tile.b);
+      }
+      BulkCommitGroup();
     }
-    WgmmaCommit();
-    WgmmaFenceOperands(dsa);
-    WgmmaFenceOperands(acc_dk);
-#pragma unroll
-    for (int kk = 0; kk < Tr::kSlices; ++kk) {
-      Wgmma<Elem, kHeadDim>::RS(acc_dk, dsa[kk], DescAdd(desc_q_mn, q_off + kk * 2048), 1);
-    }
-    WgmmaCommit();
-
-    // dV and dQ done (dK may still run): stage dQ for the dQ warp.
-    WgmmaWaitFenced<1>(acc_dv, pa, dq);
-    stage_dq(dq);
-
-    // dK done: the stage's Q, dO, lse2 and Dvec are free. Every thread
-    // arrives (not one per warp): racecheck orders the row warp's next
-    // stores after each reading thread's own arrival only.
-    WgmmaWaitFenced<0>(acc_dk, dsa);
-    MbarArrive(&q_empty[ring.stage]);
-    ring.Advance();
+    store_pending = true;
   }
-
-  // Epilogue: dK = scale * acc_dk, dV = acc_dv into [B, S, K, D] (dk and dv
-  // share k's strides), staged in this warpgroup's rows of the K and V tiles
-  // (in the TMA's swizzled layout) and written by TMA stores: direct stores
-  // of the accumulator fragments are 4-byte pieces of 8 rows per
-  // instruction. K is free once both warpgroups are done (dQ = dS K reads all
-  // of it). Keys no query sees get zeros (num_iters == 0); keys past S are
-  // dropped by the copy engine. Named barriers: 7 over both consumer
-  // warpgroups, 8 + cg over warpgroup cg (1 and 3-6 are the loop's).
-  NamedBarrierSync(7, 256);
-  unsigned char* s_dk = s_k + 64 * cg * 128;
-  unsigned char* s_dv = s_v + 64 * cg * 128;
-  const float dk_scale[2] = {p.softmax_scale, p.softmax_scale};
-  const float dv_scale[2] = {1.f, 1.f};
-  StageAccumulatorTile<Elem>(s_dk, Tr::kKvPanelBytes, warp, lane, acc_dk, dk_scale);
-  StageAccumulatorTile<Elem>(s_dv, Tr::kKvPanelBytes, warp, lane, acc_dv, dv_scale);
-  FenceProxyAsync();
-  NamedBarrierSync(8 + cg, 128);
-  if (wg_tid == 0 && key0 < seqlen_k) {
-    const int c1 = args.kv_grad_heads_inner ? kv_head : key0;
-    const int c2 = args.kv_grad_heads_inner ? key0 : kv_head;
-#pragma unroll
-    for (int panel = 0; panel < Tr::kPanels; ++panel) {
-      TmaStore4d(s_dk + panel * Tr::kKvPanelBytes, &args.tma_dk, panel * Tr::kPanelCols, c1, c2, b);
-      TmaStore4d(s_dv + panel * Tr::kKvPanelBytes, &args.tma_dv, panel * Tr::kPanelCols, c1, c2, b);
-    }
-    BulkCommitGroup();
-    // The staging must outlive the copy engine's reads (the grid's completion
-    // covers the global writes, as for plain stores).
-    BulkWaitGroupRead<0>();
-  }
+  // The staging must outlive the copy engine's reads (the grid's completion
+  // covers the global writes, as for plain stores).
+  if (wg_tid == 0) BulkWaitGroupRead<0>();
 }
 
 }  // namespace jax_flash2::cuda::sm90

@@ -6,7 +6,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -24,7 +26,7 @@ using sm90::BwdSm90Args;
 using sm90::BwdSm90Tile;
 
 template <typename Elem, int kHeadDim>
-cudaError_t LaunchBwdSm90(const BwdSm90Args& args, cudaStream_t stream) {
+cudaError_t LaunchBwdSm90(const BwdSm90Args& args, int num_ctas, cudaStream_t stream) {
   constexpr BwdSm90Tile tile = sm90::BwdSm90TileFor(kHeadDim);
   constexpr int smem_bytes = sm90::BwdSm90SmemBytes(tile);
   const auto kernel = &sm90::BwdSm90Kernel<Elem, kHeadDim>;
@@ -32,17 +34,15 @@ cudaError_t LaunchBwdSm90(const BwdSm90Args& args, cudaStream_t stream) {
   const cudaError_t err =
       OptInSharedMemoryOnce(reinterpret_cast<const void*>(kernel), opted_in, smem_bytes);
   if (err != cudaSuccess) return err;
-  const dim3 grid(static_cast<unsigned>((args.p.seqlen_k + tile.block_n - 1) / tile.block_n),
-                  static_cast<unsigned>(args.p.batch), static_cast<unsigned>(args.p.num_heads_kv));
-  kernel<<<grid, sm90::kBwdSm90Threads, smem_bytes, stream>>>(args);
+  kernel<<<static_cast<unsigned>(num_ctas), sm90::kBwdSm90Threads, smem_bytes, stream>>>(args);
   return cudaGetLastError();
 }
 
 template <typename Elem>
-cudaError_t LaunchForHeadDim(const BwdSm90Args& args, cudaStream_t stream) {
+cudaError_t LaunchForHeadDim(const BwdSm90Args& args, int num_ctas, cudaStream_t stream) {
   switch (args.p.head_dim) {
-    case 64: return LaunchBwdSm90<Elem, 64>(args, stream);
-    case 128: return LaunchBwdSm90<Elem, 128>(args, stream);
+    case 64: return LaunchBwdSm90<Elem, 64>(args, num_ctas, stream);
+    case 128: return LaunchBwdSm90<Elem, 128>(args, num_ctas, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -52,11 +52,12 @@ cudaError_t LaunchForHeadDim(const BwdSm90Args& args, cudaStream_t stream) {
 bool Sm90BackwardSupports(const FlashParams& p) {
   // Not the deterministic backward: its fixed dQ summation order (dQ slices,
   // bwd_kernel.cuh) is not this kernel's, whose dQ reductions land in any
-  // order. d_o, dq, dk, dv: 16-byte aligned like q, k, v, o. Grid (key
-  // blocks, B, K).
-  return sm90::BwdSm90TileFor(p.head_dim).head_dim != 0 && !p.deterministic &&
-         sm90::Sm90CommonSupports(p) && sm90::Aligned16({p.d_o, p.dq, p.dk, p.dv}) &&
-         p.batch <= 65535 && p.num_heads_kv <= 65535;
+  // order. d_o, dq, dk, dv: 16-byte aligned like q, k, v, o. Tiles (key
+  // blocks x B x K) counted in an int.
+  const BwdSm90Tile tile = sm90::BwdSm90TileFor(p.head_dim);
+  return tile.head_dim != 0 && !p.deterministic && sm90::Sm90CommonSupports(p) &&
+         sm90::Aligned16({p.d_o, p.dq, p.dk, p.dv}) &&
+         (p.seqlen_k + tile.block_n - 1) / tile.block_n * p.batch * p.num_heads_kv <= INT32_MAX;
 }
 
 bool Sm90BackwardEnabled() {
@@ -89,6 +90,14 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
   args.dvec = s.dvec;
   args.dq_acc = s.dq_acc;
   args.t_pad = s.t_pad;
+  args.num_n_blocks = static_cast<int>((p.seqlen_k + tile.block_n - 1) / tile.block_n);
+  args.num_tiles = static_cast<int>(args.num_n_blocks * p.batch * p.num_heads_kv);
+  // A persistent grid (BwdSm90Tile::persistent) only without a mask: masked
+  // tiles differ in length, and one CTA per tile lets the hardware balance
+  // them.
+  const bool unmasked = p.window_left < 0 && p.window_right < 0;
+  const int num_ctas = tile.persistent && unmasked ? std::min(args.num_tiles, dev.sm_count)
+                                                   : args.num_tiles;
   cudaError_t err = cudaSuccess;
   // T == 0: no query block is visited (QueryRange is empty), so the Q, dO and
   // dQ maps stay zeroed (unused) and the kernel writes dK = dV = 0.
@@ -129,8 +138,8 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
   }
   if (err != cudaSuccess) return err;
   switch (p.dtype) {
-    case DType::kFloat16: return LaunchForHeadDim<__half>(args, stream);
-    case DType::kBFloat16: return LaunchForHeadDim<__nv_bfloat16>(args, stream);
+    case DType::kFloat16: return LaunchForHeadDim<__half>(args, num_ctas, stream);
+    case DType::kBFloat16: return LaunchForHeadDim<__nv_bfloat16>(args, num_ctas, stream);
     default: return cudaErrorInvalidValue;
   }
 }
