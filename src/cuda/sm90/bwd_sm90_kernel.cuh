@@ -486,14 +486,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // K-major over D, committed as one group: S^T and dP^T (unscaled).
       const auto issue_keys_x_queries = [&](float (&acc)[Tr::kSAcc], uint64_t desc_rows,
                                             uint64_t desc_tile) {
-#pragma unroll
-        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-          // k16 step ks: panel ks / 4, 32 bytes per step inside a 128-byte row.
-          const uint32_t k_off = (ks % 4) * 32;
-          Wgmma<Elem, kBlockM>::SS(acc, DescAdd(desc_rows, (ks / 4) * Tr::kKvPanelBytes + k_off),
-                                   DescAdd(desc_tile, q_off + (ks / 4) * Tr::kQPanelBytes + k_off),
-                                   ks > 0);
-        }
+        WgmmaSSOverPanels<Elem, kBlockM, kHeadDim>(acc, desc_rows, Tr::kKvPanelBytes,
+                                                   DescAdd(desc_tile, q_off), Tr::kQPanelBytes);
         WgmmaCommit();
       };
       float s[Tr::kSAcc], dp[Tr::kSAcc];

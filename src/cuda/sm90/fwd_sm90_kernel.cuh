@@ -371,15 +371,9 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
   // S = Q K^T of the K tile in `stage` (unscaled: the scale folds into exp2).
   // Issued and committed as one wgmma group; the caller waits.
   auto issue_s = [&](float (&s)[Tr::kSAcc], int stage) {
-    const uint32_t stage_off = stage * Tr::kKvBytes;
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      // k16 step ks: panel ks / 4, 32 bytes per step inside a 128-byte row.
-      const uint32_t k_off = (ks % 4) * 32;
-      Wgmma<Elem, kBlockN>::SS(s, DescAdd(desc_q, (ks / 4) * Tr::kQPanelBytes + k_off),
-                               DescAdd(desc_k0, stage_off + (ks / 4) * Tr::kKvPanelBytes + k_off),
-                               ks > 0);
-    }
+    WgmmaSSOverPanels<Elem, kBlockN, kHeadDim>(s, desc_q, Tr::kQPanelBytes,
+                                               DescAdd(desc_k0, stage * Tr::kKvBytes),
+                                               Tr::kKvPanelBytes);
     WgmmaCommit();
   };
 

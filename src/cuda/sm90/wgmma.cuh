@@ -32,6 +32,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "primitives.cuh"  // DescAdd
+
 namespace jax_flash2::cuda::sm90 {
 
 template <typename Elem, int N>
@@ -130,6 +132,23 @@ JF2_WGMMA_N128(__nv_bfloat16, "bf16.bf16")
 JF2_WGMMA_N128(__half, "f16.f16")
 JF2_WGMMA_N176(__nv_bfloat16, "bf16.bf16")
 JF2_WGMMA_N176(__half, "f16.f16")
+
+// acc (+)= A B^T over kDepth elements, both operands K-major in 128-byte
+// swizzled panels of 64 elements, a_panel_bytes and b_panel_bytes apart:
+// kDepth / 16 SS steps, the first overwriting acc; the caller commits. The
+// forward's S = Q K^T and the backward's S^T = K Q^T and dP^T = V dO^T.
+template <typename Elem, int N, int kDepth>
+__device__ __forceinline__ void WgmmaSSOverPanels(float (&acc)[N / 2], uint64_t desc_a,
+                                                  uint32_t a_panel_bytes, uint64_t desc_b,
+                                                  uint32_t b_panel_bytes) {
+#pragma unroll
+  for (int ks = 0; ks < kDepth / 16; ++ks) {
+    // k16 step ks: panel ks / 4, 32 bytes per step inside a 128-byte row.
+    const uint32_t k_off = (ks % 4) * 32;
+    Wgmma<Elem, N>::SS(acc, DescAdd(desc_a, (ks / 4) * a_panel_bytes + k_off),
+                       DescAdd(desc_b, (ks / 4) * b_panel_bytes + k_off), ks > 0);
+  }
+}
 
 #undef JF2_WGMMA_N64
 #undef JF2_WGMMA_N128
