@@ -77,6 +77,10 @@ JF2_HD WindowMask MakeWindowMask(const FlashParams& p) {
   return WindowMask{p.seqlen_k - p.seqlen_q, p.window_left, p.window_right, p.seqlen_k};
 }
 
+// Whether p has a window (causal included): some query sees fewer keys than
+// all of them.
+JF2_HD bool HasWindow(const FlashParams& p) { return p.window_left >= 0 || p.window_right >= 0; }
+
 // ALiBi distance |i + S - T - j|: the bias is -slope times this.
 JF2_HD float AlibiDistance(int64_t i, int64_t j, int64_t offset) {
   const int64_t d = i + offset - j;

@@ -59,7 +59,7 @@ namespace sm90 {
 // persistent: unmasked calls run one CTA per SM, each walking tiles (key
 // blocks) in rounds, so that a tile's K, V and first Q, dO load under the
 // previous tile's dK, dV epilogue. Measured (NOTES.md, thirteenth session):
-// +2-5% at D = 64; at D = 128, whose tiles are as long with half as many
+// +4-5% at D = 64; at D = 128, whose tiles are as long with half as many
 // query rows per iteration, nothing, and 2-3% less at T = 16k (a static
 // walk cannot even out tiles that happen to run slow), so D = 128 keeps one
 // CTA per tile.

@@ -8,11 +8,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
+#include "../../flash_mask.h"
 #include "../bwd_kernel.cuh"
 #include "../smem_optin.h"
 #include "bwd_sm90.h"
@@ -95,9 +95,8 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
   // A persistent grid (BwdSm90Tile::persistent) only without a mask: masked
   // tiles differ in length, and one CTA per tile lets the hardware balance
   // them.
-  const bool unmasked = p.window_left < 0 && p.window_right < 0;
-  const int num_ctas = tile.persistent && unmasked ? std::min(args.num_tiles, dev.sm_count)
-                                                   : args.num_tiles;
+  const int num_ctas = tile.persistent && !HasWindow(p) ? std::min(args.num_tiles, dev.sm_count)
+                                                        : args.num_tiles;
   cudaError_t err = cudaSuccess;
   // T == 0: no query block is visited (QueryRange is empty), so the Q, dO and
   // dQ maps stay zeroed (unused) and the kernel writes dK = dV = 0.

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include "../../flash_mask.h"
 #include "../smem_optin.h"
 #include "fwd_sm90.h"
 #include "fwd_sm90_kernel.cuh"
@@ -99,11 +100,9 @@ cudaError_t LaunchForSchedule(const FwdSm90Args& args, int tile_index, int grid_
   }
 }
 
-bool IsMasked(const FlashParams& p) { return p.window_left >= 0 || p.window_right >= 0; }
-
 // The package's tile for p (a row of kFwdSm90TileTable), or -1.
 int PackageTileIndex(const FlashParams& p) {
-  return sm90::FwdSm90TileIndex(p.head_dim, IsMasked(p), p.seqlen_k);
+  return sm90::FwdSm90TileIndex(p.head_dim, HasWindow(p), p.seqlen_k);
 }
 
 // The grid of a call, shared by the scratch size and the launch so that they
@@ -135,7 +134,7 @@ FwdSm90Plan MakePlan(const FlashParams& p, const DeviceInfo& dev, sm90::FwdSm90C
   // 1-3% slower than a block per tile.
   const bool persistent = choice.persistent >= 0
                               ? choice.persistent == 1
-                              : sm90::FwdSm90Persistent(tile, IsMasked(p), p.seqlen_k);
+                              : sm90::FwdSm90Persistent(tile, HasWindow(p), p.seqlen_k);
   plan.grid_blocks =
       persistent ? static_cast<int>(std::min<int64_t>(plan.num_tiles, dev.sm_count))
                  : plan.num_tiles;
@@ -146,7 +145,7 @@ FwdSm90Plan MakePlan(const FlashParams& p, const DeviceInfo& dev, sm90::FwdSm90C
   // at most once. Measured on the H200 (sm90_fwd_selftest --grid, NOTES.md):
   // B8 T=S=2048 H16 D128 575 -> 581 TFLOP/s, B4 T 4096 611 -> 616-626.
   const int grid = plan.grid_blocks;
-  if (persistent && choice.stream_k != 0 && !IsMasked(p) && p.seqlen_k > 0 &&
+  if (persistent && choice.stream_k != 0 && !HasWindow(p) && p.seqlen_k > 0 &&
       plan.num_tiles > grid && plan.num_tiles % grid != 0) {
     plan.sk_first_tile = (plan.num_tiles / grid - 1) * grid;
     plan.sk_blocks_per_tile = static_cast<int>(CeilDiv(p.seqlen_k, tile.block_n));
