@@ -5,6 +5,9 @@ FLOPs: forward 4*B*T*S*H*D, halved for causal; forward+backward 3.5x forward
 (the backward counts 2.5x). Decode: achieved bandwidth = bytes of K and V / time.
 
   python benchmarks/gpu_bench.py --out benchmarks/results/h200.md
+
+Each timing is 3 samples of 10 back-to-back calls after one call; with
+--warmup-s X, after X seconds of calls (the clocks settled at the power limit).
 """
 
 from __future__ import annotations
@@ -20,9 +23,23 @@ import numpy as np
 import jax_flash2
 
 
+# Seconds of back-to-back calls before each timing (--warmup-s): the H200 runs
+# these kernels at its power limit, and a few short samples after an idle
+# moment (compiling the next function) catch the clocks still settling.
+WARMUP_S = 0.0
+
+
+def warm_up(call, sync):
+  sync(call())
+  t0 = time.perf_counter()
+  while time.perf_counter() - t0 < WARMUP_S:
+    for _ in range(5):
+      out = call()
+    sync(out)
+
+
 def time_jax(fn, args, iters=10, reps=3):
-  out = fn(*args)
-  jax.block_until_ready(out)
+  warm_up(lambda: fn(*args), jax.block_until_ready)
   samples = []
   for _ in range(reps):
     jax.block_until_ready(fn(*args))
@@ -71,8 +88,7 @@ def torch_flash_times(batch, seqlen, heads, head_dim, causal, iters=10, reps=3):
         o.sum().backward()
 
   def timed(backward):
-    run(backward)
-    torch.cuda.synchronize()
+    warm_up(lambda: run(backward), lambda _: torch.cuda.synchronize())
     samples = []
     for _ in range(reps):
       start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -188,8 +204,12 @@ def main():
   parser.add_argument("--xla-max-seqlen", type=int, default=4096)
   parser.add_argument("--decode-unroll", type=int, default=1,
                       help="scan unroll of the decode steps: >1 drops the loop's per-step cost")
+  parser.add_argument("--warmup-s", type=float, default=0.0,
+                      help="seconds of calls before each timing (steady clocks at the power limit)")
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
+  global WARMUP_S
+  WARMUP_S = args.warmup_s
   grid_rows = [] if args.no_grid else grid(args)
   decode_rows = [] if args.no_decode else decode(args)
   text = markdown(grid_rows, decode_rows, "python " + " ".join(sys.argv), args.decode_unroll)

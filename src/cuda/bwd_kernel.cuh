@@ -61,6 +61,11 @@ struct BwdScratchPtrs {
   int64_t t_pad;
   int dq_splits;             // dQ slices (BwdDqSplits); 1 unless deterministic
   int64_t dq_slice_stride;   // elements between slices (B * T * H * D); 0 unless deterministic
+  // The Hopper backward's stream-K pieces (BwdScratchLayout): sk_slots slots,
+  // flags zeroed; none (0) keeps its grid to whole tiles.
+  int* sk_flags = nullptr;
+  float* sk_partial = nullptr;
+  int64_t sk_slots = 0;
 };
 
 // a.lo * b.lo + a.hi * b.hi in fp32, a and b each two packed Elems.

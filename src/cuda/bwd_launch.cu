@@ -71,10 +71,10 @@ bool UseSm90Backward(const FlashParams& p, const DeviceInfo& dev) {
 }
 
 template <typename Elem>
-cudaError_t RunBackwardTyped(const FlashParams& p, const BwdScratchPtrs& s, size_t dq_acc_bytes,
+cudaError_t RunBackwardTyped(const FlashParams& p, const BwdScratchPtrs& s, size_t zeroed_bytes,
                              const DeviceInfo& dev, cudaStream_t stream) {
-  // 1. Dvec, lse2; dQ accumulator = 0.
-  cudaError_t err = cudaMemsetAsync(s.dq_acc, 0, dq_acc_bytes, stream);
+  // 1. Dvec, lse2; dQ accumulator (and stream-K flags) = 0.
+  cudaError_t err = cudaMemsetAsync(s.dq_acc, 0, zeroed_bytes, stream);
   if (err != cudaSuccess) return err;
   const int64_t rows = p.batch * p.num_heads_q * s.t_pad;
   if (rows > 0) {
@@ -114,7 +114,15 @@ cudaError_t RunBackwardTyped(const FlashParams& p, const BwdScratchPtrs& s, size
 BwdScratchLayout ScratchLayout(const FlashParams& p, const DeviceInfo& dev) {
   const int splits = BwdDqSplits(p.deterministic, p.batch, p.seqlen_q, p.seqlen_k, p.num_heads_q,
                                  p.num_heads_kv, p.head_dim, dev.sm_count);
-  return MakeBwdScratchLayout(p.batch, p.seqlen_q, p.num_heads_q, p.head_dim, splits);
+  int64_t sk_slots = 0, sk_slot_floats = 0;
+#if JF2_HAVE_SM90
+  if (UseSm90Backward(p, dev)) {
+    sk_slots = Sm90BackwardStreamKSlots(p, dev);
+    sk_slot_floats = sm90::BwdSm90SlotFloats(p.head_dim);
+  }
+#endif
+  return MakeBwdScratchLayout(p.batch, p.seqlen_q, p.num_heads_q, p.head_dim, splits, sk_slots,
+                              sk_slot_floats);
 }
 
 }  // namespace
@@ -136,12 +144,16 @@ cudaError_t RunBackward(const FlashParams& p, void* scratch, const DeviceInfo& d
   char* base = static_cast<char*>(scratch);
   const BwdScratchPtrs s{reinterpret_cast<float*>(base + layout.lse2_offset),
                          reinterpret_cast<float*>(base + layout.dvec_offset),
-                         reinterpret_cast<float*>(base + layout.dq_acc_offset), layout.t_pad,
+                         reinterpret_cast<float*>(base + layout.dq_acc_offset),
+                         layout.t_pad,
                          layout.dq_splits,
-                         p.deterministic ? static_cast<int64_t>(layout.dq_split_elems) : 0};
-  const size_t dq_acc_bytes = layout.total_bytes - layout.dq_acc_offset;
-  if (p.dtype == DType::kFloat16) return RunBackwardTyped<__half>(p, s, dq_acc_bytes, dev, stream);
-  return RunBackwardTyped<__nv_bfloat16>(p, s, dq_acc_bytes, dev, stream);
+                         p.deterministic ? static_cast<int64_t>(layout.dq_split_elems) : 0,
+                         reinterpret_cast<int*>(base + layout.sk_flags_offset),
+                         reinterpret_cast<float*>(base + layout.sk_partial_offset),
+                         layout.sk_slots};
+  const size_t zeroed = layout.zeroed_bytes;
+  if (p.dtype == DType::kFloat16) return RunBackwardTyped<__half>(p, s, zeroed, dev, stream);
+  return RunBackwardTyped<__nv_bfloat16>(p, s, zeroed, dev, stream);
 }
 
 }  // namespace jax_flash2::cuda

@@ -108,28 +108,42 @@ struct BwdTraits {
 //   dq_acc [splits, B, T, H, D] fp32: dQ / scale, summed over key blocks by
 //                             atomics; splits > 1 only for the deterministic
 //                             backward (one slice per CTA, summed in order)
+//   sk_flags [sk_slots, 2] int32 and sk_partial [sk_slots, sk_slot_floats]
+//                             fp32: the Hopper backward's stream-K pieces
+//                             (bwd_sm90.h); none for other calls
+// dq_acc and sk_flags start at zero: the caller clears zeroed_bytes from
+// dq_acc_offset.
 struct BwdScratchLayout {
   int64_t t_pad = 0;
   int dq_splits = 1;
   size_t dq_split_elems = 0;  // B * T * H * D
+  int64_t sk_slots = 0;
   size_t lse2_offset = 0;
   size_t dvec_offset = 0;
   size_t dq_acc_offset = 0;
+  size_t sk_flags_offset = 0;
+  size_t sk_partial_offset = 0;
+  size_t zeroed_bytes = 0;
   size_t total_bytes = 0;
 };
 
 inline BwdScratchLayout MakeBwdScratchLayout(int64_t batch, int64_t seqlen_q, int64_t heads_q,
-                                             int64_t head_dim, int dq_splits) {
+                                             int64_t head_dim, int dq_splits,
+                                             int64_t sk_slots = 0, int64_t sk_slot_floats = 0) {
   auto align = [](size_t x) { return (x + 255) / 256 * 256; };
   BwdScratchLayout s;
   s.t_pad = (seqlen_q + kBwdRowPad - 1) / kBwdRowPad * kBwdRowPad;
   s.dq_splits = dq_splits;
   s.dq_split_elems = static_cast<size_t>(batch * seqlen_q * heads_q * head_dim);
+  s.sk_slots = sk_slots;
   const size_t row_bytes = static_cast<size_t>(batch * heads_q * s.t_pad) * sizeof(float);
   s.lse2_offset = 0;
   s.dvec_offset = align(row_bytes);
   s.dq_acc_offset = s.dvec_offset + align(row_bytes);
-  s.total_bytes = s.dq_acc_offset + align(dq_splits * s.dq_split_elems * 4);
+  s.sk_flags_offset = s.dq_acc_offset + align(dq_splits * s.dq_split_elems * 4);
+  s.sk_partial_offset = s.sk_flags_offset + align(static_cast<size_t>(sk_slots) * 2 * 4);
+  s.zeroed_bytes = s.sk_partial_offset - s.dq_acc_offset;
+  s.total_bytes = s.sk_partial_offset + align(static_cast<size_t>(sk_slots * sk_slot_floats) * 4);
   return s;
 }
 

@@ -58,25 +58,40 @@ struct Case {
   bool bhtd = false;  // [B, H, T, D] layout through strides
   // > 0: the backward is told the GPU has this many SMs, so a persistent
   // grid (unmasked, D = 64: BwdSm90Tile) has that many CTAs, each walking
-  // several tiles.
+  // several tiles, and an unmasked call whose tiles do not fill whole rounds
+  // of them runs stream-K pieces (at either head dim).
   int sm_count = 0;
 };
 
 
 
 
+// The scratch of the sm90 path (the linked RunBackward is the sm80 one): one
+// dQ slice (the Hopper backward never serves deterministic calls), and the
+// stream-K slots unless whole_tiles.
+cuda::BwdScratchLayout Sm90Layout(const FlashParams& p, const DeviceInfo& dev, bool whole_tiles) {
+  return cuda::MakeBwdScratchLayout(
+      p.batch, p.seqlen_q, p.num_heads_q, p.head_dim, 1,
+      whole_tiles ? 0 : cuda::Sm90BackwardStreamKSlots(p, dev),
+      cuda::sm90::BwdSm90SlotFloats(p.head_dim));
+}
+
 // What RunBackward does on the sm90 path: preprocess, RunBackwardSm90, convert.
 template <typename Elem>
-cudaError_t RunSm90Typed(const FlashParams& p, void* scratch, const DeviceInfo& dev) {
-  // One dQ slice: the Hopper backward never serves deterministic calls.
-  const cuda::BwdScratchLayout layout =
-      cuda::MakeBwdScratchLayout(p.batch, p.seqlen_q, p.num_heads_q, p.head_dim, 1);
+cudaError_t RunSm90Typed(const FlashParams& p, void* scratch, const DeviceInfo& dev,
+                         bool whole_tiles) {
+  const cuda::BwdScratchLayout layout = Sm90Layout(p, dev, whole_tiles);
   char* base = static_cast<char*>(scratch);
   const BwdScratchPtrs s{reinterpret_cast<float*>(base + layout.lse2_offset),
                          reinterpret_cast<float*>(base + layout.dvec_offset),
-                         reinterpret_cast<float*>(base + layout.dq_acc_offset), layout.t_pad,
-                         1, 0};
-  cudaError_t err = cudaMemsetAsync(s.dq_acc, 0, layout.total_bytes - layout.dq_acc_offset, 0);
+                         reinterpret_cast<float*>(base + layout.dq_acc_offset),
+                         layout.t_pad,
+                         1,
+                         0,
+                         reinterpret_cast<int*>(base + layout.sk_flags_offset),
+                         reinterpret_cast<float*>(base + layout.sk_partial_offset),
+                         layout.sk_slots};
+  cudaError_t err = cudaMemsetAsync(s.dq_acc, 0, layout.zeroed_bytes, 0);
   if (err != cudaSuccess) return err;
   const int64_t rows = p.batch * p.num_heads_q * s.t_pad;
   if (rows > 0) {
@@ -93,9 +108,15 @@ cudaError_t RunSm90Typed(const FlashParams& p, void* scratch, const DeviceInfo& 
   return err;
 }
 
-cudaError_t RunSm90(const FlashParams& p, void* scratch, const DeviceInfo& dev) {
-  if (p.dtype == DType::kFloat16) return RunSm90Typed<__half>(p, scratch, dev);
-  return RunSm90Typed<__nv_bfloat16>(p, scratch, dev);
+cudaError_t RunSm90(const FlashParams& p, void* scratch, const DeviceInfo& dev,
+                    bool whole_tiles = false) {
+  if (p.dtype == DType::kFloat16) return RunSm90Typed<__half>(p, scratch, dev, whole_tiles);
+  return RunSm90Typed<__nv_bfloat16>(p, scratch, dev, whole_tiles);
+}
+
+// Bytes of scratch for both paths on dev.
+size_t ScratchBytes(const FlashParams& p, const DeviceInfo& dev) {
+  return std::max(cuda::BackwardScratchBytes(p, dev), Sm90Layout(p, dev, false).total_bytes);
 }
 
 struct ErrStats {
@@ -280,7 +301,9 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
   p.dq = d_dq;
   p.dk = d_dk;
   p.dv = d_dv;
-  const size_t scratch_bytes = cuda::BackwardScratchBytes(p, dev);
+  DeviceInfo run_dev = dev;
+  if (c.sm_count > 0) run_dev.sm_count = c.sm_count;
+  const size_t scratch_bytes = ScratchBytes(p, run_dev);
   CHECK_CUDA(cudaMalloc(&d_scratch, scratch_bytes));
   auto free_all = [&] {
     for (void* ptr : {d_q, d_k, d_v, d_out, d_dout, d_dq, d_dk, d_dv, d_scratch,
@@ -294,8 +317,6 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
   CHECK_CUDA(cudaMemset(d_dv, 0xff, nk * 2));
   CHECK_CUDA(cudaMemset(d_scratch, 0xff, scratch_bytes));
   CHECK_CUDA(cudaDeviceSynchronize());
-  DeviceInfo run_dev = dev;
-  if (c.sm_count > 0) run_dev.sm_count = c.sm_count;
   cudaError_t err = RunSm90(p, d_scratch, run_dev);
   if (err == cudaSuccess) err = SyncWithWatchdog(c.name);
   if (err != cudaSuccess) {
@@ -356,7 +377,7 @@ void TimeCase(const Case& c, const DeviceInfo& dev) {
   FlashParams p = CaseParams(c);
   const std::vector<void*> bufs = AllocBackwardTimingBuffers(&p);
   void* scratch;
-  CHECK_CUDA(cudaMalloc(&scratch, cuda::BackwardScratchBytes(p, dev)));
+  CHECK_CUDA(cudaMalloc(&scratch, ScratchBytes(p, dev)));
   double flops = 2.5 * 4.0 * c.B * c.T * c.S * c.H * c.D;
   if (c.wr == 0) flops /= 2;
   auto time = [&](const char* impl, auto run) {
@@ -368,6 +389,10 @@ void TimeCase(const Case& c, const DeviceInfo& dev) {
   };
   time("sm80", [&](int) { return cuda::RunBackward(p, scratch, dev, 0); });
   time("sm90", [&](int) { return RunSm90(p, scratch, dev); });
+  if (cuda::Sm90BackwardStreamKSlots(p, dev) > 0) {
+    // The same grid without the stream-K tail (whole tiles only).
+    time("sm90 whole", [&](int) { return RunSm90(p, scratch, dev, true); });
+  }
   if (c.wl < 0 && c.wr < 0 && cuda::sm90::BwdSm90TileFor(c.D).persistent) {
     // The same kernel with one CTA per tile (the grid of masked calls).
     DeviceInfo tile_dev = dev;
@@ -418,6 +443,9 @@ int main(int argc, char** argv) {
          false, 2},
         {"tiny fp16 d64 T33 S200 B2 full dlse (1 CTA)", fp, 2, 33, 200, 1, 1, 64, -1, -1, true,
          false, 1},
+        // Stream-K at D = 128: 3 tiles on "2 SMs", each CTA a tile and a half.
+        {"tiny fp16 d128 T100 S300 full gqa2 (stream-K, 2 SMs)", fp, 1, 100, 300, 2, 1, 128, -1,
+         -1, false, false, 2},
     };
   } else if (!time_only) {
     cases = {
@@ -455,6 +483,14 @@ int main(int argc, char** argv) {
         {"bf16 d64 T1 S300 full mqa (2 CTAs)", bf, 1, 1, 300, 4, 1, 64, -1, -1, false, false, 2},
         {"fp16 d64 T100 S129 B3 H2 full (1 CTA)", fp, 3, 100, 129, 2, 2, 64, -1, -1, false, false,
          1},
+        // Stream-K tails (unmasked, tiles not a multiple of the "SMs"): the
+        // 5-CTA and 2-CTA D = 64 cases above run them too.
+        {"bf16 d128 T300 S1000 B2 H4 gqa2 full (stream-K, 3 SMs)", bf, 2, 300, 1000, 4, 2, 128,
+         -1, -1, false, false, 3},
+        {"fp16 d128 T257 S700 H3 mqa dlse bhtd (stream-K, 4 SMs)", fp, 1, 257, 700, 3, 1, 128, -1,
+         -1, true, true, 4},
+        {"bf16 d64 T200 S1000 B3 H2 full (stream-K, 7 SMs)", bf, 3, 200, 1000, 2, 2, 64, -1, -1,
+         false, false, 7},
     };
   }
   int failed = 0, run = 0;

@@ -38,6 +38,11 @@ bool Sm90BackwardEnabled();
 cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const DeviceInfo& dev,
                             cudaStream_t stream);
 
+// Stream-K slots (BwdScratchLayout::sk_slots) RunBackwardSm90 uses for p on
+// dev: 0 when the call's tiles fill whole rounds of the SMs or differ in
+// length (a mask). With fewer in the scratch it runs whole tiles only.
+int64_t Sm90BackwardStreamKSlots(const FlashParams& p, const DeviceInfo& dev);
+
 namespace sm90 {
 
 // One row per head dim. A CTA's tile is kBlockN = 128 keys of one (batch, K/V
@@ -63,6 +68,17 @@ namespace sm90 {
 // query rows per iteration, nothing, and 2-3% less at T = 16k (a static
 // walk cannot even out tiles that happen to run slow), so D = 128 keeps one
 // CTA per tile.
+// Stream-K (unmasked calls whose tiles do not fill whole rounds of the SMs):
+// 2048 tiles of equal length on 132 SMs take 16 rounds for 15.5 rounds of
+// work. The last two rounds' tiles are then shared out as iterations (query
+// blocks), a contiguous range per CTA, so a tile may be cut between two CTAs
+// (each cut once at most: every range covers a tile or more). The piece that
+// finishes first parks its fp32 dK, dV in a slot of the scratch; the other
+// adds them and writes dK, dV. dQ needs nothing: it is a sum in dq_acc anyway.
+// Self-test (device call 2, one run each, whole backward, TFLOP/s, whole
+// tiles -> stream-K tail): B8 T 2048 D 128 505.9 -> 511.0, D 64 434.3 ->
+// 440.5; B4 T 4096 D 128 559.4 -> 569.8, D 64 483.1 -> 495.0; B1 T 16k D 128
+// 563.3 -> 562.7.
 struct BwdSm90Tile {
   int head_dim;
   int block_m;
@@ -102,6 +118,12 @@ inline constexpr int kBwdConsumerRegs = 240;
 // fit; at D = 128 only dK does, and dV gets a tile of its own.
 constexpr bool BwdSm90DvStagedInDs(const BwdSm90Tile& t) { return t.block_m >= t.head_dim; }
 
+// fp32 per stream-K slot: dK and dV accumulators (head_dim / 2 each) of the
+// 256 consumer threads.
+constexpr int64_t BwdSm90SlotFloats(int64_t head_dim) {
+  return 128 * kBwdConsumerWarpgroups * head_dim;
+}
+
 constexpr int BwdSm90SmemBytes(const BwdSm90Tile& t) {
   const int kv = 2 * t.block_n * t.head_dim * 2;
   const int q_do = t.stages * 2 * t.block_m * t.head_dim * 2;
@@ -110,8 +132,9 @@ constexpr int BwdSm90SmemBytes(const BwdSm90Tile& t) {
   const int dq = kBwdConsumerWarpgroups * 64 * 64 * 4;
   const int dv = BwdSm90DvStagedInDs(t) ? 0 : t.block_n * t.head_dim * 2;
   const int rows = t.stages * 2 * t.block_m * 4;  // lse2 and Dvec per stage
-  // kv_full, kv_empty; q_full, q_empty per stage
-  const int barriers = (2 + 2 * t.stages) * 8;
+  // kv_full, kv_empty; q_full, q_empty per stage; a stream-K piece's role
+  // (8 bytes) and the CTA's walk (8 ints; see the kernel)
+  const int barriers = (2 + 2 * t.stages) * 8 + 8 + 32;
   return kv + q_do + ds + dq + dv + rows + barriers + 1024;  // 1 KB: alignment slack
 }
 
@@ -134,9 +157,18 @@ struct BwdSm90Args {
   int64_t t_pad = 0;
   // Tiles: key block n of (b, K/V head) is tile n + num_n_blocks (b + B k),
   // and CTA i takes tiles i, i + gridDim.x, ... (one each, or a persistent
-  // grid of one CTA per SM).
+  // grid of one CTA per SM) below the stream-K tiles.
   int num_n_blocks = 0;
   int num_tiles = 0;  // < 2^31 (Sm90BackwardSupports)
+  // Stream-K (see BwdSm90Tile): the last sk_ctas CTAs of the grid share the
+  // iterations of tiles [sk_first_tile, num_tiles); the others take whole
+  // tiles below sk_first_tile. sk_ctas == 0: whole tiles only. A cut tile's
+  // pieces meet in slot sk_flags[2 i] (arrivals), [2 i + 1] (ready), and
+  // sk_partial + i * BwdSm90SlotFloats(D), i < sk_ctas.
+  int sk_first_tile = 0;
+  int sk_ctas = 0;
+  int* sk_flags = nullptr;
+  float* sk_partial = nullptr;
   bool q_heads_inner = true;
   bool do_heads_inner = true;
   bool k_heads_inner = true;

@@ -12,6 +12,10 @@
 // one tile, or in the persistent grid (unmasked D = 64, bwd_sm90.h) walks
 // every gridDim.x-th tile with its rings and barriers running on, so that
 // the next tile's K, V and first Q, dO load under this tile's epilogue.
+// Unmasked calls whose tiles do not fill whole rounds of the SMs end in a
+// stream-K tail: the last two rounds' tiles shared out as query blocks over
+// the grid's last sm_count CTAs, a tile cut between two of them summing its
+// dK, dV through the scratch (bwd_sm90.h).
 // Consumer warpgroup c owns keys [64 c, 64 c + 64) of a tile and keeps their
 // dK, dV (64 x D fp32) in registers while the CTA loops over every query head
 // of the K/V head's group and every query block of kBlockM rows (128 at D =
@@ -61,6 +65,7 @@
 
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
 
@@ -129,7 +134,8 @@ struct BwdSm90Smem {
   static constexpr int kRows = kDvStage + kDvStageBytes;
   static constexpr int kRowsStageBytes = 2 * Tr::kBlockM * 4;
   static constexpr int kBars = kRows + Tr::kStages * kRowsStageBytes;
-  static_assert(kBars + (2 + 2 * Tr::kStages) * 8 + 1024 <= BwdSm90SmemBytes(Tr::kTile));
+  static_assert(kBars + (2 + 2 * Tr::kStages) * 8 + 8 + 32 + 1024 <=
+                BwdSm90SmemBytes(Tr::kTile));
   static_assert(kV % 1024 == 0 && kQ % 1024 == 0 && kDo % 1024 == 0 && kDs % 1024 == 0);
   static_assert(kDq % 1024 == 0 && Tr::kDqTileBytes % 1024 == 0 && kDvStage % 1024 == 0);
   static_assert(Tr::kQBytes % 1024 == 0 && Tr::kDsBytes % 1024 == 0 && kBars % 8 == 0);
@@ -159,6 +165,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   uint64_t* kv_empty = kv_full + 1;
   uint64_t* q_full = kv_full + 2;
   uint64_t* q_empty = q_full + kStages;
+  int* piece_role = reinterpret_cast<int*>(q_empty + kStages);  // a stream-K piece's arrival
 
   const FlashParams& p = args.p;
   const int seqlen_k = static_cast<int>(p.seqlen_k);
@@ -199,6 +206,41 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
                       (tile.m_block_begin + it % tile.num_m_blocks) * kBlockM};
   };
 
+  // The CTA's walk, the same in every role: items 0 .. num_items - 1, each
+  // iterations [it_begin, it_end) of a tile (clipped to its num_iters),
+  // slot -1 for a whole tile, else the stream-K slot where its two pieces
+  // meet (BwdSm90Tile). First the whole tiles blockIdx.x, + gridDim.x, ...
+  // below sk_first_tile (num_tiles without stream-K); then, in one of the
+  // grid's last sk_ctas CTAs, its range [u0, u1) of the tail's iterations
+  // (I per tile): the piece that begins tile u1 / I (it ends the range, and
+  // the next CTA computes the rest of that tile last, so this one goes
+  // first), the whole tiles between, and last the piece that ends tile
+  // u0 / I (its beginning was the previous CTA's first piece).
+  struct Item {
+    int tile, it_begin, it_end, slot;
+  };
+  // The walk's bounds, computed by one thread into shared memory and read
+  // per item: kept in registers, they spilled the producer's 24 (setmaxnreg).
+  struct Walk {
+    int num_whole, num_items, sk;  // sk: stream-K index, < 0: none
+    int tail_tile, tail_end, mid_begin, head_tile, head_begin;
+  };
+  Walk* walk = reinterpret_cast<Walk*>(piece_role + 2);
+  constexpr int kAllIters = 1 << 30;
+  const auto item_at = [&](int i) {
+    const Walk& w = *walk;
+    if (i < w.num_whole) {
+      return Item{static_cast<int>(blockIdx.x + i * gridDim.x), 0, kAllIters, -1};
+    }
+    i -= w.num_whole;
+    if (w.tail_end > 0) {
+      if (i == 0) return Item{w.tail_tile, 0, w.tail_end, w.sk};
+      --i;
+    }
+    if (i < w.tail_tile - w.mid_begin) return Item{w.mid_begin + i, 0, kAllIters, -1};
+    return Item{w.head_tile, w.head_begin, kAllIters, w.sk - 1};
+  };
+
   if (threadIdx.x == 0) {
     MbarInit(kv_full, 1);
     MbarInit(kv_empty, 128 * kBwdConsumerWarpgroups);
@@ -210,6 +252,26 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       MbarInit(&q_empty[s], 128 * kBwdConsumerWarpgroups);
     }
     FenceBarrierInit();
+    Walk w{};
+    const int whole_end = args.sk_ctas > 0 ? args.sk_first_tile : args.num_tiles;
+    const int cta = static_cast<int>(blockIdx.x);
+    w.num_whole = cta < whole_end ? (whole_end - 1 - cta) / static_cast<int>(gridDim.x) + 1 : 0;
+    w.num_items = w.num_whole;
+    w.sk = cta - (static_cast<int>(gridDim.x) - args.sk_ctas);
+    if (args.sk_ctas > 0 && w.sk >= 0) {
+      // Every tile alike (no mask): all query blocks of every head of the group.
+      const int iters = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM * p.group_size);
+      const int64_t units = static_cast<int64_t>(args.num_tiles - args.sk_first_tile) * iters;
+      const int64_t u0 = units * w.sk / args.sk_ctas;
+      const int64_t u1 = units * (w.sk + 1) / args.sk_ctas;
+      w.head_tile = args.sk_first_tile + static_cast<int>(u0 / iters);
+      w.head_begin = static_cast<int>(u0 % iters);
+      w.tail_tile = args.sk_first_tile + static_cast<int>(u1 / iters);
+      w.tail_end = static_cast<int>(u1 % iters);
+      w.mid_begin = w.head_tile + (w.head_begin > 0);
+      w.num_items += (w.tail_end > 0) + (w.tail_tile - w.mid_begin) + (w.head_begin > 0);
+    }
+    *walk = w;
   }
   __syncthreads();
 
@@ -219,10 +281,12 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     SetMaxNRegDec<kBwdProducerRegs>();
     if (threadIdx.x == 0) {
       RingPos<kStages> ring;
-      int kv_loads = 0;  // tiles whose K and V this thread loaded
-      for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x) {
-        const Tile tile = locate(t);
-        if (tile.num_iters == 0) continue;  // nothing to load (dK = dV = 0)
+      int kv_loads = 0;  // items whose K and V this thread loaded
+      for (int item_index = 0; item_index < walk->num_items; ++item_index) {
+        const Item item = item_at(item_index);
+        const Tile tile = locate(item.tile);
+        const int it_end = min(item.it_end, tile.num_iters);
+        if (item.it_begin >= it_end) continue;  // nothing to load (dK = dV = 0)
         if (kv_loads == 0) {
           // (The Q, dO and dQ maps are zeroed when T = 0: no tile then gets here.)
           PrefetchTensorMap(&args.tma_q);
@@ -247,9 +311,9 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
                     args.v_heads_inner ? kv_head : n_begin, args.v_heads_inner ? n_begin : kv_head,
                     tile.b);
         }
-        for (int it = 0; it < tile.num_iters; ++it) {
+        for (int it = item.it_begin; it < it_end; ++it) {
           const auto [h, m_begin] = query_block(tile, it);
-        // Slot free? (Parity phase ^ 1: the first pass finds every slot free.)
+          // Slot free? (Parity phase ^ 1: the first pass finds every slot free.)
           MbarWait(&q_empty[ring.stage], ring.phase ^ 1);
           MbarArriveExpectTx(&q_full[ring.stage], 2 * Tr::kQBytes);
           unsigned char* q_dst = s_q + ring.stage * Tr::kQBytes;
@@ -277,15 +341,17 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // multiple of kBlockM, so the rows of a block are always in bounds.
       const int lane = threadIdx.x % 32;
       RingPos<kStages> ring;
-      for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x) {
-        const Tile tile = locate(t);
+      for (int item_index = 0; item_index < walk->num_items; ++item_index) {
+        const Item item = item_at(item_index);
+        const Tile tile = locate(item.tile);
+        const int it_end = min(item.it_end, tile.num_iters);
         // The tile's first query block, of its group's first head: the
         // iterations (query_block) walk heads outer, blocks inner.
         const int64_t first_row =
             (static_cast<int64_t>(tile.b) * p.num_heads_q +
              tile.kv_head * static_cast<int>(p.group_size)) * args.t_pad +
             tile.m_block_begin * kBlockM;
-        for (int it = 0; it < tile.num_iters; ++it) {
+        for (int it = item.it_begin; it < it_end; ++it) {
           // float4 x of the stage: lse2 rows 4 x.. for x < kBlockM / 4, then
           // Dvec's.
           constexpr int kVecs = kBlockM / 4;
@@ -319,9 +385,11 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       const int lane = threadIdx.x % 32;
       for (int c = 0; c < kBwdConsumerWarpgroups; ++c) NamedBarrierArrive(5 + c, 160);
       bool first = true;
-      for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x) {
-        const Tile tile = locate(t);
-        for (int it = 0; it < tile.num_iters; ++it) {
+      for (int item_index = 0; item_index < walk->num_items; ++item_index) {
+        const Item item = item_at(item_index);
+        const Tile tile = locate(item.tile);
+        const int it_end = min(item.it_end, tile.num_iters);
+        for (int it = item.it_begin; it < it_end; ++it) {
           const auto [h, m_begin] = query_block(tile, it);
           // dQ tiles 0 and 1 free again once the previous query block's
           // groups are read (the oldest first): one arrival per staging
@@ -457,9 +525,12 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   // stays in flight into the next block: ptxas serialized every wgmma,
   // warnings C7514/C7515, when one did.)
   RingPos<kStages> ring;
-  int kv_uses = 0;  // tiles whose K and V this warpgroup used
-  for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x) {
-    const Tile tile = locate(t);
+  int kv_uses = 0;  // items whose K and V this warpgroup used
+  for (int item_index = 0; item_index < walk->num_items; ++item_index) {
+    const Item item = item_at(item_index);
+    const Tile tile = locate(item.tile);
+    const int it_begin = item.it_begin;
+    const int it_end = min(item.it_end, tile.num_iters);
     const int key0 = tile.n_begin + 64 * cg;
     // Queries [q_lo[rh], q_hi[rh]) see this thread's key row key0 + 16 warp +
     // g + 8 rh (none for rows past S). Blocks not fully visible compare
@@ -473,11 +544,25 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       q_lo[rh] = static_cast<int>(lo);
       q_hi[rh] = static_cast<int>(hi);
     }
+    // Query blocks [m_begin, + kBlockM) inside [full_lo, full_hi) see all 64
+    // keys of this warpgroup (WindowMask::BlockFullyVisible, in 32-bit ints
+    // computed once per item: the 64-bit test in every iteration cost the
+    // D = 64 consumers spills).
+    int full_lo = INT_MAX, full_hi = INT_MAX;
+    {
+      int64_t lo, hi;
+      if (key0 + 64 <= seqlen_k) {
+        mask.QueryRange(key0 + 63, key0 + 64, INT_MAX, &lo, &hi);
+        full_lo = static_cast<int>(lo);
+      }
+      mask.QueryRange(key0, key0 + 1, INT_MAX, &lo, &hi);
+      full_hi = static_cast<int>(hi);
+    }
     float acc_dk[Tr::kAcc], acc_dv[Tr::kAcc];
 #pragma unroll
     for (int i = 0; i < Tr::kAcc; ++i) acc_dk[i] = acc_dv[i] = 0.f;
-    if (tile.num_iters > 0) MbarWait(kv_full, kv_uses & 1);
-    for (int it = 0; it < tile.num_iters; ++it) {
+    if (it_begin < it_end) MbarWait(kv_full, kv_uses & 1);
+    for (int it = it_begin; it < it_end; ++it) {
       const auto [h, m_begin] = query_block(tile, it);
       const uint32_t q_off = ring.stage * Tr::kQBytes;
       const int ds_buf = it % 2;
@@ -501,7 +586,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // Accumulator element i of the 64 x kBlockM tiles: key row 16 warp + g +
       // 8 rh, query column 8 j + 2 t4 + e, with j = i / 4, rh = (i / 2) % 2,
       // e = i % 2.
-      const bool full = mask.BlockFullyVisible(m_begin, m_begin + kBlockM, key0, key0 + 64);
+      const bool full = m_begin >= full_lo && m_begin + kBlockM <= full_hi;
       WgmmaWaitFenced<1>(s);  // S^T done; dP^T may still run
       load_rows(ring.stage, 1, dvec);
       // P^T = exp2(S^T * scale_log2 - lse2[query]); lse2 = +inf (rows past T,
@@ -583,7 +668,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // until those complete.
       // (The previous tile's dK and dV staging shares these rows: once read by
       // the copy engine they are free.)
-      if (it == 0) wait_staging_read();
+      wait_staging_read();  // (a no-op after the item's first iteration)
       {
         unsigned char* ds_tile = s_ds + ds_buf * Tr::kDsBytes;
 #pragma unroll
@@ -639,9 +724,47 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     }
 
     // This tile's K and V are free for the next one's loads.
-    if (tile.num_iters > 0) {
+    if (it_begin < it_end) {
       MbarArrive(kv_empty);
       ++kv_uses;
+    }
+
+    // A stream-K piece (BwdSm90Tile): the first of a tile's two pieces to
+    // get here parks its dK, dV; the second adds them to its own and goes on
+    // to the epilogue. Both warpgroups take the same role (barrier 7 spans
+    // them); a thread's registers go to [register][consumer thread], so each
+    // store and load is one coalesced row.
+    // (The slot is read again here, not kept in a register through the loop.)
+    const int slot = item_at(item_index).slot;
+    if (slot >= 0) {
+      int* arrivals = args.sk_flags + 2 * slot;
+      int* ready = arrivals + 1;
+      float* partial = args.sk_partial + slot * BwdSm90SlotFloats(kHeadDim) + 128 * cg + wg_tid;
+      constexpr int kRow = 128 * kBwdConsumerWarpgroups;
+      if (cg == 0 && wg_tid == 0) *piece_role = atomicAdd(arrivals, 1);
+      NamedBarrierSync(7, 256);
+      if (*piece_role == 0) {
+#pragma unroll
+        for (int r = 0; r < Tr::kAcc; ++r) {
+          __stcg(partial + r * kRow, acc_dk[r]);
+          __stcg(partial + (Tr::kAcc + r) * kRow, acc_dv[r]);
+        }
+        __threadfence();
+        NamedBarrierSync(7, 256);
+        if (cg == 0 && wg_tid == 0) StoreRelease(ready, 1);
+        continue;
+      }
+      // The other piece is storing already (it arrived first): a short wait.
+      if (cg == 0 && wg_tid == 0) {
+        while (LoadAcquire(ready) == 0) {
+        }
+      }
+      NamedBarrierSync(7, 256);
+#pragma unroll
+      for (int r = 0; r < Tr::kAcc; ++r) {
+        acc_dk[r] += __ldcg(partial + r * kRow);
+        acc_dv[r] += __ldcg(partial + (Tr::kAcc + r) * kRow);
+      }
     }
 
     // Epilogue: dK = scale * acc_dk, dV = acc_dv into [B, S, K, D] (dk and
@@ -655,7 +778,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     // Keys no query sees get zeros (num_iters == 0); keys past S are dropped
     // by the copy engine. Named barriers: 7 over both consumer warpgroups,
     // 8 + cg over warpgroup cg (1 and 3-6 are the loop's).
-    wait_staging_read();  // (a tile without iterations did not wait above)
+    wait_staging_read();  // (an item without iterations did not wait above)
     NamedBarrierSync(7, 256);
     const float dk_scale[2] = {p.softmax_scale, p.softmax_scale};
     const float dv_scale[2] = {1.f, 1.f};

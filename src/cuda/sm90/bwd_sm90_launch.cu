@@ -47,7 +47,51 @@ cudaError_t LaunchForHeadDim(const BwdSm90Args& args, int num_ctas, cudaStream_t
   }
 }
 
+// The grid of a call with num_tiles tiles: CTAs, and the stream-K tail
+// (BwdSm90Args::sk_*) where it applies and allow_stream_k holds.
+struct BwdSm90Grid {
+  int num_ctas;
+  int sk_first_tile;
+  int sk_ctas;
+};
+
+BwdSm90Grid PlanGrid(const FlashParams& p, const DeviceInfo& dev, int num_tiles,
+                     bool allow_stream_k) {
+  const BwdSm90Tile tile = sm90::BwdSm90TileFor(p.head_dim);
+  // A persistent grid (BwdSm90Tile::persistent) only without a mask: masked
+  // tiles differ in length, and one CTA per tile lets the hardware balance
+  // them.
+  const bool masked = HasWindow(p);
+  const int sms = dev.sm_count;
+  BwdSm90Grid grid{tile.persistent && !masked ? std::min(num_tiles, sms) : num_tiles, num_tiles,
+                   0};
+  // Stream-K needs tiles of one length (no mask), more tiles than SMs (so
+  // that every CTA's range covers a whole tile), a partial last round, and
+  // tiles of two iterations or more to cut.
+  const int64_t iters =
+      (p.seqlen_q + tile.block_m - 1) / tile.block_m * p.group_size;
+  if (!allow_stream_k || masked || sms <= 0 || num_tiles <= sms || num_tiles % sms == 0 ||
+      iters < 2) {
+    return grid;
+  }
+  grid.sk_ctas = sms;
+  grid.sk_first_tile = (num_tiles / sms - 1) * sms;
+  grid.num_ctas = tile.persistent ? sms : grid.sk_first_tile + sms;
+  return grid;
+}
+
+int NumTiles(const FlashParams& p) {
+  const BwdSm90Tile tile = sm90::BwdSm90TileFor(p.head_dim);
+  return static_cast<int>((p.seqlen_k + tile.block_n - 1) / tile.block_n * p.batch *
+                          p.num_heads_kv);
+}
+
 }  // namespace
+
+int64_t Sm90BackwardStreamKSlots(const FlashParams& p, const DeviceInfo& dev) {
+  if (!Sm90BackwardSupports(p)) return 0;
+  return PlanGrid(p, dev, NumTiles(p), true).sk_ctas;
+}
 
 bool Sm90BackwardSupports(const FlashParams& p) {
   // Not the deterministic backward: its fixed dQ summation order (dQ slices,
@@ -91,12 +135,16 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
   args.dq_acc = s.dq_acc;
   args.t_pad = s.t_pad;
   args.num_n_blocks = static_cast<int>((p.seqlen_k + tile.block_n - 1) / tile.block_n);
-  args.num_tiles = static_cast<int>(args.num_n_blocks * p.batch * p.num_heads_kv);
-  // A persistent grid (BwdSm90Tile::persistent) only without a mask: masked
-  // tiles differ in length, and one CTA per tile lets the hardware balance
-  // them.
-  const int num_ctas = tile.persistent && !HasWindow(p) ? std::min(args.num_tiles, dev.sm_count)
-                                                        : args.num_tiles;
+  args.num_tiles = NumTiles(p);
+  // Stream-K only with its slots in the scratch.
+  const BwdSm90Grid probe = PlanGrid(p, dev, args.num_tiles, true);
+  const BwdSm90Grid grid =
+      probe.sk_ctas <= s.sk_slots ? probe : PlanGrid(p, dev, args.num_tiles, false);
+  args.sk_first_tile = grid.sk_first_tile;
+  args.sk_ctas = grid.sk_ctas;
+  args.sk_flags = s.sk_flags;
+  args.sk_partial = s.sk_partial;
+  const int num_ctas = grid.num_ctas;
   cudaError_t err = cudaSuccess;
   // T == 0: no query block is visited (QueryRange is empty), so the Q, dO and
   // dQ maps stay zeroed (unused) and the kernel writes dK = dV = 0.
