@@ -89,6 +89,10 @@ BWD_PATH_CASES = [
     (257, 1000, 8, 2, 128, False, "sm90"),  # GQA 4:1, T != S
     (1000, 257, 4, 4, 128, True, "sm90"),  # T > S causal: rows that see no key
     (257, 1000, 8, 2, 64, True, "sm90"),  # D = 64, GQA, causal with T < S
+    # 144 tiles (key blocks x B x K): on 132 SMs a stream-K tail, after a
+    # CTA per whole tile (D = 128) or persistent rounds (D = 64).
+    (200, 1100, 16, 8, 128, False, "sm90"),
+    (300, 1000, 9, 9, 64, False, "sm90"),
     (300, 257, 4, 4, 96, False, "sm80"),  # no Hopper backward for D = 96
 ]
 
