@@ -80,17 +80,17 @@ BwdSm90Grid PlanGrid(const FlashParams& p, const DeviceInfo& dev, int num_tiles,
   return grid;
 }
 
-int NumTiles(const FlashParams& p) {
+// Tiles (key blocks x B x K); Sm90BackwardSupports keeps them within an int.
+int64_t NumTiles(const FlashParams& p) {
   const BwdSm90Tile tile = sm90::BwdSm90TileFor(p.head_dim);
-  return static_cast<int>((p.seqlen_k + tile.block_n - 1) / tile.block_n * p.batch *
-                          p.num_heads_kv);
+  return (p.seqlen_k + tile.block_n - 1) / tile.block_n * p.batch * p.num_heads_kv;
 }
 
 }  // namespace
 
 int64_t Sm90BackwardStreamKSlots(const FlashParams& p, const DeviceInfo& dev) {
   if (!Sm90BackwardSupports(p)) return 0;
-  return PlanGrid(p, dev, NumTiles(p), true).sk_ctas;
+  return PlanGrid(p, dev, static_cast<int>(NumTiles(p)), true).sk_ctas;
 }
 
 bool Sm90BackwardSupports(const FlashParams& p) {
@@ -100,8 +100,7 @@ bool Sm90BackwardSupports(const FlashParams& p) {
   // blocks x B x K) counted in an int.
   const BwdSm90Tile tile = sm90::BwdSm90TileFor(p.head_dim);
   return tile.head_dim != 0 && !p.deterministic && sm90::Sm90CommonSupports(p) &&
-         sm90::Aligned16({p.d_o, p.dq, p.dk, p.dv}) &&
-         (p.seqlen_k + tile.block_n - 1) / tile.block_n * p.batch * p.num_heads_kv <= INT32_MAX;
+         sm90::Aligned16({p.d_o, p.dq, p.dk, p.dv}) && NumTiles(p) <= INT32_MAX;
 }
 
 bool Sm90BackwardEnabled() {
@@ -135,7 +134,7 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
   args.dq_acc = s.dq_acc;
   args.t_pad = s.t_pad;
   args.num_n_blocks = static_cast<int>((p.seqlen_k + tile.block_n - 1) / tile.block_n);
-  args.num_tiles = NumTiles(p);
+  args.num_tiles = static_cast<int>(NumTiles(p));
   // Stream-K only with its slots in the scratch.
   const BwdSm90Grid probe = PlanGrid(p, dev, args.num_tiles, true);
   const BwdSm90Grid grid =
