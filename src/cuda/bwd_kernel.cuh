@@ -68,6 +68,21 @@ struct BwdScratchPtrs {
   int64_t sk_slots = 0;
 };
 
+// The parts of one call's scratch laid out by MakeBwdScratchLayout.
+inline BwdScratchPtrs BwdScratchPointers(void* scratch, const BwdScratchLayout& layout,
+                                         bool deterministic) {
+  char* base = static_cast<char*>(scratch);
+  return {reinterpret_cast<float*>(base + layout.lse2_offset),
+          reinterpret_cast<float*>(base + layout.dvec_offset),
+          reinterpret_cast<float*>(base + layout.dq_acc_offset),
+          layout.t_pad,
+          layout.dq_splits,
+          deterministic ? static_cast<int64_t>(layout.dq_split_elems) : 0,
+          reinterpret_cast<int*>(base + layout.sk_flags_offset),
+          reinterpret_cast<float*>(base + layout.sk_partial_offset),
+          layout.sk_slots};
+}
+
 // a.lo * b.lo + a.hi * b.hi in fp32, a and b each two packed Elems.
 template <typename Elem>
 __device__ __forceinline__ float Dot2(uint32_t a, uint32_t b) {

@@ -141,16 +141,7 @@ cudaError_t RunBackward(const FlashParams& p, void* scratch, const DeviceInfo& d
   if (p.batch == 0 || p.seqlen_k == 0 || p.num_heads_q == 0) return cudaSuccess;
   const BwdScratchLayout layout = ScratchLayout(p, dev);
   if (scratch == nullptr || !Aligned16(scratch)) return cudaErrorInvalidValue;
-  char* base = static_cast<char*>(scratch);
-  const BwdScratchPtrs s{reinterpret_cast<float*>(base + layout.lse2_offset),
-                         reinterpret_cast<float*>(base + layout.dvec_offset),
-                         reinterpret_cast<float*>(base + layout.dq_acc_offset),
-                         layout.t_pad,
-                         layout.dq_splits,
-                         p.deterministic ? static_cast<int64_t>(layout.dq_split_elems) : 0,
-                         reinterpret_cast<int*>(base + layout.sk_flags_offset),
-                         reinterpret_cast<float*>(base + layout.sk_partial_offset),
-                         layout.sk_slots};
+  const BwdScratchPtrs s = BwdScratchPointers(scratch, layout, p.deterministic);
   const size_t zeroed = layout.zeroed_bytes;
   if (p.dtype == DType::kFloat16) return RunBackwardTyped<__half>(p, s, zeroed, dev, stream);
   return RunBackwardTyped<__nv_bfloat16>(p, s, zeroed, dev, stream);

@@ -81,16 +81,7 @@ template <typename Elem>
 cudaError_t RunSm90Typed(const FlashParams& p, void* scratch, const DeviceInfo& dev,
                          bool whole_tiles) {
   const cuda::BwdScratchLayout layout = Sm90Layout(p, dev, whole_tiles);
-  char* base = static_cast<char*>(scratch);
-  const BwdScratchPtrs s{reinterpret_cast<float*>(base + layout.lse2_offset),
-                         reinterpret_cast<float*>(base + layout.dvec_offset),
-                         reinterpret_cast<float*>(base + layout.dq_acc_offset),
-                         layout.t_pad,
-                         1,
-                         0,
-                         reinterpret_cast<int*>(base + layout.sk_flags_offset),
-                         reinterpret_cast<float*>(base + layout.sk_partial_offset),
-                         layout.sk_slots};
+  const BwdScratchPtrs s = cuda::BwdScratchPointers(scratch, layout, /*deterministic=*/false);
   cudaError_t err = cudaMemsetAsync(s.dq_acc, 0, layout.zeroed_bytes, 0);
   if (err != cudaSuccess) return err;
   const int64_t rows = p.batch * p.num_heads_q * s.t_pad;

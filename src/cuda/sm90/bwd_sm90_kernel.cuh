@@ -134,8 +134,13 @@ struct BwdSm90Smem {
   static constexpr int kRows = kDvStage + kDvStageBytes;
   static constexpr int kRowsStageBytes = 2 * Tr::kBlockM * 4;
   static constexpr int kBars = kRows + Tr::kStages * kRowsStageBytes;
-  static_assert(kBars + (2 + 2 * Tr::kStages) * 8 + 8 + 32 + 1024 <=
-                BwdSm90SmemBytes(Tr::kTile));
+  // After the barriers (kv_full, kv_empty, then q_full and q_empty per
+  // stage): a stream-K piece's role (an int in 8 bytes) and the CTA's walk
+  // (8 ints; see the kernel).
+  static constexpr int kPieceRole = kBars + (2 + 2 * Tr::kStages) * 8;
+  static constexpr int kWalk = kPieceRole + 8;
+  static constexpr int kWalkBytes = 32;
+  static_assert(kWalk + kWalkBytes + 1024 <= BwdSm90SmemBytes(Tr::kTile));
   static_assert(kV % 1024 == 0 && kQ % 1024 == 0 && kDo % 1024 == 0 && kDs % 1024 == 0);
   static_assert(kDq % 1024 == 0 && Tr::kDqTileBytes % 1024 == 0 && kDvStage % 1024 == 0);
   static_assert(Tr::kQBytes % 1024 == 0 && Tr::kDsBytes % 1024 == 0 && kBars % 8 == 0);
@@ -165,7 +170,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   uint64_t* kv_empty = kv_full + 1;
   uint64_t* q_full = kv_full + 2;
   uint64_t* q_empty = q_full + kStages;
-  int* piece_role = reinterpret_cast<int*>(q_empty + kStages);  // a stream-K piece's arrival
+  int* piece_role = reinterpret_cast<int*>(smem + Smem::kPieceRole);  // a stream-K arrival
 
   const FlashParams& p = args.p;
   const int seqlen_k = static_cast<int>(p.seqlen_k);
@@ -225,7 +230,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     int num_whole, num_items, sk;  // sk: stream-K index, < 0: none
     int tail_tile, tail_end, mid_begin, head_tile, head_begin;
   };
-  Walk* walk = reinterpret_cast<Walk*>(piece_role + 2);
+  static_assert(sizeof(Walk) == Smem::kWalkBytes);
+  Walk* walk = reinterpret_cast<Walk*>(smem + Smem::kWalk);
   constexpr int kAllIters = 1 << 30;
   const auto item_at = [&](int i) {
     const Walk& w = *walk;
