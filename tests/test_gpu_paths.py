@@ -44,7 +44,10 @@ def _forward_calls_during(fn) -> dict[str, int]:
 PATH_CASES = [
     (8, 1000, 1000, 16, 16, 128, True, "sm90"),
     (8, 1025, 1500, 16, 4, 64, False, "sm90"),  # GQA by index, T != S
-    (8, 1000, 1000, 16, 16, 96, False, "sm80"),  # no Hopper tile for D = 96
+    (8, 1000, 1000, 16, 16, 96, False, "sm90"),  # D = 96 by the D = 128 tile (zero-filled)
+    (4, 1000, 1111, 8, 2, 256, True, "sm90"),  # D = 256: its own tile (128 x 80)
+    (4, 777, 700, 8, 8, 200, False, "sm90"),  # D = 200 by the D = 256 tile
+    (8, 1000, 1000, 16, 4, 40, True, "sm90"),  # D = 40 by the D = 64 tile
     (2, 1024, 9000, 16, 16, 128, True, "sm90"),  # masked above 8192 keys: its own tile row
     (3, 700, 900, 24, 8, 128, False, "sm90"),  # 432 tiles: 2 whole rounds, then stream-K pieces
     (2, 300, 300, 4, 4, 128, False, "sm80"),  # a small grid: split-KV
@@ -93,7 +96,11 @@ BWD_PATH_CASES = [
     # CTA per whole tile (D = 128) or persistent rounds (D = 64).
     (200, 1100, 16, 8, 128, False, "sm90"),
     (300, 1000, 9, 9, 64, False, "sm90"),
-    (300, 257, 4, 4, 96, False, "sm80"),  # no Hopper backward for D = 96
+    # Head dims below a tile's: D = 96 by the D = 128 kernel, D = 40 by the
+    # D = 64 one (the maps zero-fill the columns past D).
+    (300, 257, 4, 4, 96, False, "sm90"),
+    (257, 1000, 8, 2, 40, True, "sm90"),
+    (300, 257, 4, 2, 256, True, "sm80"),  # no Hopper backward above D = 128
 ]
 
 

@@ -33,23 +33,23 @@ ARGS=()
 # watchdog, which then exits) in one schedule does not hide the others.
 for sch in serial overlap pingpong; do
   echo "== selftest, schedule $sch"
-  timeout 90 $BIN --no-time --schedules $sch ${ARGS[@]+"${ARGS[@]}"} 2>&1 | tee "$OUT/selftest_$sch.log"
+  timeout 180 $BIN --no-time --schedules $sch ${ARGS[@]+"${ARGS[@]}"} 2>&1 | tee "$OUT/selftest_$sch.log"
   rc=$((rc | PIPESTATUS[0]))
 done
 echo "== summary"
 grep -h "^FAIL\|^HANG\|failure(s)" "$OUT"/selftest_*.log
 if [ "${TIME:-1}" = 1 ]; then
   echo "== timings (median of 20; TFLOP/s = 4 B T S H D / t, halved when causal)"
-  timeout 60 $BIN --time-only 2>&1 | tee "$OUT/timings.log"; rc=$((rc | PIPESTATUS[0]))
+  timeout 120 $BIN --time-only 2>&1 | tee "$OUT/timings.log"; rc=$((rc | PIPESTATUS[0]))
 fi
 if [ "${SANITIZE:-1}" = 1 ]; then
   # --tiny: four small cases (causal + empty rows, GQA, window, bhtd) under
   # every schedule.
   echo "== memcheck (--tiny)"
-  timeout 45 compute-sanitizer --tool memcheck --error-exitcode 3 $BIN --tiny 2>&1 | tee "$OUT/memcheck.log" | tail -8
+  timeout 90 compute-sanitizer --tool memcheck --error-exitcode 3 $BIN --tiny 2>&1 | tee "$OUT/memcheck.log" | tail -8
   rc=$((rc | PIPESTATUS[0]))
   echo "== racecheck (--tiny)"
-  timeout 45 compute-sanitizer --tool racecheck --error-exitcode 3 $BIN --tiny 2>&1 | tee "$OUT/racecheck.log" | tail -8
+  timeout 90 compute-sanitizer --tool racecheck --error-exitcode 3 $BIN --tiny 2>&1 | tee "$OUT/racecheck.log" | tail -8
   rc=$((rc | PIPESTATUS[0]))
 fi
 echo "== exit status $rc"

@@ -437,6 +437,10 @@ int main(int argc, char** argv) {
         // Stream-K at D = 128: 3 tiles on "2 SMs", each CTA a tile and a half.
         {"tiny fp16 d128 T100 S300 full gqa2 (stream-K, 2 SMs)", fp, 1, 100, 300, 2, 1, 128, -1,
          -1, false, false, 2},
+        // Head dims below a tile's (its maps zero-fill the columns past D).
+        {"tiny bf16 d96 T70 S200 causal gqa2 bhtd", bf, 1, 70, 200, 2, 1, 96, -1, 0, false, true},
+        {"tiny fp16 d40 T100 S300 full dlse (stream-K, 2 SMs)", fp, 1, 100, 300, 2, 2, 40, -1, -1,
+         true, false, 2},
     };
   } else if (!time_only) {
     cases = {
@@ -482,6 +486,17 @@ int main(int argc, char** argv) {
          -1, true, true, 4},
         {"bf16 d64 T200 S1000 B3 H2 full (stream-K, 7 SMs)", bf, 3, 200, 1000, 2, 2, 64, -1, -1,
          false, false, 7},
+        // Head dims run by the next tile's kernel (D 64 or 128), the maps
+        // zero-filling the columns past D: every path above once more.
+        {"bf16 d96 T257 S300 causal gqa2", bf, 1, 257, 300, 4, 2, 96, -1, 0},
+        {"fp16 d120 T1000 S257 full gqa4 dlse bhtd", fp, 1, 1000, 257, 8, 2, 120, -1, -1, true,
+         true},
+        {"bf16 d72 T300 S1000 B2 H4 gqa2 full (stream-K, 3 SMs)", bf, 2, 300, 1000, 4, 2, 72, -1,
+         -1, false, false, 3},
+        {"fp16 d40 T257 S1000 B2 H6 gqa3 full dlse (5 CTAs)", fp, 2, 257, 1000, 6, 2, 40, -1, -1,
+         true, false, 5},
+        {"bf16 d8 T300 S500 window(64,0) mqa", bf, 1, 300, 500, 4, 1, 8, 64, 0},
+        {"fp16 d56 T1000 S1000 causal bhtd", fp, 1, 1000, 1000, 2, 2, 56, -1, 0, false, true},
     };
   }
   int failed = 0, run = 0;
@@ -508,6 +523,7 @@ int main(int argc, char** argv) {
         {"B4 T=S=4096 H32 D64 causal", bf, 4, 4096, 4096, 32, 32, 64, -1, 0},
         {"B1 T=S=16384 H16 D128", bf, 1, 16384, 16384, 16, 16, 128, -1, -1},
         {"B1 T=S=16384 H16 D128 causal", bf, 1, 16384, 16384, 16, 16, 128, -1, 0},
+        {"B4 T=S=4096 H16 D96", bf, 4, 4096, 4096, 16, 16, 96, -1, -1},
     };
     for (const Case& c : timed) {
       if (filter.empty() || c.name.find(filter) != std::string::npos) TimeCase(c, dev);

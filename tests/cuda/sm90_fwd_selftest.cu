@@ -101,7 +101,8 @@ cuda::sm90::FwdSm90Choice g_choice;
 cuda::sm90::FwdSm90Choice ChoiceFor(int64_t head_dim) {
   cuda::sm90::FwdSm90Choice choice = g_choice;
   if (choice.tile >= 0 && (choice.tile >= cuda::sm90::kFwdSm90NumTiles ||
-                           cuda::sm90::kFwdSm90TileTable[choice.tile].head_dim != head_dim)) {
+                           cuda::sm90::kFwdSm90TileTable[choice.tile].head_dim !=
+                               cuda::sm90::Sm90HeadDimBucket(head_dim))) {
     choice.tile = -1;
   }
   return choice;
@@ -434,16 +435,20 @@ int main(int argc, char** argv) {
     Case c{"", DType::kFloat32, 1, 1, 1, 1, 1, 64, -1, -1};
     const bool f32 = !cuda::Sm90ForwardSupports(CaseParams(c));
     c.dtype = DType::kBFloat16;
-    c.D = 96;
-    const bool d96 = !cuda::Sm90ForwardSupports(CaseParams(c));
+    c.D = 264;
+    const bool d264 = !cuda::Sm90ForwardSupports(CaseParams(c));
     c.D = 128;
     FlashParams p = CaseParams(c);
     p.softcap = 30.f;
     const bool softcap = !cuda::Sm90ForwardSupports(p);
     p.softcap = 0.f;
-    const bool d128 = cuda::Sm90ForwardSupports(p);
-    const bool ok = f32 && d96 && softcap && d128;
-    std::printf("%s supports: float32, D=96, softcap declined; bf16 D=128 accepted\n",
+    bool accepted = true;
+    for (int64_t d : {8, 40, 96, 128, 200, 256}) {
+      p.head_dim = d;
+      accepted = accepted && cuda::Sm90ForwardSupports(p);
+    }
+    const bool ok = f32 && d264 && softcap && accepted;
+    std::printf("%s supports: float32, D=264, softcap declined; bf16 D=8..256 accepted\n",
                 ok ? "PASS" : "FAIL");
     failures += !ok;
   }
@@ -457,7 +462,7 @@ int main(int argc, char** argv) {
   // The matrix: D x dtype x (T, S) x {full, causal}.
   const int64_t ts[][2] = {{1, 1},     {17, 17},  {128, 128}, {1000, 1000},
                            {17, 1000}, {1000, 17}, {128, 4096}, {1, 4096}};
-  for (int64_t d : {64, 128}) {
+  for (int64_t d : {64, 128, 256}) {
     for (DType dt : {bf, fp}) {
       for (const auto& x : ts) {
         for (bool causal : {false, true}) {
@@ -495,6 +500,19 @@ int main(int argc, char** argv) {
       // rounds, then 244 tiles' key blocks shared out, 8 per tile).
       {"T1000 S1000 D128 bf16 B2 H40 (persistent, stream-K)", bf, 2, 1000, 1000, 40, 40, 128, -1, -1},
       {"T2000 S700 D64 GQA2 fp16 B1 H40 (persistent, stream-K)", fp, 1, 2000, 700, 40, 20, 64, -1, -1},
+      // D 256 (128 x 80 tiles) around its key blocks, and head dims run by
+      // the next bucket's tile (columns past D zero-filled by the maps).
+      {"T1000 S1000 D256 causal GQA4 bf16 B2", bf, 2, 1000, 1000, 8, 2, 256, -1, 0},
+      {"T161 S4097 D256 window(300,20) fp16 bhtd", fp, 1, 161, 4097, 2, 2, 256, 300, 20, true},
+      {"T4096 S4096 D256 causal bf16", bf, 1, 4096, 4096, 2, 1, 256, -1, 0},
+      {"T333 S81 D256 fp16 B3", fp, 3, 333, 81, 2, 2, 256, -1, -1},
+      {"T300 S9000 D200 GQA2 bf16", bf, 1, 300, 9000, 4, 2, 200, -1, -1},
+      {"T777 S555 D136 causal fp16 bhtd", fp, 1, 777, 555, 3, 3, 136, -1, 0},
+      {"T1000 S5000 D96 bf16 B2 (176-key tile)", bf, 2, 1000, 5000, 2, 2, 96, -1, -1},
+      {"T1000 S1000 D72 causal GQA2 fp16", fp, 1, 1000, 1000, 4, 2, 72, -1, 0},
+      {"T1000 S1000 D120 bf16 B2 H40 (persistent, stream-K)", bf, 2, 1000, 1000, 40, 40, 120, -1, -1},
+      {"T385 S353 D40 causal bf16 B2", bf, 2, 385, 353, 3, 3, 40, -1, 0},
+      {"T600 S400 D8 GQA4 fp16 B4 H16 (persistent)", fp, 4, 600, 400, 16, 4, 8, -1, -1},
   };
   cases.insert(cases.end(), special.begin(), special.end());
   if (tiny) {
@@ -504,6 +522,9 @@ int main(int argc, char** argv) {
         {"tiny T200 S100 D128 causal GQA2 bf16 (empty rows)", bf, 1, 200, 100, 2, 1, 128, -1, 0},
         {"tiny T130 S500 D64 window(64,16) bf16 bhtd", bf, 1, 130, 500, 2, 2, 64, 64, 16, true},
         {"tiny T130 S200 D64 H140 bf16 B2 (persistent)", bf, 2, 130, 200, 140, 140, 64, -1, -1},
+        {"tiny T150 S170 D256 causal GQA2 fp16", fp, 1, 150, 170, 2, 1, 256, -1, 0},
+        {"tiny T100 S300 D200 bf16 bhtd", bf, 1, 100, 300, 2, 2, 200, -1, -1, true},
+        {"tiny T130 S200 D96 H140 fp16 (persistent)", fp, 1, 130, 200, 140, 140, 96, -1, -1},
     };
   } else if (small) {
     std::vector<Case> keep;
@@ -537,9 +558,13 @@ int main(int argc, char** argv) {
         {"B8 T=S=2048 H32 D64 bf16", bf, 8, 2048, 2048, 32, 32, 64, -1, -1},
         {"B32 T=S=512 H16 D128 bf16", bf, 32, 512, 512, 16, 16, 128, -1, -1},
         {"B8 T=S=2048 H16 D128 bf16", bf, 8, 2048, 2048, 16, 16, 128, -1, -1},
+        {"B2 T=S=8192 H8 D256 bf16", bf, 2, 8192, 8192, 8, 8, 256, -1, -1},
+        {"B2 T=S=8192 H8 D256 bf16 causal", bf, 2, 8192, 8192, 8, 8, 256, -1, 0},
+        {"B8 T=S=2048 H8 D256 bf16", bf, 8, 2048, 2048, 8, 8, 256, -1, -1},
+        {"B4 T=S=4096 H16 D96 bf16", bf, 4, 4096, 4096, 16, 16, 96, -1, -1},
     };
     if (grid) {
-      for (int64_t d : {64, 128}) {
+      for (int64_t d : {64, 128, 256}) {
         for (bool causal : {false, true}) {
           for (int64_t t = 512; t <= 16384; t *= 2) {
             const std::string name = "grid D" + std::to_string(d) + " T" + std::to_string(t) +

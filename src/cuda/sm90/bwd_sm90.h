@@ -16,7 +16,8 @@ namespace jax_flash2::cuda {
 
 struct BwdScratchPtrs;  // bwd_kernel.cuh
 
-// True when the Hopper backward can serve p: bf16/fp16, D in {64, 128}, no
+// True when the Hopper backward can serve p: bf16/fp16, D <= 128 (by the
+// tile of the next head dim, BwdSm90TileFor), no
 // softcap, ALiBi, segment ids or dropout, not deterministic, every stride a
 // multiple of 8 elements and every pointer 16-byte aligned (TMA), sizes
 // within the grid limits.
@@ -92,12 +93,17 @@ inline constexpr BwdSm90Tile kBwdSm90TileTable[] = {
     {128, 64, 128, 2, false},
 };
 
+// The row of the smallest head dim >= D (rows in increasing head dim): the
+// tensor maps zero-fill the columns past D on load and drop them on store,
+// so D = 40 runs the D = 64 kernel and D = 96 the D = 128 one.
 constexpr BwdSm90Tile BwdSm90TileFor(int64_t head_dim) {
   for (const BwdSm90Tile& t : kBwdSm90TileTable) {
-    if (head_dim == t.head_dim) return t;
+    if (head_dim > 0 && head_dim <= t.head_dim) return t;
   }
   return BwdSm90Tile{0, 0, 0, 0, false};
 }
+static_assert(BwdSm90TileFor(40).head_dim == 64 && BwdSm90TileFor(96).head_dim == 128 &&
+              BwdSm90TileFor(136).head_dim == 0);
 
 // Warp roles: warpgroup 0 produces (one thread issues every TMA load, one
 // warp stages lse2 and Dvec, one issues the dQ reductions), warpgroups 1
@@ -118,10 +124,10 @@ inline constexpr int kBwdConsumerRegs = 240;
 // fit; at D = 128 only dK does, and dV gets a tile of its own.
 constexpr bool BwdSm90DvStagedInDs(const BwdSm90Tile& t) { return t.block_m >= t.head_dim; }
 
-// fp32 per stream-K slot: dK and dV accumulators (head_dim / 2 each) of the
-// 256 consumer threads.
+// fp32 per stream-K slot: dK and dV accumulators (D / 2 each, D the tile's
+// head dim) of the 256 consumer threads.
 constexpr int64_t BwdSm90SlotFloats(int64_t head_dim) {
-  return 128 * kBwdConsumerWarpgroups * head_dim;
+  return 128 * kBwdConsumerWarpgroups * BwdSm90TileFor(head_dim).head_dim;
 }
 
 constexpr int BwdSm90SmemBytes(const BwdSm90Tile& t) {

@@ -40,7 +40,7 @@ cudaError_t LaunchBwdSm90(const BwdSm90Args& args, int num_ctas, cudaStream_t st
 
 template <typename Elem>
 cudaError_t LaunchForHeadDim(const BwdSm90Args& args, int num_ctas, cudaStream_t stream) {
-  switch (args.p.head_dim) {
+  switch (sm90::BwdSm90TileFor(args.p.head_dim).head_dim) {
     case 64: return LaunchBwdSm90<Elem, 64>(args, num_ctas, stream);
     case 128: return LaunchBwdSm90<Elem, 128>(args, num_ctas, stream);
     default: return cudaErrorInvalidValue;

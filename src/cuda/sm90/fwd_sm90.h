@@ -15,8 +15,9 @@
 
 namespace jax_flash2::cuda {
 
-// True when the Hopper forward can serve p: bf16/fp16, D in {64, 128}, no
-// softcap, ALiBi or segment ids, every stride a multiple of 8 elements and
+// True when the Hopper forward can serve p: bf16/fp16, D <= 256 (run by the
+// tile of the next bucket, 64, 128 or 256: the tensor maps zero-fill the
+// columns past D on load and drop them on store), no softcap, ALiBi or segment ids, every stride a multiple of 8 elements and
 // every pointer 16-byte aligned (TMA), sizes within the grid and tensor-map
 // limits. Split-KV and GQA packing for decode are not implemented here: such
 // calls still run (one block per 128 query rows), but the dispatcher sends
@@ -83,9 +84,11 @@ namespace sm90 {
 //   D 64,  192 x 128: 24 KB + 3 x 32 KB = 120 KB
 //   D 128, 128 x 176: 32 KB + 2 x 88 KB = 208 KB (a third stage does not fit)
 //   D 128, 128 x 128: 32 KB + 2 x 64 KB = 160 KB
+//   D 256, 128 x 80:  64 KB + 2 x 80 KB = 224 KB
 // Registers per consumer thread: S (block_n / 2 fp32) + O (D / 2 fp32) + P
 // (block_n / 4 b32): 88 + 64 + 44 at D 128 x 176, within 240; 64 + 32 + 32
-// at D 64, within the 160 that three consumer warpgroups leave.
+// at D 64, within the 160 that three consumer warpgroups leave; 40 + 128 +
+// 20 at D 256 x 80.
 // Why these (NOTES.md has the timings): at D 64 the softmax per key costs
 // as much as the products, and a third consumer warpgroup gives the
 // scheduler more independent work to hide it; at D 128 a longer key block
@@ -119,6 +122,13 @@ namespace sm90 {
 // - D 64: pingpong (+1-5% over overlap from S = 2048; with the TMA stores
 //   also at S = 1024, 391-392 vs 360-367 and causal 261-263 vs 236-245, and
 //   level at 512).
+// - D 256: 80-key blocks (the most that fit two stages beside Q), pingpong,
+//   one tile per block (O staged in Q), masked or not: sm90_fwd_selftest
+//   --grid (fifteenth session, device call 1), T 2048 / 16k 689 / 711
+//   TFLOP/s against 636 / 653 overlap and 620-622 / 650-652 with 64-key
+//   blocks (either schedule); causal 525 / 762 against 510 / 710 and
+//   496-501 / 669-682. Only at T 512 causal were 64-key blocks ahead (303
+//   vs 283).
 inline constexpr int64_t kAnyKeys = INT64_MAX;
 
 struct FwdSm90Tile {
@@ -142,9 +152,13 @@ inline constexpr FwdSm90Tile kFwdSm90TileTable[] = {
     {128, 128, 176, 2, false, true, 4096 + 1, kAnyKeys, Sm90Schedule::kPingpong, 0, 0},
     {128, 128, 128, 2, true, false, 8192 + 1, kAnyKeys, Sm90Schedule::kOverlap, 0, 0},
     {128, 128, 128, 2, true, true, 0, kAnyKeys, Sm90Schedule::kPingpong, 8192, 4096},
-    // The tile D 64 used before (two consumer warpgroups): serves nothing,
-    // built with JF2_SM90_ALL_SCHEDULES for the self-test's comparisons.
+    {256, 128, 80, 2, true, true, 0, kAnyKeys, Sm90Schedule::kPingpong, 0, 0},
+    // Rows that serve nothing, built with JF2_SM90_ALL_SCHEDULES for the
+    // self-test's comparisons. The tile D 64 used before (two consumer
+    // warpgroups):
     {64, 128, 128, 3, false, false, 0, kAnyKeys, Sm90Schedule::kOverlap, 2048, 1024},
+    // D 256 with 64-key blocks (fewer registers, more blocks): likewise.
+    {256, 128, 64, 2, false, false, 0, kAnyKeys, Sm90Schedule::kPingpong, 0, 0},
 };
 inline constexpr int kFwdSm90NumTiles = sizeof(kFwdSm90TileTable) / sizeof(FwdSm90Tile);
 
@@ -162,11 +176,19 @@ constexpr bool FwdSm90AlwaysPersistent(const FwdSm90Tile& t) {
          (!t.unmasked || t.persistent_keys_unmasked >= t.max_keys);
 }
 
+// The tiles' head dims a call of head dim D runs at (0: none). Columns past D
+// cost their share of the products but no copies in HBM: the tensor maps
+// zero-fill them on load and drop them on store.
+constexpr int64_t Sm90HeadDimBucket(int64_t head_dim) {
+  return head_dim <= 0 ? 0 : head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : head_dim <= 256 ? 256 : 0;
+}
+
 // The first row serving a call of this head dim, mask and key count, or -1.
 constexpr int FwdSm90TileIndex(int64_t head_dim, bool masked, int64_t seqlen_k) {
+  const int64_t bucket = Sm90HeadDimBucket(head_dim);
   for (int i = 0; i < kFwdSm90NumTiles; ++i) {
     const FwdSm90Tile& t = kFwdSm90TileTable[i];
-    if (t.head_dim == head_dim && (masked ? t.masked : t.unmasked) && seqlen_k >= t.min_keys &&
+    if (t.head_dim == bucket && (masked ? t.masked : t.unmasked) && seqlen_k >= t.min_keys &&
         seqlen_k <= t.max_keys) {
       return i;
     }
@@ -176,7 +198,9 @@ constexpr int FwdSm90TileIndex(int64_t head_dim, bool masked, int64_t seqlen_k) 
 static_assert(FwdSm90TileIndex(64, false, 512) == 0 && FwdSm90TileIndex(64, true, 16384) == 0);
 static_assert(FwdSm90TileIndex(128, false, 4096) == 3 && FwdSm90TileIndex(128, false, 4097) == 1);
 static_assert(FwdSm90TileIndex(128, true, 8192) == 3 && FwdSm90TileIndex(128, true, 8193) == 2);
-static_assert(FwdSm90TileIndex(96, false, 512) == -1);
+static_assert(FwdSm90TileIndex(96, false, 4097) == 1 && FwdSm90TileIndex(40, true, 512) == 0);
+static_assert(FwdSm90TileIndex(256, true, 512) == 4 && FwdSm90TileIndex(136, false, 9000) == 4);
+static_assert(FwdSm90TileIndex(264, false, 512) == -1);
 static_assert(FwdSm90Persistent(kFwdSm90TileTable[3], true, 8192) &&
               FwdSm90Persistent(kFwdSm90TileTable[3], false, 4096) &&
               FwdSm90Persistent(kFwdSm90TileTable[0], true, 2048) &&
@@ -221,7 +245,9 @@ constexpr bool FwdSm90StagesO(const FwdSm90Tile& t) {
 constexpr int FwdSm90SmemBytes(const FwdSm90Tile& t) {
   return FwdSm90RingSmemBytes(t) + (FwdSm90StagesO(t) ? FwdSm90OBytes(t) : 0);
 }
-static_assert(FwdSm90StagesO(kFwdSm90TileTable[3]) && !FwdSm90StagesO(kFwdSm90TileTable[1]));
+static_assert(FwdSm90StagesO(kFwdSm90TileTable[3]) && !FwdSm90StagesO(kFwdSm90TileTable[1]) &&
+              !FwdSm90StagesO(kFwdSm90TileTable[4]));
+static_assert(FwdSm90SmemBytes(kFwdSm90TileTable[4]) <= kSm90SmemBytesMax);
 
 // A stream-K piece's parked state, per consumer warpgroup: its threads'
 // O accumulators (D / 2 each), then row max and row sum of their two rows,

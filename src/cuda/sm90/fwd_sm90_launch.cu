@@ -76,13 +76,15 @@ cudaError_t LaunchForTile(const FwdSm90Args& args, int tile_index, int grid_bloc
     case 1: return LaunchForGrid<Elem, 1, kSchedule>(args, grid_blocks, stream);
     case 2: return LaunchForGrid<Elem, 2, kSchedule>(args, grid_blocks, stream);
     case 3: return LaunchForGrid<Elem, 3, kSchedule>(args, grid_blocks, stream);
-#if JF2_SM90_ALL_SCHEDULES
     case 4: return LaunchForGrid<Elem, 4, kSchedule>(args, grid_blocks, stream);
+#if JF2_SM90_ALL_SCHEDULES
+    case 5: return LaunchForGrid<Elem, 5, kSchedule>(args, grid_blocks, stream);
+    case 6: return LaunchForGrid<Elem, 6, kSchedule>(args, grid_blocks, stream);
 #endif
     default: return cudaErrorInvalidValue;
   }
 }
-static_assert(sm90::kFwdSm90NumTiles == 5, "LaunchForTile dispatches every tile");
+static_assert(sm90::kFwdSm90NumTiles == 7, "LaunchForTile dispatches every tile");
 
 template <typename Elem>
 cudaError_t LaunchForSchedule(const FwdSm90Args& args, int tile_index, int grid_blocks,
@@ -214,7 +216,7 @@ cudaError_t sm90::RunForwardSm90Schedule(const FlashParams& p, void* scratch,
   const int tile_index = plan.tile_index;
   if (tile_index < 0) return cudaErrorInvalidValue;
   const FwdSm90Tile tile = sm90::kFwdSm90TileTable[tile_index];
-  if (tile.head_dim != p.head_dim) return cudaErrorInvalidValue;
+  if (tile.head_dim != sm90::Sm90HeadDimBucket(p.head_dim)) return cudaErrorInvalidValue;
   if (static_cast<size_t>(sm90::FwdSm90SmemBytes(tile)) > dev.max_smem_per_block_optin) {
     return cudaErrorInvalidValue;
   }

@@ -39,33 +39,46 @@ namespace jax_flash2::cuda::sm90 {
 template <typename Elem, int N>
 struct Wgmma;
 
-// The accumulators of m64n64k16 (32), m64n128k16 (64) and m64n176k16 (88):
-// the register list of the instruction and its asm operands, built from
-// runs so that the longer lists extend the shorter ones.
+// The accumulators of m64n64k16 (32), m64n80k16 (40), m64n128k16 (64),
+// m64n176k16 (88) and m64n256k16 (128): the register list of the
+// instruction and its asm operands, built from runs so that the longer lists
+// extend the shorter ones.
 #define JF2_WGMMA_REGS_0_31                                                                    \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define JF2_WGMMA_REGS_32_63                                                                  \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, " \
-  "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define JF2_WGMMA_REGS_32_39 "%32, %33, %34, %35, %36, %37, %38, %39"
+#define JF2_WGMMA_REGS_40_63                                                                  \
+  "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, " \
+  "%58, %59, %60, %61, %62, %63"
 #define JF2_WGMMA_REGS_64_87                                                                  \
   "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, " \
   "%82, %83, %84, %85, %86, %87"
+#define JF2_WGMMA_REGS_88_127                                                                  \
+  "%88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, " \
+  "%105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, " \
+  "%120, %121, %122, %123, %124, %125, %126, %127"
+#define JF2_WGMMA_REGS_0_39 JF2_WGMMA_REGS_0_31 ", " JF2_WGMMA_REGS_32_39
+#define JF2_WGMMA_REGS_0_63 JF2_WGMMA_REGS_0_39 ", " JF2_WGMMA_REGS_40_63
+#define JF2_WGMMA_REGS_0_87 JF2_WGMMA_REGS_0_63 ", " JF2_WGMMA_REGS_64_87
 #define JF2_WGMMA_D32 "{" JF2_WGMMA_REGS_0_31 "}"
-#define JF2_WGMMA_D64 "{" JF2_WGMMA_REGS_0_31 ", " JF2_WGMMA_REGS_32_63 "}"
-#define JF2_WGMMA_D88 \
-  "{" JF2_WGMMA_REGS_0_31 ", " JF2_WGMMA_REGS_32_63 ", " JF2_WGMMA_REGS_64_87 "}"
+#define JF2_WGMMA_D40 "{" JF2_WGMMA_REGS_0_39 "}"
+#define JF2_WGMMA_D64 "{" JF2_WGMMA_REGS_0_63 "}"
+#define JF2_WGMMA_D88 "{" JF2_WGMMA_REGS_0_87 "}"
+#define JF2_WGMMA_D128 "{" JF2_WGMMA_REGS_0_87 ", " JF2_WGMMA_REGS_88_127 "}"
 // Eight read-write accumulator operands d[i] .. d[i + 7].
 #define JF2_WGMMA_ACC8(i)                                                                   \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
       "+f"(d[i + 6]), "+f"(d[i + 7])
 #define JF2_WGMMA_D32_OPERANDS \
   JF2_WGMMA_ACC8(0), JF2_WGMMA_ACC8(8), JF2_WGMMA_ACC8(16), JF2_WGMMA_ACC8(24)
-#define JF2_WGMMA_D64_OPERANDS                                                          \
-  JF2_WGMMA_D32_OPERANDS, JF2_WGMMA_ACC8(32), JF2_WGMMA_ACC8(40), JF2_WGMMA_ACC8(48), \
-      JF2_WGMMA_ACC8(56)
+#define JF2_WGMMA_D40_OPERANDS JF2_WGMMA_D32_OPERANDS, JF2_WGMMA_ACC8(32)
+#define JF2_WGMMA_D64_OPERANDS \
+  JF2_WGMMA_D40_OPERANDS, JF2_WGMMA_ACC8(40), JF2_WGMMA_ACC8(48), JF2_WGMMA_ACC8(56)
 #define JF2_WGMMA_D88_OPERANDS \
   JF2_WGMMA_D64_OPERANDS, JF2_WGMMA_ACC8(64), JF2_WGMMA_ACC8(72), JF2_WGMMA_ACC8(80)
+#define JF2_WGMMA_D128_OPERANDS                                                          \
+  JF2_WGMMA_D88_OPERANDS, JF2_WGMMA_ACC8(88), JF2_WGMMA_ACC8(96), JF2_WGMMA_ACC8(104), \
+      JF2_WGMMA_ACC8(112), JF2_WGMMA_ACC8(120)
 
 // One wgmma wrapper, a static member of Wgmma<ELEM, N>. SHAPE: "m64nNk16";
 // PTX: the type suffix, "bf16.bf16" or "f16.f16"; ACC: the accumulator
@@ -126,12 +139,34 @@ struct Wgmma;
                     "%88, %89", "%90", "0, 0")                                      \
   };
 
+// N = 80 (the forward's S = Q K^T at D = 256; SS only): operands after the
+// 40 accumulators: desc_a %40, desc_b %41, scale_d %42.
+#define JF2_WGMMA_N80(ELEM, PTX)                                                   \
+  template <>                                                                      \
+  struct Wgmma<ELEM, 80> {                                                         \
+    JF2_WGMMA_SS_FN(SS, "m64n80k16", PTX, 40, JF2_WGMMA_D40, JF2_WGMMA_D40_OPERANDS, \
+                    "%40, %41", "%42", "0, 0")                                     \
+  };
+
+// N = 256 (the forward's O += P V at D = 256; RS only): operands after the
+// 128 accumulators: a %128-%131, desc_b %132, scale_d %133.
+#define JF2_WGMMA_N256(ELEM, PTX)                                                     \
+  template <>                                                                         \
+  struct Wgmma<ELEM, 256> {                                                           \
+    JF2_WGMMA_RS_FN("m64n256k16", PTX, 128, JF2_WGMMA_D128, JF2_WGMMA_D128_OPERANDS,    \
+                    "{%128, %129, %130, %131}", "%132", "%133")                       \
+  };
+
 JF2_WGMMA_N64(__nv_bfloat16, "bf16.bf16")
 JF2_WGMMA_N64(__half, "f16.f16")
 JF2_WGMMA_N128(__nv_bfloat16, "bf16.bf16")
 JF2_WGMMA_N128(__half, "f16.f16")
 JF2_WGMMA_N176(__nv_bfloat16, "bf16.bf16")
 JF2_WGMMA_N176(__half, "f16.f16")
+JF2_WGMMA_N80(__nv_bfloat16, "bf16.bf16")
+JF2_WGMMA_N80(__half, "f16.f16")
+JF2_WGMMA_N256(__nv_bfloat16, "bf16.bf16")
+JF2_WGMMA_N256(__half, "f16.f16")
 
 // acc (+)= A B^T over kDepth elements, both operands K-major in 128-byte
 // swizzled panels of 64 elements, a_panel_bytes and b_panel_bytes apart:
@@ -151,19 +186,30 @@ __device__ __forceinline__ void WgmmaSSOverPanels(float (&acc)[N / 2], uint64_t 
 }
 
 #undef JF2_WGMMA_N64
+#undef JF2_WGMMA_N80
 #undef JF2_WGMMA_N128
 #undef JF2_WGMMA_N176
+#undef JF2_WGMMA_N256
 #undef JF2_WGMMA_SS_FN
 #undef JF2_WGMMA_RS_FN
 #undef JF2_WGMMA_D32
 #undef JF2_WGMMA_D32_OPERANDS
+#undef JF2_WGMMA_D40
+#undef JF2_WGMMA_D40_OPERANDS
 #undef JF2_WGMMA_D64
 #undef JF2_WGMMA_D64_OPERANDS
 #undef JF2_WGMMA_D88
 #undef JF2_WGMMA_D88_OPERANDS
+#undef JF2_WGMMA_D128
+#undef JF2_WGMMA_D128_OPERANDS
 #undef JF2_WGMMA_REGS_0_31
-#undef JF2_WGMMA_REGS_32_63
+#undef JF2_WGMMA_REGS_32_39
+#undef JF2_WGMMA_REGS_40_63
 #undef JF2_WGMMA_REGS_64_87
+#undef JF2_WGMMA_REGS_88_127
+#undef JF2_WGMMA_REGS_0_39
+#undef JF2_WGMMA_REGS_0_63
+#undef JF2_WGMMA_REGS_0_87
 #undef JF2_WGMMA_ACC8
 
 }  // namespace jax_flash2::cuda::sm90
