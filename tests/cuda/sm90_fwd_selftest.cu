@@ -18,7 +18,7 @@
 //   sm90_fwd_selftest --schedules serial,overlap,pingpong
 //                                   the sm90 schedules to check and time (default all)
 //   sm90_fwd_selftest --tile N      run row N of kFwdSm90TileTable where its head dim
-//                                   matches (else the package's tile)
+//                                   is the case's bucket (else the package's tile)
 //   sm90_fwd_selftest --persistent 0|1
 //                                   force the one-tile or the persistent grid
 //   sm90_fwd_selftest --stream-k 0|1
@@ -510,7 +510,8 @@ int main(int argc, char** argv) {
       {"T777 S555 D136 causal fp16 bhtd", fp, 1, 777, 555, 3, 3, 136, -1, 0},
       {"T1000 S5000 D96 bf16 B2 (176-key tile)", bf, 2, 1000, 5000, 2, 2, 96, -1, -1},
       {"T1000 S1000 D72 causal GQA2 fp16", fp, 1, 1000, 1000, 4, 2, 72, -1, 0},
-      {"T1000 S1000 D120 bf16 B2 H40 (persistent, stream-K)", bf, 2, 1000, 1000, 40, 40, 120, -1, -1},
+      {"T1000 S1000 D120 bf16 B2 H40 (persistent, stream-K)", bf, 2, 1000, 1000, 40, 40, 120, -1,
+       -1},
       {"T385 S353 D40 causal bf16 B2", bf, 2, 385, 353, 3, 3, 40, -1, 0},
       {"T600 S400 D8 GQA4 fp16 B4 H16 (persistent)", fp, 4, 600, 400, 16, 4, 8, -1, -1},
   };
