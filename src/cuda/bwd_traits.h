@@ -34,14 +34,15 @@ inline constexpr BwdTileSizes kBwdTileTable[] = {
 };
 
 // Rows used instead where the device's opt-in shared memory holds them (sm90:
-// 227 KB): block_m = 64 with 16 warps, head_dim split over 2 (d128) or 4
-// (d256) warps so that each thread stays under 128 registers. Measured on an
-// H200 at B=4, T=S=4096, H*D=2048, bf16: d128 169 -> 190 TFLOP/s (non-causal),
-// 152 -> 170 (causal) against the row above. Only buckets listed here get a
-// second kernel.
+// 227 KB): block_m = 64 with 16 warps, head_dim split over 2 warps so that
+// each thread stays under 128 registers. Measured on an H200 at B=4,
+// T=S=4096, H*D=2048, bf16: d128 169 -> 190 TFLOP/s (non-causal), 152 -> 170
+// (causal) against the row above. Only buckets listed here get a second
+// kernel. d256 has none: its 16-warp row {256, 64, 4, 4} spilled (112 bytes
+// at the 128 registers of 512 threads) and measured 139.0 / 129.9 TFLOP/s
+// against 144.0 / 134.5 for the row above (fifteenth session, two rounds).
 inline constexpr BwdTileSizes kBwdTileTableLargeSmem[] = {
     {128, 64, 8, 2},
-    {256, 64, 4, 4},
 };
 
 // The largest block_m of the backward kernels (these tables' and the Hopper
