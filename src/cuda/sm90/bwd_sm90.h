@@ -11,13 +11,14 @@
 
 #include "../../flash_params.h"
 #include "../flash_cuda.h"
+#include "head_dim.h"
 
 namespace jax_flash2::cuda {
 
 struct BwdScratchPtrs;  // bwd_kernel.cuh
 
 // True when the Hopper backward can serve p: bf16/fp16, D <= 128 (by the
-// tile of the next head dim, BwdSm90TileFor), no
+// tile of D's bucket, head_dim.h), no
 // softcap, ALiBi, segment ids or dropout, not deterministic, every stride a
 // multiple of 8 elements and every pointer 16-byte aligned (TMA), sizes
 // within the grid limits.
@@ -93,12 +94,12 @@ inline constexpr BwdSm90Tile kBwdSm90TileTable[] = {
     {128, 64, 128, 2, false},
 };
 
-// The row of the smallest head dim >= D (rows in increasing head dim): the
-// tensor maps zero-fill the columns past D on load and drop them on store,
-// so D = 40 runs the D = 64 kernel and D = 96 the D = 128 one.
+// The row of D's bucket (head_dim.h: D = 40 runs the D = 64 kernel, D = 96
+// the D = 128 one), or zeros (no row above D = 128).
 constexpr BwdSm90Tile BwdSm90TileFor(int64_t head_dim) {
+  const int64_t bucket = Sm90HeadDimBucket(head_dim);
   for (const BwdSm90Tile& t : kBwdSm90TileTable) {
-    if (head_dim > 0 && head_dim <= t.head_dim) return t;
+    if (t.head_dim == bucket) return t;
   }
   return BwdSm90Tile{0, 0, 0, 0, false};
 }

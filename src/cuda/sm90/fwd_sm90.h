@@ -12,11 +12,12 @@
 
 #include "../../flash_params.h"
 #include "../flash_cuda.h"
+#include "head_dim.h"
 
 namespace jax_flash2::cuda {
 
 // True when the Hopper forward can serve p: bf16/fp16, D <= 256 (run by the
-// tile of the next head dim, 64, 128 or 256: Sm90HeadDimBucket), no
+// tile of D's bucket, 64, 128 or 256: head_dim.h), no
 // softcap, ALiBi or segment ids, every stride a multiple of 8 elements and
 // every pointer 16-byte aligned (TMA), sizes within the grid and tensor-map
 // limits. Split-KV and GQA packing for decode are not implemented here: such
@@ -174,17 +175,6 @@ constexpr bool FwdSm90EverPersistent(const FwdSm90Tile& t) {
 constexpr bool FwdSm90AlwaysPersistent(const FwdSm90Tile& t) {
   return (!t.masked || t.persistent_keys_masked >= t.max_keys) &&
          (!t.unmasked || t.persistent_keys_unmasked >= t.max_keys);
-}
-
-// The tiles' head dims a call of head dim D runs at (0: none). Columns past D
-// cost their share of the products but no copies in HBM: the tensor maps
-// zero-fill them on load and drop them on store.
-inline constexpr int64_t kSm90HeadDimBuckets[] = {64, 128, 256};
-constexpr int64_t Sm90HeadDimBucket(int64_t head_dim) {
-  for (int64_t bucket : kSm90HeadDimBuckets) {
-    if (head_dim > 0 && head_dim <= bucket) return bucket;
-  }
-  return 0;
 }
 
 // The first row serving a call of this head dim, mask and key count, or -1.
