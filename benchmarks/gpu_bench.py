@@ -23,23 +23,20 @@ import numpy as np
 import jax_flash2
 
 
-# Seconds of back-to-back calls before each timing (--warmup-s): the H200 runs
-# these kernels at its power limit, and a few short samples after an idle
-# moment (compiling the next function) catch the clocks still settling.
-WARMUP_S = 0.0
-
-
-def warm_up(call, sync):
+def warm_up(call, sync, seconds):
+  """One call, then `seconds` of back-to-back calls (--warmup-s): the H200 runs
+  these kernels at its power limit, and a few short samples after an idle
+  moment (compiling the next function) catch the clocks still settling."""
   sync(call())
   t0 = time.perf_counter()
-  while time.perf_counter() - t0 < WARMUP_S:
+  while time.perf_counter() - t0 < seconds:
     for _ in range(5):
       out = call()
     sync(out)
 
 
-def time_jax(fn, args, iters=10, reps=3):
-  warm_up(lambda: fn(*args), jax.block_until_ready)
+def time_jax(fn, args, warmup_s, iters=10, reps=3):
+  warm_up(lambda: fn(*args), jax.block_until_ready, warmup_s)
   samples = []
   for _ in range(reps):
     jax.block_until_ready(fn(*args))
@@ -71,7 +68,7 @@ def fwd_bwd(fn):
   return jax.grad(loss, argnums=(0, 1, 2))
 
 
-def torch_flash_times(batch, seqlen, heads, head_dim, causal, iters=10, reps=3):
+def torch_flash_times(batch, seqlen, heads, head_dim, causal, warmup_s, iters=10, reps=3):
   try:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -88,7 +85,7 @@ def torch_flash_times(batch, seqlen, heads, head_dim, causal, iters=10, reps=3):
         o.sum().backward()
 
   def timed(backward):
-    warm_up(lambda: run(backward), lambda _: torch.cuda.synchronize())
+    warm_up(lambda: run(backward), lambda _: torch.cuda.synchronize(), warmup_s)
     samples = []
     for _ in range(reps):
       start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -122,13 +119,13 @@ def grid(args):
             row[name] = None  # materializes B*H*T*T scores: slow, and not the point of comparison
             continue
           try:
-            tf = time_jax(jax.jit(fn), (q, k, v))
-            tb = time_jax(jax.jit(fwd_bwd(fn)), (q, k, v))
+            tf = time_jax(jax.jit(fn), (q, k, v), args.warmup_s)
+            tb = time_jax(jax.jit(fwd_bwd(fn)), (q, k, v), args.warmup_s)
             row[name] = (flops / tf / 1e12, 3.5 * flops / tb / 1e12)
           except Exception as e:  # noqa: BLE001 - a peer that can't run this shape
             row[name] = None
             print(f"  {name} failed at {row}: {type(e).__name__}: {str(e)[:120]}")
-        tf, tb = torch_flash_times(batch, seqlen, heads, head_dim, causal)
+        tf, tb = torch_flash_times(batch, seqlen, heads, head_dim, causal, args.warmup_s)
         row["torch_fa2"] = None if tf is None else (flops / tf / 1e12, 3.5 * flops / tb / 1e12)
         rows.append(row)
         print(row, flush=True)
@@ -164,7 +161,8 @@ def decode(args):
         if name == "xla" and seqlen_k > 32768:
           continue
         try:
-          t = time_jax(decode_steps(fn, args.decode_unroll), (qs, k, v), iters=3) / DECODE_STEPS
+          t = time_jax(decode_steps(fn, args.decode_unroll), (qs, k, v), args.warmup_s,
+                       iters=3) / DECODE_STEPS
           row[name] = (t * 1e6, kv_bytes / t / 1e9)
         except Exception as e:  # noqa: BLE001
           row[name] = None
@@ -208,8 +206,6 @@ def main():
                       help="seconds of calls before each timing (steady clocks at the power limit)")
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
-  global WARMUP_S
-  WARMUP_S = args.warmup_s
   grid_rows = [] if args.no_grid else grid(args)
   decode_rows = [] if args.no_decode else decode(args)
   text = markdown(grid_rows, decode_rows, "python " + " ".join(sys.argv), args.decode_unroll)
