@@ -249,8 +249,11 @@ def test_dropout_changes_the_output_as_expected(rng):
   outs = np.asarray(jax.vmap(lambda key: jax_flash2.flash_attention(
       q, k, v, dropout_rate=0.5, dropout_rng=key))(keys), np.float32)
   plain = np.asarray(jax_flash2.flash_attention(q, k, v), np.float32)
+  # 288 means share the 400 masks of each (row, head), so a 4-sigma deviation
+  # turns up in about one input draw in twenty; 6 sigma keeps chance out while
+  # a wrong keep rate or rescale is off by far more.
   spread = outs.std(axis=0) / np.sqrt(len(keys))
-  assert np.all(np.abs(outs.mean(axis=0) - plain) < 5 * spread + _tol(1e-6))
+  assert np.all(np.abs(outs.mean(axis=0) - plain) < 6 * spread + _tol(1e-6))
 
 
 def test_vmap_over_keys_and_inputs(backend, rng):
