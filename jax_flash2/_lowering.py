@@ -53,16 +53,24 @@ def _cpu_rule(target: str, backward: bool):
   return rule
 
 
-def _sm_count() -> int:
-  """Multiprocessors of the local GPUs (the largest, if they differ): the
-  split-KV plan, and so the workspace size, depends on it."""
+def _gpu_plan() -> tuple[int, int]:
+  """(multiprocessors, compute capability major) the workspace is sized for:
+  the split-KV plan depends on the first, and only cc 9.x runs the Hopper
+  kernels, whose stream-K slots take up to ~17 MB more. The largest count of
+  the local GPUs; 9 when any of them is a 9.x, since the workspace must cover
+  every device the executable runs on (the sm80 kernels need no more)."""
   try:
-    counts = [getattr(d, "core_count", 0) or 0 for d in jax.local_devices(backend="gpu")]
+    devices = jax.local_devices(backend="gpu")
   except RuntimeError:  # lowering for CUDA without a local GPU (jax.export)
-    counts = []
-  # Without a GPU to ask, plan for an H100/H200's 132: the plan only sets how
-  # many key splits the workspace holds, never correctness.
-  return max(counts, default=0) or 132
+    devices = []
+  counts = [getattr(d, "core_count", 0) or 0 for d in devices]
+  majors = [int(str(getattr(d, "compute_capability", "0")).split(".")[0] or 0)
+            for d in devices]
+  # Without a GPU to ask, plan for an H100/H200 (132 SMs, cc 9.0): the plan
+  # only sets how much scratch the call gets, never correctness.
+  sm_count = max(counts, default=0) or 132
+  cc_major = 9 if 9 in majors or not any(majors) else max(majors)
+  return sm_count, cc_major
 
 
 def _cuda_rule(target: str, backward: bool):
@@ -86,12 +94,12 @@ def _cuda_rule(target: str, backward: bool):
     batch, seqlen_q, heads_q, head_dim = ctx.avals_in[0].shape
     seqlen_k, heads_kv = ctx.avals_in[1].shape[1:3]
     ctx, args = _without_unused_inputs(ctx, args, config, backward)
-    sm_count = _sm_count()
+    sm_count, cc_major = _gpu_plan()
     # Scratch (split-KV partials; D and the fp32 dQ accumulator) is an extra
     # output, so XLA allocates it with the call's other buffers.
     nbytes = _ext.cuda_ext.workspace_bytes(
         backward, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim,
-        config.window_left, config.window_right, sm_count, deterministic)
+        config.window_left, config.window_right, sm_count, deterministic, cc_major)
     workspace = jax.core.ShapedArray((max(int(nbytes), 1),), np.uint8)
     ctx = ctx.replace(avals_out=[*ctx.avals_out, workspace])
     extra = dict(deterministic=np.bool_(deterministic)) if backward else {}

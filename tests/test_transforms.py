@@ -146,6 +146,45 @@ def test_cuda_lowering_passes_score_options(option):
   assert ir.count(attribute) == 2  # the forward and the backward call
 
 
+class _FakeGpu:
+  def __init__(self, core_count, compute_capability):
+    self.core_count, self.compute_capability = core_count, compute_capability
+
+
+@pytest.mark.parametrize("devices, plan", [
+    ([], (132, 9)),                                            # no GPU: an H100/H200
+    ([_FakeGpu(108, "8.0")] * 2, (108, 8)),                    # A100s
+    ([_FakeGpu(108, "8.0"), _FakeGpu(132, "9.0")], (132, 9)),  # any 9.x sizes for Hopper
+    ([_FakeGpu(148, "10.0")], (148, 10)),
+])
+def test_workspace_plan_follows_the_local_gpus(monkeypatch, devices, plan):
+  from jax_flash2 import _lowering
+  monkeypatch.setattr(_lowering.jax, "local_devices", lambda backend=None: devices)
+  assert _lowering._gpu_plan() == plan
+
+
+@pytest.mark.skipif(_ext.cuda_ext is None, reason="needs the CUDA extension's workspace_bytes")
+def test_workspace_for_hopper_covers_the_sm80_kernels():
+  """The workspace planned for cc 9 is enough for an sm80 GPU of the same SM
+  count (what a mixed host or an export relies on), and non-Hopper GPUs do not
+  pay for the Hopper backward's stream-K slots."""
+  shapes = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, window_left, window_right
+      (1, 4096, 4096, 8, 8, 128, -1, -1), (2, 1000, 3000, 16, 2, 64, -1, 0),
+      (4, 1, 32768, 32, 4, 128, -1, -1), (1, 777, 777, 4, 4, 256, 128, 0),
+      (3, 2048, 2048, 12, 4, 96, -1, -1), (8, 16, 8192, 8, 8, 40, -1, -1),
+  ]
+  bytes_for = lambda backward, shape, cc: _ext.cuda_ext.workspace_bytes(
+      backward, *shape, 132, False, cc)
+  saved = 0
+  for backward in (False, True):
+    for shape in shapes:
+      hopper, ampere = bytes_for(backward, shape, 9), bytes_for(backward, shape, 8)
+      assert hopper >= ampere, (backward, shape, hopper, ampere)
+      saved = max(saved, hopper - ampere)
+  if _ext.cuda_ext.has_sm90():  # the stream-K slots, when the tiles do not fill whole waves
+    assert saved > 1 << 20, saved
+
+
 @pytest.mark.skipif(_ext.cuda_ext is None, reason="needs the CUDA extension to lower for CUDA")
 def test_cuda_lowering_passes_dropout():
   """The CUDA lowering hands dropout to the kernels: the rate as an attribute

@@ -17,7 +17,7 @@ nb::capsule Capsule(XLA_FFI_Error* (*handler)(XLA_FFI_CallFrame*)) {
 // Bytes of workspace a call needs, for the lowering to allocate as an output.
 size_t WorkspaceBytes(bool backward, int64_t batch, int64_t seqlen_q, int64_t seqlen_k,
                       int64_t heads_q, int64_t heads_kv, int64_t head_dim, int64_t window_left,
-                      int64_t window_right, int sm_count, bool deterministic) {
+                      int64_t window_right, int sm_count, bool deterministic, int cc_major) {
   jax_flash2::FlashParams p;
   p.batch = batch;
   p.seqlen_q = seqlen_q;
@@ -33,7 +33,10 @@ size_t WorkspaceBytes(bool backward, int64_t batch, int64_t seqlen_q, int64_t se
   jax_flash2::SetDenseStrides(p);
   jax_flash2::cuda::DeviceInfo dev;
   dev.sm_count = sm_count;
-  dev.cc_major = 9;
+  // The kernels choose by cc (9: the Hopper kernels) and sm_count; the
+  // largest opt-in shared memory of any supported GPU rejects no call that
+  // the device accepts at run time.
+  dev.cc_major = cc_major;
   dev.max_smem_per_block_optin = 227 * 1024;
   return backward ? jax_flash2::cuda::BackwardScratchBytes(p, dev)
                   : jax_flash2::cuda::ForwardScratchBytes(p, dev);
@@ -67,5 +70,5 @@ NB_MODULE(_cuda_ext, m) {
   m.def("workspace_bytes", &WorkspaceBytes, nb::arg("backward"), nb::arg("batch"),
         nb::arg("seqlen_q"), nb::arg("seqlen_k"), nb::arg("heads_q"), nb::arg("heads_kv"),
         nb::arg("head_dim"), nb::arg("window_left"), nb::arg("window_right"),
-        nb::arg("sm_count"), nb::arg("deterministic") = false);
+        nb::arg("sm_count"), nb::arg("deterministic") = false, nb::arg("cc_major") = 9);
 }

@@ -125,6 +125,14 @@ inline constexpr int kBwdConsumerRegs = 240;
 // fit; at D = 128 only dK does, and dV gets a tile of its own.
 constexpr bool BwdSm90DvStagedInDs(const BwdSm90Tile& t) { return t.block_m >= t.head_dim; }
 
+// Iterations of an unmasked tile (every query block of every head of the
+// group): the unit that stream-K shares out, for the host's plan and the
+// kernel's walk alike.
+__host__ __device__ constexpr int64_t BwdSm90FullTileIters(int64_t seqlen_q, int64_t group_size,
+                                                           int block_m) {
+  return (seqlen_q + block_m - 1) / block_m * group_size;
+}
+
 // fp32 per stream-K slot: dK and dV accumulators (D / 2 each, D the tile's
 // head dim) of the 256 consumer threads.
 constexpr int64_t BwdSm90SlotFloats(int64_t head_dim) {

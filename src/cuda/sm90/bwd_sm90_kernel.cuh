@@ -266,7 +266,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     w.sk = cta - (static_cast<int>(gridDim.x) - args.sk_ctas);
     if (args.sk_ctas > 0 && w.sk >= 0) {
       // Every tile alike (no mask): all query blocks of every head of the group.
-      const int iters = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM * p.group_size);
+      const int iters = static_cast<int>(BwdSm90FullTileIters(p.seqlen_q, p.group_size, kBlockM));
       const int64_t units = static_cast<int64_t>(args.num_tiles - args.sk_first_tile) * iters;
       const int64_t u0 = units * w.sk / args.sk_ctas;
       const int64_t u1 = units * (w.sk + 1) / args.sk_ctas;

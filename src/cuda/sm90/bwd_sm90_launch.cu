@@ -68,8 +68,7 @@ BwdSm90Grid PlanGrid(const FlashParams& p, const DeviceInfo& dev, int num_tiles,
   // Stream-K needs tiles of one length (no mask), more tiles than SMs (so
   // that every CTA's range covers a whole tile), a partial last round, and
   // tiles of two iterations or more to cut.
-  const int64_t iters =
-      (p.seqlen_q + tile.block_m - 1) / tile.block_m * p.group_size;
+  const int64_t iters = sm90::BwdSm90FullTileIters(p.seqlen_q, p.group_size, tile.block_m);
   if (!allow_stream_k || masked || sms <= 0 || num_tiles <= sms || num_tiles % sms == 0 ||
       iters < 2) {
     return grid;
