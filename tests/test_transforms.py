@@ -167,7 +167,7 @@ def test_workspace_plan_follows_the_local_gpus(monkeypatch, devices, plan):
 def test_workspace_for_hopper_covers_the_sm80_kernels():
   """The workspace planned for cc 9 is enough for an sm80 GPU of the same SM
   count (what a mixed host or an export relies on), and non-Hopper GPUs do not
-  pay for the Hopper backward's stream-K slots."""
+  pay for the Hopper kernels' stream-K slots."""
   shapes = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, window_left, window_right
       (1, 4096, 4096, 8, 8, 128, -1, -1), (2, 1000, 3000, 16, 2, 64, -1, 0),
       (4, 1, 32768, 32, 4, 128, -1, -1), (1, 777, 777, 4, 4, 256, 128, 0),
