@@ -79,11 +79,14 @@ BwdSm90Grid PlanGrid(const FlashParams& p, const DeviceInfo& dev, int num_tiles,
   return grid;
 }
 
-// Tiles (key blocks x B x K); Sm90BackwardSupports keeps them within an int.
-int64_t NumTiles(const FlashParams& p) {
+// Key blocks of the tile's block_n per (batch, K/V head).
+int64_t NumNBlocks(const FlashParams& p) {
   const BwdSm90Tile tile = sm90::BwdSm90TileFor(p.head_dim);
-  return (p.seqlen_k + tile.block_n - 1) / tile.block_n * p.batch * p.num_heads_kv;
+  return (p.seqlen_k + tile.block_n - 1) / tile.block_n;
 }
+
+// Tiles (key blocks x B x K); Sm90BackwardSupports keeps them within an int.
+int64_t NumTiles(const FlashParams& p) { return NumNBlocks(p) * p.batch * p.num_heads_kv; }
 
 }  // namespace
 
@@ -132,7 +135,7 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
   args.dvec = s.dvec;
   args.dq_acc = s.dq_acc;
   args.t_pad = s.t_pad;
-  args.num_n_blocks = static_cast<int>((p.seqlen_k + tile.block_n - 1) / tile.block_n);
+  args.num_n_blocks = static_cast<int>(NumNBlocks(p));
   args.num_tiles = static_cast<int>(NumTiles(p));
   // Stream-K only with its slots in the scratch.
   const BwdSm90Grid probe = PlanGrid(p, dev, args.num_tiles, true);
