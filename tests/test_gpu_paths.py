@@ -100,7 +100,9 @@ BWD_PATH_CASES = [
     # D = 64 one (the maps zero-fill the columns past D).
     (300, 257, 4, 4, 96, False, "sm90"),
     (257, 1000, 8, 2, 40, True, "sm90"),
-    (300, 257, 4, 2, 256, True, "sm80"),  # no Hopper backward above D = 128
+    # D = 256: the D-split kernel; D = 200 by its tile.
+    (300, 257, 4, 2, 256, True, "sm90"),
+    (257, 700, 8, 8, 200, False, "sm90"),
 ]
 
 

@@ -120,6 +120,16 @@ __device__ __forceinline__ uint32_t PackFloat2(float lo, float hi) {
   }
 }
 
+// One 32-bit register of two Elems -> two floats (PackFloat2's inverse).
+template <typename Elem>
+__device__ __forceinline__ float2 UnpackFloat2(uint32_t bits) {
+  if constexpr (std::is_same_v<Elem, __half>) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+  } else {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+  }
+}
+
 template <typename Elem>
 __device__ __forceinline__ float ToFloat(Elem x) {
   if constexpr (std::is_same_v<Elem, __half>) {

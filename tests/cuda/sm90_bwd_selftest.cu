@@ -441,6 +441,9 @@ int main(int argc, char** argv) {
         {"tiny bf16 d96 T70 S200 causal gqa2 bhtd", bf, 1, 70, 200, 2, 1, 96, -1, 0, false, true},
         {"tiny fp16 d40 T100 S300 full dlse (stream-K, 2 SMs)", fp, 1, 100, 300, 2, 2, 40, -1, -1,
          true, false, 2},
+        // The D-split kernel (D = 256 and its bucket).
+        {"tiny bf16 d256 T70 S130 causal gqa2", bf, 1, 70, 130, 2, 1, 256, -1, 0},
+        {"tiny fp16 d200 T150 S100 full dlse bhtd", fp, 1, 150, 100, 1, 1, 200, -1, -1, true, true},
     };
   } else if (!time_only) {
     cases = {
@@ -497,6 +500,19 @@ int main(int argc, char** argv) {
          true, false, 5},
         {"bf16 d8 T300 S500 window(64,0) mqa", bf, 1, 300, 500, 4, 1, 8, 64, 0},
         {"fp16 d56 T1000 S1000 causal bhtd", fp, 1, 1000, 1000, 2, 2, 56, -1, 0, false, true},
+        // The D-split kernel (D = 256; D 136-248 by its tile, the maps
+        // zero-filling the columns past D).
+        {"bf16 d256 T64 S64 full", bf, 1, 64, 64, 1, 1, 256, -1, -1},
+        {"fp16 d256 T257 S300 causal", fp, 1, 257, 300, 2, 2, 256, -1, 0},
+        {"bf16 d256 T1000 S257 full gqa4 dlse", bf, 1, 1000, 257, 8, 2, 256, -1, -1, true},
+        {"fp16 d256 T17 S1000 full mqa", fp, 1, 17, 1000, 4, 1, 256, -1, -1},
+        {"bf16 d256 T300 S100 B2 causal (empty rows)", bf, 2, 300, 100, 2, 2, 256, -1, 0},
+        {"fp16 d256 T1000 S1000 window(128,32) bhtd", fp, 1, 1000, 1000, 2, 2, 256, 128, 32, false,
+         true},
+        {"bf16 d256 T1 S1 full", bf, 1, 1, 1, 1, 1, 256, -1, -1},
+        {"bf16 d256 T512 S512 B2 H8 causal gqa2 dlse", bf, 2, 512, 512, 8, 4, 256, -1, 0, true},
+        {"fp16 d200 T257 S700 causal gqa2 bhtd", fp, 1, 257, 700, 4, 2, 200, -1, 0, false, true},
+        {"bf16 d136 T300 S257 full dlse", bf, 1, 300, 257, 2, 2, 136, -1, -1, true},
     };
   }
   int failed = 0, run = 0;
@@ -524,6 +540,10 @@ int main(int argc, char** argv) {
         {"B1 T=S=16384 H16 D128", bf, 1, 16384, 16384, 16, 16, 128, -1, -1},
         {"B1 T=S=16384 H16 D128 causal", bf, 1, 16384, 16384, 16, 16, 128, -1, 0},
         {"B4 T=S=4096 H16 D96", bf, 4, 4096, 4096, 16, 16, 96, -1, -1},
+        {"B4 T=S=4096 H8 D256", bf, 4, 4096, 4096, 8, 8, 256, -1, -1},
+        {"B4 T=S=4096 H8 D256 causal", bf, 4, 4096, 4096, 8, 8, 256, -1, 0},
+        {"B1 T=S=16384 H8 D256", bf, 1, 16384, 16384, 8, 8, 256, -1, -1},
+        {"B16 T=S=1024 H8 D256 causal", bf, 16, 1024, 1024, 8, 8, 256, -1, 0},
     };
     for (const Case& c : timed) {
       if (filter.empty() || c.name.find(filter) != std::string::npos) TimeCase(c, dev);

@@ -17,9 +17,8 @@ namespace jax_flash2::cuda {
 
 struct BwdScratchPtrs;  // bwd_kernel.cuh
 
-// True when the Hopper backward can serve p: bf16/fp16, D <= 128 (by the
-// tile of D's bucket, head_dim.h), no
-// softcap, ALiBi, segment ids or dropout, not deterministic, every stride a
+// True when the Hopper backward can serve p: bf16/fp16, D <= 256 (by the
+// tile of D's bucket, head_dim.h), no softcap, ALiBi, segment ids or dropout, not deterministic, every stride a
 // multiple of 8 elements and every pointer 16-byte aligned (TMA), sizes
 // within the grid limits.
 bool Sm90BackwardSupports(const FlashParams& p);
@@ -47,8 +46,8 @@ int64_t Sm90BackwardStreamKSlots(const FlashParams& p, const DeviceInfo& dev);
 
 namespace sm90 {
 
-// One row per head dim. A CTA's tile is kBlockN = 128 keys of one (batch, K/V
-// head), 64 per consumer warpgroup, and it loops over block_m query rows at a
+// One row per head dim. At D <= 128 a CTA's tile is kBlockN = 128 keys of one
+// (batch, K/V head), 64 per consumer warpgroup, and it loops over block_m query rows at a
 // time (of every query head of its group): 128 at D = 64, where the five
 // products are half as long per query, so that the per-block costs (waits,
 // barriers, the dQ reduction) are paid half as often; 64 at D = 128, whose
@@ -89,13 +88,17 @@ struct BwdSm90Tile {
   bool persistent;
 };
 
+// D = 256 has a tile of its own (block_n 64, BwdSm90SplitsD): its
+// accumulators and operands fit neither the registers nor the shared memory
+// of the 128-key tile; bwd_sm90_dsplit_kernel.cuh says how it splits D.
 inline constexpr BwdSm90Tile kBwdSm90TileTable[] = {
     {64, 128, 128, 2, true},
     {128, 64, 128, 2, false},
+    {256, 64, 64, 2, false},
 };
 
 // The row of D's bucket (head_dim.h: D = 40 runs the D = 64 kernel, D = 96
-// the D = 128 one), or zeros (no row above D = 128).
+// the D = 128 one, D = 200 the D = 256 one), or zeros (D > 256).
 constexpr BwdSm90Tile BwdSm90TileFor(int64_t head_dim) {
   const int64_t bucket = Sm90HeadDimBucket(head_dim);
   for (const BwdSm90Tile& t : kBwdSm90TileTable) {
@@ -104,7 +107,11 @@ constexpr BwdSm90Tile BwdSm90TileFor(int64_t head_dim) {
   return BwdSm90Tile{0, 0, 0, 0, false};
 }
 static_assert(BwdSm90TileFor(40).head_dim == 64 && BwdSm90TileFor(96).head_dim == 128 &&
-              BwdSm90TileFor(136).head_dim == 0);
+              BwdSm90TileFor(136).head_dim == 256 && BwdSm90TileFor(264).head_dim == 0);
+
+// Whether the tile is BwdSm90DSplitKernel's (its consumer warpgroups split D,
+// not the keys): one tile per CTA, no stream-K.
+constexpr bool BwdSm90SplitsD(const BwdSm90Tile& t) { return t.head_dim > 128; }
 
 // Warp roles: warpgroup 0 produces (one thread issues every TMA load, one
 // warp stages lse2 and Dvec, one issues the dQ reductions), warpgroups 1
@@ -140,6 +147,15 @@ constexpr int64_t BwdSm90SlotFloats(int64_t head_dim) {
 }
 
 constexpr int BwdSm90SmemBytes(const BwdSm90Tile& t) {
+  if (BwdSm90SplitsD(t)) {
+    // K, V, `stages` x (Q, dO), P^T and two dS^T buffers (block_n x block_m),
+    // `stages` x (lse2, Dvec), the mbarriers (kv_full, q_full and q_empty per
+    // stage, four between the consumers): 64 + 128 + 24 + 1 KB + 1 KB slack =
+    // 218 KB at D = 256.
+    return 2 * t.block_n * t.head_dim * 2 + t.stages * 2 * t.block_m * t.head_dim * 2 +
+           3 * t.block_n * t.block_m * 2 + t.stages * 2 * t.block_m * 4 + (5 + 2 * t.stages) * 8 +
+           1024;
+  }
   const int kv = 2 * t.block_n * t.head_dim * 2;
   const int q_do = t.stages * 2 * t.block_m * t.head_dim * 2;
   const int ds = 2 * t.block_n * t.block_m * 2;

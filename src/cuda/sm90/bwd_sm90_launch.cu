@@ -16,6 +16,7 @@
 #include "../bwd_kernel.cuh"
 #include "../smem_optin.h"
 #include "bwd_sm90.h"
+#include "bwd_sm90_dsplit_kernel.cuh"
 #include "bwd_sm90_kernel.cuh"
 #include "tensor_map.h"
 
@@ -38,11 +39,25 @@ cudaError_t LaunchBwdSm90(const BwdSm90Args& args, int num_ctas, cudaStream_t st
   return cudaGetLastError();
 }
 
+// The D-split tile (D = 256): one CTA per tile.
+template <typename Elem>
+cudaError_t LaunchBwdSm90DSplit(const BwdSm90Args& args, int num_ctas, cudaStream_t stream) {
+  constexpr int smem_bytes = sm90::BwdSm90SmemBytes(sm90::BwdSm90TileFor(256));
+  const auto kernel = &sm90::BwdSm90DSplitKernel<Elem>;
+  static std::atomic<uint64_t> opted_in{0};
+  const cudaError_t err =
+      OptInSharedMemoryOnce(reinterpret_cast<const void*>(kernel), opted_in, smem_bytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<static_cast<unsigned>(num_ctas), sm90::kBwdSm90Threads, smem_bytes, stream>>>(args);
+  return cudaGetLastError();
+}
+
 template <typename Elem>
 cudaError_t LaunchForHeadDim(const BwdSm90Args& args, int num_ctas, cudaStream_t stream) {
   switch (sm90::BwdSm90TileFor(args.p.head_dim).head_dim) {
     case 64: return LaunchBwdSm90<Elem, 64>(args, num_ctas, stream);
     case 128: return LaunchBwdSm90<Elem, 128>(args, num_ctas, stream);
+    case 256: return LaunchBwdSm90DSplit<Elem>(args, num_ctas, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -69,7 +84,7 @@ BwdSm90Grid PlanGrid(const FlashParams& p, const DeviceInfo& dev, int num_tiles,
   // that every CTA's range covers a whole tile), a partial last round, and
   // tiles of two iterations or more to cut.
   const int64_t iters = sm90::BwdSm90FullTileIters(p.seqlen_q, p.group_size, tile.block_m);
-  if (!allow_stream_k || masked || sms <= 0 || num_tiles <= sms || num_tiles % sms == 0 ||
+  if (!allow_stream_k || sm90::BwdSm90SplitsD(tile) || masked || sms <= 0 || num_tiles <= sms || num_tiles % sms == 0 ||
       iters < 2) {
     return grid;
   }
@@ -158,7 +173,8 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
                                   p.num_heads_q, p.head_dim, p.o_batch_stride, p.o_row_stride,
                                   p.o_head_stride, tile.block_m, &args.do_heads_inner);
     }
-    if (err == cudaSuccess) {
+    // (The D-split kernel adds dQ by atomics: no dq_acc map.)
+    if (err == cudaSuccess && !sm90::BwdSm90SplitsD(tile)) {
       err = sm90::EncodeDqAccTensorMap(&args.tma_dq, encode, s.dq_acc, p.batch, p.seqlen_q,
                                        p.num_heads_q, p.head_dim, /*box_rows=*/64);
     }

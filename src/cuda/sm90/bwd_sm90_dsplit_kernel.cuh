@@ -1,0 +1,492 @@
+// FlashAttention-2 backward main kernel for Hopper at D = 256 (and the head
+// dims in its bucket, head_dim.h): the D-split tile of bwd_sm90.h.
+//
+// Why a kernel of its own: BwdSm90Kernel keeps a 64-key slice's dK and dV (64
+// x D fp32 each) in one consumer warpgroup's registers, 256 per thread at D =
+// 256, past the 240 budget; and its K, V (128 keys) plus two stages of Q and
+// dO would take 256 KB of shared memory. Here a CTA owns 64 keys of one
+// (batch, K/V head), and its two consumer warpgroups split D instead of the
+// keys: consumer c accumulates dK and dV columns [128 c, + 128) (64 + 64 fp32
+// registers per thread, as at D = 128). The products that reduce over D are
+// shared out rather than computed twice:
+//   consumer 0:  S^T  = K Q^T             (64 x 64 over D: 16 wgmma SS)
+//                P^T  = exp2(S^T * scale * log2(e) - lse2)   (0 where masked)
+//                -> shared memory (Elem, [key][query])
+//   consumer 1:  dP^T = V dO^T            (likewise, side by side with S^T)
+//                P^T  <- shared memory, dS^T = P^T o (dP^T - Dvec)
+//                -> shared memory (second of two buffers per block parity)
+//   each c:      dV_c += P^T dO_c         wgmma RS, dO's columns of c MN-major
+//                dK_c += dS^T Q_c         wgmma RS
+//                dQ_c  = dS K_c           two m64n64 SS pieces (both MN-major),
+//                                         added into dq_acc by float2 atomics
+// dQ cannot go through a staged bulk reduction as in BwdSm90Kernel: 64 x 256
+// fp32 per query block does not fit beside K, V and two Q / dO stages.
+//
+// The consumers hand tiles to each other through mbarriers (128 arrivals,
+// one per thread of the signalling consumer; the waits acquire what the
+// arrivals release):
+//   p_full:      0 arrives after storing P^T, 1 waits before loading it.
+//   ds_full:     1 arrives after storing dS^T, 0 waits before loading it.
+//   ds_free[b]:  0 arrives once its dQ products (the last readers of dS^T
+//                buffer b) are done, 1 waits before storing the dS^T of the
+//                block two later.
+// P^T needs one buffer: consumer 0 writes the next one only after ds_full of
+// this block, which consumer 1 signals after its last read of P^T. No
+// barrier can run a phase ahead of its waiter: each side waits on the other's
+// signal between two of its own. (Named-barrier arrive / sync pairs would
+// do the same, but racecheck does not count an arrive as ordering the
+// arriving threads' shared-memory accesses.)
+// Epilogue: named barriers 7 over both consumers (Q and dO stages free for
+// the staging), 8 + c per consumer (staged, to its TMA store thread).
+//
+// The producer warpgroup: one thread issues the TMA loads (K and V once, Q
+// and dO per query block into a two-stage ring), one warp stages lse2 and
+// Dvec as in BwdSm90Kernel. One tile per CTA (no persistent grid, no
+// stream-K). Masking, rows past T and keys past S as in BwdSm90Kernel; dQ
+// atomics skip rows past T and columns past D.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "../../flash_mask.h"
+#include "../primitives.cuh"
+#include "bwd_sm90.h"
+#include "primitives.cuh"
+#include "wgmma.cuh"
+
+namespace jax_flash2::cuda::sm90 {
+
+struct BwdSm90DSplitTraits {
+  static constexpr BwdSm90Tile kTile = BwdSm90TileFor(256);
+  static_assert(BwdSm90SplitsD(kTile));
+  static constexpr int kHeadDim = kTile.head_dim;
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kStages = kTile.stages;
+  static constexpr int kPanels = kHeadDim / 64;  // 64-column panels of 128-byte rows
+  static constexpr int kKvPanelBytes = kBlockN * 128;
+  static constexpr int kQPanelBytes = kBlockM * 128;
+  static constexpr int kKvBytes = kPanels * kKvPanelBytes;  // one K or V tile
+  static constexpr int kQBytes = kPanels * kQPanelBytes;    // one Q or dO tile
+  // P^T or dS^T ([key][query], one panel of kBlockM = 64 queries).
+  static constexpr int kPBytes = kBlockN * kBlockM * 2;
+  static constexpr int kSlices = kBlockM / 16;  // k16 slices of P^T, dS^T over queries
+  // A consumer's share of D: dK, dV columns [kHalf c, + kHalf), 2 panels.
+  static constexpr int kHalf = kHeadDim / kBwdConsumerWarpgroups;
+  static_assert(kBlockM == 64 && kBlockN == 64 && kHeadDim == 256 && kHalf == 128);
+  static_assert(kBwdRowPad % kBlockM == 0);
+};
+
+// Shared-memory carve-up (byte offsets from the 1024-aligned base).
+struct BwdSm90DSplitSmem {
+  using Tr = BwdSm90DSplitTraits;
+  static constexpr int kK = 0;
+  static constexpr int kV = kK + Tr::kKvBytes;
+  static constexpr int kQ = kV + Tr::kKvBytes;
+  static constexpr int kDo = kQ + Tr::kStages * Tr::kQBytes;
+  static constexpr int kP = kDo + Tr::kStages * Tr::kQBytes;
+  static constexpr int kDs = kP + Tr::kPBytes;  // two buffers
+  // [stage] lse2 then Dvec of the stage's query block (kBlockM floats each).
+  static constexpr int kRows = kDs + 2 * Tr::kPBytes;
+  static constexpr int kBars = kRows + Tr::kStages * 2 * Tr::kBlockM * 4;
+  // kv_full, q_full and q_empty per stage, p_full, ds_full, ds_free[2].
+  static constexpr int kEnd = kBars + (5 + 2 * Tr::kStages) * 8;
+  static_assert(kEnd + 1024 <= BwdSm90SmemBytes(Tr::kTile));
+  static_assert(kV % 1024 == 0 && kQ % 1024 == 0 && kDo % 1024 == 0 && kP % 1024 == 0 &&
+                kDs % 1024 == 0 && kRows % 16 == 0);
+};
+
+template <typename Elem>
+__global__ void __launch_bounds__(kBwdSm90Threads, 1)
+    BwdSm90DSplitKernel(const __grid_constant__ BwdSm90Args args) {
+  using Tr = BwdSm90DSplitTraits;
+  using Smem = BwdSm90DSplitSmem;
+  constexpr int kBlockM = Tr::kBlockM;
+  constexpr int kBlockN = Tr::kBlockN;
+  constexpr int kStages = Tr::kStages;
+
+  unsigned char* smem = AlignedDynamicSmem();
+  unsigned char* s_k = smem + Smem::kK;
+  unsigned char* s_v = smem + Smem::kV;
+  unsigned char* s_q = smem + Smem::kQ;
+  unsigned char* s_do = smem + Smem::kDo;
+  unsigned char* s_p = smem + Smem::kP;
+  unsigned char* s_ds = smem + Smem::kDs;
+  float* s_rows = reinterpret_cast<float*>(smem + Smem::kRows);
+  // kv_full: K and V landed. q_full[s]: Q, dO, lse2, Dvec of stage s landed;
+  // q_empty[s]: every consumer thread is done with them.
+  uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem + Smem::kBars);
+  uint64_t* q_full = kv_full + 1;
+  uint64_t* q_empty = q_full + kStages;
+  // Consumer to consumer (see the top): P^T stored, dS^T stored, dS^T buffer
+  // 0 or 1 free.
+  uint64_t* p_full = q_empty + kStages;
+  uint64_t* ds_full = p_full + 1;
+  uint64_t* ds_free = ds_full + 1;
+
+  const FlashParams& p = args.p;
+  const int seqlen_k = static_cast<int>(p.seqlen_k);
+  const int group = static_cast<int>(p.group_size);
+  const WindowMask mask = MakeWindowMask(p);
+
+  // Tile blockIdx.x (BwdSm90Args): key block n_begin of (b, kv_head), and the
+  // query blocks [m_block_begin, + num_m_blocks) that may see one of its
+  // keys, once per query head of the group: num_iters iterations, heads outer.
+  const int tile = static_cast<int>(blockIdx.x);
+  const int n_begin = tile % args.num_n_blocks * kBlockN;
+  const int b = tile / args.num_n_blocks % static_cast<int>(p.batch);
+  const int kv_head = tile / args.num_n_blocks / static_cast<int>(p.batch);
+  int m_block_begin, num_m_blocks;
+  {
+    int64_t q_begin, q_end;
+    mask.QueryRange(n_begin, min(n_begin + kBlockN, seqlen_k), p.seqlen_q, &q_begin, &q_end);
+    m_block_begin = static_cast<int>(q_begin / kBlockM);
+    num_m_blocks =
+        q_end > q_begin ? static_cast<int>((q_end + kBlockM - 1) / kBlockM) - m_block_begin : 0;
+  }
+  const int num_iters = num_m_blocks * group;
+  const auto head_of = [&](int it) { return kv_head * group + it / num_m_blocks; };
+  const auto m_begin_of = [&](int it) { return (m_block_begin + it % num_m_blocks) * kBlockM; };
+
+  if (threadIdx.x == 0) {
+    MbarInit(kv_full, 1);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      MbarInit(&q_full[s], 1 + 32);  // the TMA thread's expect-tx, the row warp's lanes
+      MbarInit(&q_empty[s], 128 * kBwdConsumerWarpgroups);
+    }
+    MbarInit(p_full, 128);
+    MbarInit(ds_full, 128);
+    MbarInit(&ds_free[0], 128);
+    MbarInit(&ds_free[1], 128);
+    FenceBarrierInit();
+  }
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    // ---------------------------------------------------------------- producer
+    SetMaxNRegDec<kBwdProducerRegs>();
+    if (threadIdx.x == 0 && num_iters > 0) {
+      PrefetchTensorMap(&args.tma_q);
+      PrefetchTensorMap(&args.tma_do);
+      PrefetchTensorMap(&args.tma_k);
+      PrefetchTensorMap(&args.tma_v);
+      MbarArriveExpectTx(kv_full, 2 * Tr::kKvBytes);
+#pragma unroll
+      for (int panel = 0; panel < Tr::kPanels; ++panel) {
+        TmaLoad4d(s_k + panel * Tr::kKvPanelBytes, &args.tma_k, kv_full, panel * 64,
+                  args.k_heads_inner ? kv_head : n_begin, args.k_heads_inner ? n_begin : kv_head,
+                  b);
+        TmaLoad4d(s_v + panel * Tr::kKvPanelBytes, &args.tma_v, kv_full, panel * 64,
+                  args.v_heads_inner ? kv_head : n_begin, args.v_heads_inner ? n_begin : kv_head,
+                  b);
+      }
+      RingPos<kStages> ring;
+      for (int it = 0; it < num_iters; ++it) {
+        const int h = head_of(it), m_begin = m_begin_of(it);
+        MbarWait(&q_empty[ring.stage], ring.phase ^ 1);
+        MbarArriveExpectTx(&q_full[ring.stage], 2 * Tr::kQBytes);
+        unsigned char* q_dst = s_q + ring.stage * Tr::kQBytes;
+        unsigned char* do_dst = s_do + ring.stage * Tr::kQBytes;
+#pragma unroll
+        for (int panel = 0; panel < Tr::kPanels; ++panel) {
+          TmaLoad4d(q_dst + panel * Tr::kQPanelBytes, &args.tma_q, &q_full[ring.stage], panel * 64,
+                    args.q_heads_inner ? h : m_begin, args.q_heads_inner ? m_begin : h, b);
+          TmaLoad4d(do_dst + panel * Tr::kQPanelBytes, &args.tma_do, &q_full[ring.stage],
+                    panel * 64, args.do_heads_inner ? h : m_begin,
+                    args.do_heads_inner ? m_begin : h, b);
+        }
+        ring.Advance();
+      }
+    } else if (threadIdx.x / 32 == 1) {
+      // The row warp (as in BwdSm90Kernel): lanes 0-15 copy the block's 64
+      // lse2 values as float4, lanes 16-31 its Dvec values, published by
+      // their q_full arrivals. Rows are t_pad long, a multiple of kBlockM.
+      const int lane = threadIdx.x % 32;
+      constexpr int kVecs = kBlockM / 4;
+      static_assert(2 * kVecs == 32);
+      RingPos<kStages> ring;
+      for (int it = 0; it < num_iters; ++it) {
+        const int64_t row0 = (static_cast<int64_t>(b) * p.num_heads_q + head_of(it)) * args.t_pad +
+                             m_begin_of(it);
+        const float* src = (lane < kVecs ? args.lse2 : args.dvec) + row0 + 4 * (lane % kVecs);
+        const float4 v = __ldg(reinterpret_cast<const float4*>(src));
+        MbarWait(&q_empty[ring.stage], ring.phase ^ 1);
+        reinterpret_cast<float4*>(s_rows + ring.stage * 2 * kBlockM)[lane] = v;
+        MbarArrive(&q_full[ring.stage]);
+        ring.Advance();
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  SetMaxNRegInc<kBwdConsumerRegs>();
+  const int cg = warpgroup - 1;  // consumer: dK, dV columns [128 cg, + 128)
+  const int wg_tid = threadIdx.x % 128;
+  const int warp = wg_tid / 32;  // 16 keys (accumulator rows) per warp
+  const int lane = wg_tid % 32;
+  const int g = lane / 4;   // accumulator row (and g + 8)
+  const int t4 = lane % 4;  // accumulator column pair
+
+  // Consumer 0 multiplies K by Q, consumer 1 V by dO (both K-major over D);
+  // each then reads the dO and Q columns of its half MN-major (for dV, dK),
+  // and K's (for dQ). dS as A of dQ: 64 queries = one 128-byte row per key
+  // (one panel), so the leading byte offset is unused.
+  const uint64_t desc_rows = MakeDescK(SmemAddr(cg == 0 ? s_k : s_v));
+  const uint64_t desc_cols = MakeDescK(SmemAddr(cg == 0 ? s_q : s_do));
+  const uint32_t half_q = cg * 2 * Tr::kQPanelBytes;  // the first panel of this half
+  const uint64_t desc_q_mn = MakeDescMN(SmemAddr(s_q) + half_q, Tr::kQPanelBytes);
+  const uint64_t desc_do_mn = MakeDescMN(SmemAddr(s_do) + half_q, Tr::kQPanelBytes);
+  const uint64_t desc_k_mn =
+      MakeDescMN(SmemAddr(s_k) + cg * 2 * Tr::kKvPanelBytes, Tr::kKvPanelBytes);
+  const uint64_t desc_ds_mn = MakeDescMN(SmemAddr(s_ds), Tr::kPBytes);
+
+  // Key rows of this thread: 16 warp + g + 8 rh. Queries [q_lo[rh], q_hi[rh])
+  // see them (none past S); blocks inside [full_lo, full_hi) see all 64 keys
+  // (WindowMask::BlockFullyVisible in 32-bit ints) and skip the predicate.
+  int q_lo[2], q_hi[2];
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    const int key = n_begin + 16 * warp + g + 8 * rh;
+    int64_t lo = 0, hi = 0;
+    if (key < seqlen_k) mask.QueryRange(key, key + 1, p.seqlen_q, &lo, &hi);
+    q_lo[rh] = static_cast<int>(lo);
+    q_hi[rh] = static_cast<int>(hi);
+  }
+  int full_lo = INT_MAX, full_hi = INT_MAX;
+  {
+    int64_t lo, hi;
+    if (n_begin + kBlockN <= seqlen_k) {
+      mask.QueryRange(n_begin + kBlockN - 1, n_begin + kBlockN, INT_MAX, &lo, &hi);
+      full_lo = static_cast<int>(lo);
+    }
+    mask.QueryRange(n_begin, n_begin + 1, INT_MAX, &lo, &hi);
+    full_hi = static_cast<int>(hi);
+  }
+
+  // P^T and dS^T tiles: fragment r of slice kk (key row 16 warp + g + 8 (r %
+  // 2), queries 16 kk + 8 (r / 2) + 2 t4, + 1) at chunk 2 kk + r / 2 of the
+  // key's 128-byte row, swizzled by row % 8 = g as TMA would lay it out: the
+  // MN-major A operand of dQ. The 8 rows of a warp's store hit 8 distinct
+  // chunks: no bank conflicts.
+  const auto fragment_offset = [&](int kk, int r) {
+    const int row = 16 * warp + g + 8 * (r % 2);
+    return row * 128 + ((2 * kk + r / 2) ^ g) * 16 + 4 * t4;
+  };
+
+  // dQ piece `piece` (64 queries x 64 columns, unscaled: the convert kernel
+  // scales) into dq_acc [B, T, H, D] by float2 atomics. Accumulator element
+  // 4 j + 2 rh + e: query 16 warp + g + 8 rh, column 8 j + 2 t4 + e of the
+  // piece. Rows past T and columns past D are skipped (D is a multiple of 8,
+  // so a pair is in or out whole).
+  const int64_t dq_row_stride = p.num_heads_q * p.head_dim;
+  const auto add_dq = [&](const float (&dq)[32], int h, int m_begin, int piece) {
+    const int col0 = Tr::kHalf * cg + 64 * piece + 2 * t4;
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      const int row = m_begin + 16 * warp + g + 8 * rh;
+      if (row >= p.seqlen_q) continue;
+      float* dst = args.dq_acc + (static_cast<int64_t>(b) * p.seqlen_q + row) * dq_row_stride +
+                   static_cast<int64_t>(h) * p.head_dim;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int col = col0 + 8 * j;
+        if (col < p.head_dim) {
+          atomicAdd(reinterpret_cast<float2*>(dst + col),
+                    make_float2(dq[4 * j + 2 * rh], dq[4 * j + 2 * rh + 1]));
+        }
+      }
+    }
+  };
+
+  // dQ piece `piece` = dS K_c over the block's 64 keys (4 k16 slices of 16
+  // keys: 2048 bytes into the dS^T tile and K), committed as one group.
+  const auto issue_dq = [&](float (&dq)[32], uint32_t ds_off, int piece) {
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      Wgmma<Elem, 64>::SSMN(dq, DescAdd(desc_ds_mn, ds_off + kk * 2048),
+                            DescAdd(desc_k_mn, piece * Tr::kKvPanelBytes + kk * 2048), kk > 0);
+    }
+    WgmmaCommit();
+  };
+
+  const float scale_log2 = p.softmax_scale_log2;
+  float acc_dk[64], acc_dv[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+  if (num_iters > 0) MbarWait(kv_full, 0);
+  RingPos<kStages> ring;
+  for (int it = 0; it < num_iters; ++it) {
+    const int h = head_of(it), m_begin = m_begin_of(it);
+    const uint32_t q_off = ring.stage * Tr::kQBytes;
+    const int ds_buf = it % 2;
+    const uint32_t ds_off = ds_buf * Tr::kPBytes;
+    MbarWait(&q_full[ring.stage], ring.phase);
+    // lse2 (consumer 0) or Dvec (1) at this thread's accumulator columns 8 j
+    // + 2 t4, + 1, loaded before the products flood shared memory.
+    float2 rows[kBlockM / 8];
+    {
+      const float* src = s_rows + (2 * ring.stage + cg) * kBlockM + 2 * t4;
+#pragma unroll
+      for (int j = 0; j < kBlockM / 8; ++j) rows[j] = *reinterpret_cast<const float2*>(src + 8 * j);
+    }
+    // acc = S^T = K Q^T (consumer 0) or dP^T = V dO^T (1), unscaled.
+    // Accumulator element i: key row 16 warp + g + 8 ((i / 2) % 2), query
+    // column 8 (i / 4) + 2 t4 + i % 2.
+    float acc[32];
+    WgmmaFence();
+    WgmmaSSOverPanels<Elem, 64, Tr::kHeadDim>(acc, desc_rows, Tr::kKvPanelBytes,
+                                              DescAdd(desc_cols, q_off), Tr::kQPanelBytes);
+    WgmmaCommit();
+    WgmmaWaitFenced<0>(acc);
+
+    uint32_t pa[Tr::kSlices][4], dsa[Tr::kSlices][4];
+    if (cg == 0) {
+      // P^T = exp2(S^T * scale_log2 - lse2[query]); lse2 = +inf (rows past T,
+      // rows that see no key) gives exactly 0.
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        const float2 l = rows[i / 4];
+        acc[i] = FastExp2(fmaf(acc[i], scale_log2, -((i & 1) ? l.y : l.x)));
+      }
+      // One branch per block, none per element.
+      if (!(m_begin >= full_lo && m_begin + kBlockM <= full_hi)) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+          const int query = m_begin + 8 * (i / 4) + 2 * t4 + (i & 1);
+          const int rh = (i / 2) % 2;
+          if (query < q_lo[rh] || query >= q_hi[rh]) acc[i] = 0.f;
+        }
+      }
+      // As A fragments (rounded to Elem, as in FlashAttention-2): n8 tiles 2
+      // kk and 2 kk + 1 form k16 slice kk; and into the P^T tile for
+      // consumer 1 (read from registers before the dV wgmmas are issued:
+      // their A fragments may not be touched until those complete).
+#pragma unroll
+      for (int kk = 0; kk < Tr::kSlices; ++kk) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          pa[kk][r] = PackFloat2<Elem>(acc[8 * kk + 2 * r], acc[8 * kk + 2 * r + 1]);
+          *reinterpret_cast<uint32_t*>(s_p + fragment_offset(kk, r)) = pa[kk][r];
+        }
+      }
+      MbarArrive(p_full);
+    } else {
+      MbarWait(p_full, it & 1);
+#pragma unroll
+      for (int kk = 0; kk < Tr::kSlices; ++kk) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          pa[kk][r] = *reinterpret_cast<const uint32_t*>(s_p + fragment_offset(kk, r));
+        }
+      }
+      // dS^T = P^T o (dP^T - Dvec[query]), from the P^T fragments: element
+      // pair (8 kk + 2 r, + 1) is fragment r of slice kk, column block 2 kk +
+      // r / 2.
+#pragma unroll
+      for (int kk = 0; kk < Tr::kSlices; ++kk) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const float2 pr = UnpackFloat2<Elem>(pa[kk][r]);
+          const float2 d = rows[2 * kk + r / 2];
+          const int i = 8 * kk + 2 * r;
+          dsa[kk][r] = PackFloat2<Elem>(pr.x * (acc[i] - d.x), pr.y * (acc[i + 1] - d.y));
+        }
+      }
+    }
+
+    // dV_c += P^T dO_c (wgmma RS: P^T from registers, dO MN-major). k16 slice
+    // kk: queries [16 kk, +16) = 2048 bytes into the MN-major tile.
+    WgmmaFenceOperands(pa);
+    WgmmaFenceOperands(acc_dv);
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < Tr::kSlices; ++kk) {
+      Wgmma<Elem, 128>::RS(acc_dv, pa[kk], DescAdd(desc_do_mn, q_off + kk * 2048), 1);
+    }
+    WgmmaCommit();
+
+    if (cg == 1) {
+      // The buffer's previous dS^T (block it - 2) must be done with: consumer
+      // 0's dQ products read it last. Then hand this one over.
+      if (it >= 2) MbarWait(&ds_free[ds_buf], ((it - 2) / 2) & 1);
+#pragma unroll
+      for (int kk = 0; kk < Tr::kSlices; ++kk) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          *reinterpret_cast<uint32_t*>(s_ds + ds_off + fragment_offset(kk, r)) = dsa[kk][r];
+        }
+      }
+      FenceProxyAsync();  // the dQ wgmmas read it through the async proxy
+      MbarArrive(ds_full);
+    } else {
+      MbarWait(ds_full, it & 1);
+#pragma unroll
+      for (int kk = 0; kk < Tr::kSlices; ++kk) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          dsa[kk][r] = *reinterpret_cast<const uint32_t*>(s_ds + ds_off + fragment_offset(kk, r));
+        }
+      }
+    }
+
+    // dQ piece 0, then dK_c += dS^T Q_c (wgmma RS, Q MN-major): piece 0's
+    // atomics run under dK, piece 1 is issued after them (two pieces in
+    // flight beside dK, dV and the fragments would not fit the registers).
+    float dq[32];
+    WgmmaFence();
+    issue_dq(dq, ds_off, 0);
+    WgmmaFenceOperands(dsa);
+    WgmmaFenceOperands(acc_dk);
+#pragma unroll
+    for (int kk = 0; kk < Tr::kSlices; ++kk) {
+      Wgmma<Elem, 128>::RS(acc_dk, dsa[kk], DescAdd(desc_q_mn, q_off + kk * 2048), 1);
+    }
+    WgmmaCommit();
+    WgmmaWaitFenced<1>(acc_dv, pa, dq);  // dV and dQ piece 0 done; dK may still run
+    add_dq(dq, h, m_begin, 0);
+    WgmmaFence();
+    issue_dq(dq, ds_off, 1);
+    WgmmaWaitFenced<0>(acc_dk, dsa, dq);
+    // Every product of the block is done: its dS^T buffer (consumer 0 is its
+    // last reader; only blocks two later reuse it) and its stage are free.
+    if (cg == 0) MbarArrive(&ds_free[ds_buf]);
+    MbarArrive(&q_empty[ring.stage]);
+    ring.Advance();
+    add_dq(dq, h, m_begin, 1);
+  }
+
+  // Epilogue: dK = scale * acc_dk, dV = acc_dv, columns [128 c, + 128) into
+  // [B, S, K, D] by TMA stores (keys past S and columns past D dropped),
+  // staged in the 128-byte swizzled layout in the Q (dK) and dO (dV) stages,
+  // which no product reads any more once both consumers get here. Keys no
+  // query sees get zeros (num_iters == 0).
+  NamedBarrierSync(7, 256);
+  unsigned char* dk_stage = s_q + cg * 2 * Tr::kQPanelBytes;
+  unsigned char* dv_stage = s_do + cg * 2 * Tr::kQPanelBytes;
+  const float dk_scale[2] = {p.softmax_scale, p.softmax_scale};
+  const float dv_scale[2] = {1.f, 1.f};
+  StageAccumulatorTile<Elem>(dk_stage, Tr::kQPanelBytes, warp, lane, acc_dk, dk_scale);
+  StageAccumulatorTile<Elem>(dv_stage, Tr::kQPanelBytes, warp, lane, acc_dv, dv_scale);
+  FenceProxyAsync();
+  NamedBarrierSync(8 + cg, 128);
+  if (wg_tid == 0 && n_begin < seqlen_k) {
+    const int c1 = args.kv_grad_heads_inner ? kv_head : n_begin;
+    const int c2 = args.kv_grad_heads_inner ? n_begin : kv_head;
+#pragma unroll
+    for (int panel = 0; panel < 2; ++panel) {
+      const int col = Tr::kHalf * cg + 64 * panel;
+      TmaStore4d(dk_stage + panel * Tr::kQPanelBytes, &args.tma_dk, col, c1, c2, b);
+      TmaStore4d(dv_stage + panel * Tr::kQPanelBytes, &args.tma_dv, col, c1, c2, b);
+    }
+    BulkCommitGroup();
+    BulkWaitGroupRead<0>();  // the staging must outlive the copy engine's reads
+  }
+}
+
+}  // namespace jax_flash2::cuda::sm90
