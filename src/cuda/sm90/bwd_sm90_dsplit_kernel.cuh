@@ -20,7 +20,10 @@
 //                dQ_c  = dS K_c           two m64n64 SS pieces (both MN-major),
 //                                         added into dq_acc by float2 atomics
 // dQ cannot go through a staged bulk reduction as in BwdSm90Kernel: 64 x 256
-// fp32 per query block does not fit beside K, V and two Q / dO stages.
+// fp32 per query block does not fit beside K, V and two Q / dO stages. The
+// atomics set the speed: 64 keys per CTA reduce twice the dQ bytes per
+// product of BwdSm90Kernel's 128, and a build without them (wrong dQ, for
+// timing only) ran 580-600 TFLOP/s against 285-302 (NOTES.md).
 //
 // The consumers hand tiles to each other through mbarriers (128 arrivals,
 // one per thread of the signalling consumer; the waits acquire what the
@@ -148,8 +151,19 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
         q_end > q_begin ? static_cast<int>((q_end + kBlockM - 1) / kBlockM) - m_block_begin : 0;
   }
   const int num_iters = num_m_blocks * group;
-  const auto head_of = [&](int it) { return kv_head * group + it / num_m_blocks; };
-  const auto m_begin_of = [&](int it) { return (m_block_begin + it % num_m_blocks) * kBlockM; };
+  // Iteration it visits block (it + rotation) mod num_iters: CTAs of
+  // neighbouring key blocks, which run at the same time, start one block
+  // apart, so that their dQ atomics do not all land on the same rows at
+  // once (+2-3% unmasked, NOTES.md).
+  const int rotation = num_iters > 0 ? tile % args.num_n_blocks % num_iters : 0;
+  const auto visit = [&](int it) {
+    const int v = it + rotation;
+    return v >= num_iters ? v - num_iters : v;
+  };
+  const auto head_of = [&](int it) { return kv_head * group + visit(it) / num_m_blocks; };
+  const auto m_begin_of = [&](int it) {
+    return (m_block_begin + visit(it) % num_m_blocks) * kBlockM;
+  };
 
   if (threadIdx.x == 0) {
     MbarInit(kv_full, 1);
