@@ -33,7 +33,8 @@ bool Sm90BackwardEnabled();
 // dQ goes into dq_acc by bulk tensor reductions of whole 64 x 32 fp32 tiles
 // (a dq_acc tensor map): float2 atomics from every thread measured 404
 // against 450 TFLOP/s at B4 T=S=4096 H16 D128 (and an earlier per-row bulk
-// reduction was slower than the atomics).
+// reduction was slower than the atomics). The D-split kernel (D > 128) has
+// no shared memory left to stage them and uses the atomics.
 // Returns cudaErrorInvalidValue when !Sm90BackwardSupports(p) or s has more
 // than one dQ slice.
 cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const DeviceInfo& dev,
