@@ -33,8 +33,8 @@ bool Sm90BackwardEnabled();
 // dQ goes into dq_acc by bulk tensor reductions of whole 64 x 32 fp32 tiles
 // (a dq_acc tensor map): float2 atomics from every thread measured 404
 // against 450 TFLOP/s at B4 T=S=4096 H16 D128 (and an earlier per-row bulk
-// reduction was slower than the atomics). The D-split kernel (D > 128) has
-// no shared memory left to stage them and uses the atomics.
+// reduction was slower than the atomics). The D-split kernel (D > 128)
+// stages its dQ over the Q and dO stages it has just used.
 // Returns cudaErrorInvalidValue when !Sm90BackwardSupports(p) or s has more
 // than one dQ slice.
 cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const DeviceInfo& dev,
@@ -150,11 +150,11 @@ constexpr int64_t BwdSm90SlotFloats(int64_t head_dim) {
 constexpr int BwdSm90SmemBytes(const BwdSm90Tile& t) {
   if (BwdSm90SplitsD(t)) {
     // K, V, `stages` x (Q, dO), P^T and two dS^T buffers (block_n x block_m),
-    // `stages` x (lse2, Dvec), the mbarriers (kv_full, q_full and q_empty per
-    // stage, four between the consumers): 64 + 128 + 24 + 1 KB + 1 KB slack =
-    // 218 KB at D = 256.
+    // `stages` x (lse2, Dvec), the mbarriers (kv_full; four per stage; five
+    // between the consumers and the dQ warp): 64 + 128 + 24 + 1 KB + 1 KB
+    // slack = 218 KB at D = 256. (dQ is staged over the Q and dO stages.)
     return 2 * t.block_n * t.head_dim * 2 + t.stages * 2 * t.block_m * t.head_dim * 2 +
-           3 * t.block_n * t.block_m * 2 + t.stages * 2 * t.block_m * 4 + (5 + 2 * t.stages) * 8 +
+           3 * t.block_n * t.block_m * 2 + t.stages * 2 * t.block_m * 4 + (6 + 4 * t.stages) * 8 +
            1024;
   }
   const int kv = 2 * t.block_n * t.head_dim * 2;

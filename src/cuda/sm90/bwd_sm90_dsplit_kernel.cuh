@@ -17,13 +17,16 @@
 //                -> shared memory (second of two buffers per block parity)
 //   each c:      dV_c += P^T dO_c         wgmma RS, dO's columns of c MN-major
 //                dK_c += dS^T Q_c         wgmma RS
-//                dQ_c  = dS K_c           two m64n64 SS pieces (both MN-major),
-//                                         added into dq_acc by float2 atomics
-// dQ cannot go through a staged bulk reduction as in BwdSm90Kernel: 64 x 256
-// fp32 per query block does not fit beside K, V and two Q / dO stages. The
-// atomics set the speed: 64 keys per CTA reduce twice the dQ bytes per
-// product of BwdSm90Kernel's 128, and a build without them (wrong dQ, for
-// timing only) ran 580-600 TFLOP/s against 285-302 (NOTES.md).
+//                dQ_c  = dS K_c           two m64n64 SS pieces (both MN-major)
+// dQ (64 x 256 fp32 per query block) is added into dq_acc by bulk tensor
+// reductions, staged where nothing else has room for it: in the block's own
+// Q / dO stage once both consumers' products are done with it (consumer 0's
+// columns over Q, consumer 1's over dO: 32 KB each, four boxes of 64 rows x
+// 32 columns). The producer's dQ warp issues the reductions and hands the
+// stage back to the TMA thread once the copy engine has read it. The dQ
+// reduction sets the speed: 64 keys per CTA add twice the dQ bytes per
+// product of BwdSm90Kernel's 128, and a build without it (wrong dQ, timing
+// only) ran 580-600 TFLOP/s (NOTES.md).
 //
 // The consumers hand tiles to each other through mbarriers (128 arrivals,
 // one per thread of the signalling consumer; the waits acquire what the
@@ -39,14 +42,19 @@
 // signal between two of its own. (Named-barrier arrive / sync pairs would
 // do the same, but racecheck does not count an arrive as ordering the
 // arriving threads' shared-memory accesses.)
-// Epilogue: named barriers 7 over both consumers (Q and dO stages free for
-// the staging), 8 + c per consumer (staged, to its TMA store thread).
+// A stage's dQ: stage_done[s] (every consumer thread, once its products of
+// the block are done: the stage's Q and dO may be overwritten), then
+// dq_staged[s] (every consumer thread, after its staging stores), then the
+// dQ warp's reductions and its q_empty[s] arrival after their reads.
+// Epilogue: dq_drained (the dQ warp's last reductions have read their
+// staging), named barriers 7 over both consumers (Q and dO stages free for
+// the dK, dV staging), 8 + c per consumer (staged, to its TMA store thread).
 //
 // The producer warpgroup: one thread issues the TMA loads (K and V once, Q
 // and dO per query block into a two-stage ring), one warp stages lse2 and
-// Dvec as in BwdSm90Kernel. One tile per CTA (no persistent grid, no
-// stream-K). Masking, rows past T and keys past S as in BwdSm90Kernel; dQ
-// atomics skip rows past T and columns past D.
+// Dvec as in BwdSm90Kernel, one issues the dQ reductions. One tile per CTA
+// (no persistent grid, no stream-K). Masking, rows past T and keys past S as
+// in BwdSm90Kernel; the dQ map drops rows past T and columns past D.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -95,8 +103,9 @@ struct BwdSm90DSplitSmem {
   // [stage] lse2 then Dvec of the stage's query block (kBlockM floats each).
   static constexpr int kRows = kDs + 2 * Tr::kPBytes;
   static constexpr int kBars = kRows + Tr::kStages * 2 * Tr::kBlockM * 4;
-  // kv_full, q_full and q_empty per stage, p_full, ds_full, ds_free[2].
-  static constexpr int kEnd = kBars + (5 + 2 * Tr::kStages) * 8;
+  // kv_full; q_full, q_empty, stage_done, dq_staged per stage; p_full,
+  // ds_full, ds_free[2], dq_drained.
+  static constexpr int kEnd = kBars + (6 + 4 * Tr::kStages) * 8;
   static_assert(kEnd + 1024 <= BwdSm90SmemBytes(Tr::kTile));
   static_assert(kV % 1024 == 0 && kQ % 1024 == 0 && kDo % 1024 == 0 && kP % 1024 == 0 &&
                 kDs % 1024 == 0 && kRows % 16 == 0);
@@ -120,15 +129,19 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   unsigned char* s_ds = smem + Smem::kDs;
   float* s_rows = reinterpret_cast<float*>(smem + Smem::kRows);
   // kv_full: K and V landed. q_full[s]: Q, dO, lse2, Dvec of stage s landed;
-  // q_empty[s]: every consumer thread is done with them.
+  // q_empty[s]: every consumer thread is done with them and the dQ staged
+  // over them has been read. stage_done, dq_staged: see the top.
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(smem + Smem::kBars);
   uint64_t* q_full = kv_full + 1;
   uint64_t* q_empty = q_full + kStages;
+  uint64_t* stage_done = q_empty + kStages;
+  uint64_t* dq_staged = stage_done + kStages;
   // Consumer to consumer (see the top): P^T stored, dS^T stored, dS^T buffer
-  // 0 or 1 free.
-  uint64_t* p_full = q_empty + kStages;
+  // 0 or 1 free; then the dQ warp's last reads.
+  uint64_t* p_full = dq_staged + kStages;
   uint64_t* ds_full = p_full + 1;
   uint64_t* ds_free = ds_full + 1;
+  uint64_t* dq_drained = ds_free + 2;
 
   const FlashParams& p = args.p;
   const int seqlen_k = static_cast<int>(p.seqlen_k);
@@ -170,12 +183,17 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       MbarInit(&q_full[s], 1 + 32);  // the TMA thread's expect-tx, the row warp's lanes
-      MbarInit(&q_empty[s], 128 * kBwdConsumerWarpgroups);
+      // Every consumer thread after its staging, and the dQ warp once the
+      // reductions have read it.
+      MbarInit(&q_empty[s], 128 * kBwdConsumerWarpgroups + 1);
+      MbarInit(&stage_done[s], 128 * kBwdConsumerWarpgroups);
+      MbarInit(&dq_staged[s], 128 * kBwdConsumerWarpgroups);
     }
     MbarInit(p_full, 128);
     MbarInit(ds_full, 128);
     MbarInit(&ds_free[0], 128);
     MbarInit(&ds_free[1], 128);
+    MbarInit(dq_drained, 1);
     FenceBarrierInit();
   }
   __syncthreads();
@@ -234,6 +252,35 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
         MbarArrive(&q_full[ring.stage]);
         ring.Advance();
       }
+    } else if (threadIdx.x / 32 == 2) {
+      // The dQ warp: each stage's staged dQ (consumer c's columns [128 c, +
+      // 128) over its Q (c = 0) or dO (1) tile, four boxes of 32 columns)
+      // into dq_acc by the copy engine, then the stage back to the TMA
+      // thread once read. Its lane 0 does it all.
+      if (threadIdx.x % 32 == 0 && num_iters > 0) {
+        PrefetchTensorMap(&args.tma_dq);
+        RingPos<kStages> ring;
+        for (int it = 0; it < num_iters; ++it) {
+          const int h = head_of(it), m_begin = m_begin_of(it);
+          MbarWait(&dq_staged[ring.stage], ring.phase);
+#pragma unroll
+          for (int c = 0; c < kBwdConsumerWarpgroups; ++c) {
+            const unsigned char* staging = (c == 0 ? s_q : s_do) + ring.stage * Tr::kQBytes;
+#pragma unroll
+            for (int box = 0; box < Tr::kHalf / 32; ++box) {
+              TmaReduceAdd4d(staging + box * Tr::kQPanelBytes, &args.tma_dq,
+                             Tr::kHalf * c + 32 * box, h, m_begin, b);
+            }
+          }
+          BulkCommitGroup();
+          BulkWaitGroupRead<0>();
+          MbarArrive(&q_empty[ring.stage]);
+          ring.Advance();
+        }
+        MbarArrive(dq_drained);
+        // The reductions must land before the convert kernel reads dq_acc.
+        BulkWaitGroup<0>();
+      }
     }
     return;
   }
@@ -291,31 +338,6 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   const auto fragment_offset = [&](int kk, int r) {
     const int row = 16 * warp + g + 8 * (r % 2);
     return row * 128 + ((2 * kk + r / 2) ^ g) * 16 + 4 * t4;
-  };
-
-  // dQ piece `piece` (64 queries x 64 columns, unscaled: the convert kernel
-  // scales) into dq_acc [B, T, H, D] by float2 atomics. Accumulator element
-  // 4 j + 2 rh + e: query 16 warp + g + 8 rh, column 8 j + 2 t4 + e of the
-  // piece. Rows past T and columns past D are skipped (D is a multiple of 8,
-  // so a pair is in or out whole).
-  const int64_t dq_row_stride = p.num_heads_q * p.head_dim;
-  const auto add_dq = [&](const float (&dq)[32], int h, int m_begin, int piece) {
-    const int col0 = Tr::kHalf * cg + 64 * piece + 2 * t4;
-#pragma unroll
-    for (int rh = 0; rh < 2; ++rh) {
-      const int row = m_begin + 16 * warp + g + 8 * rh;
-      if (row >= p.seqlen_q) continue;
-      float* dst = args.dq_acc + (static_cast<int64_t>(b) * p.seqlen_q + row) * dq_row_stride +
-                   static_cast<int64_t>(h) * p.head_dim;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int col = col0 + 8 * j;
-        if (col < p.head_dim) {
-          atomicAdd(reinterpret_cast<float2*>(dst + col),
-                    make_float2(dq[4 * j + 2 * rh], dq[4 * j + 2 * rh + 1]));
-        }
-      }
-    }
   };
 
   // dQ piece `piece` = dS K_c over the block's 64 keys (4 k16 slices of 16
@@ -449,12 +471,12 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       }
     }
 
-    // dQ piece 0, then dK_c += dS^T Q_c (wgmma RS, Q MN-major): piece 0's
-    // atomics run under dK, piece 1 is issued after them (two pieces in
-    // flight beside dK, dV and the fragments would not fit the registers).
-    float dq[32];
+    // dQ piece 0, then dK_c += dS^T Q_c (wgmma RS, Q MN-major), then dQ
+    // piece 1 (issued once piece 0 and dV are done: all three in flight
+    // beside the fragments would not fit the registers).
+    float dq0[32], dq1[32];
     WgmmaFence();
-    issue_dq(dq, ds_off, 0);
+    issue_dq(dq0, ds_off, 0);
     WgmmaFenceOperands(dsa);
     WgmmaFenceOperands(acc_dk);
 #pragma unroll
@@ -462,17 +484,25 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       Wgmma<Elem, 128>::RS(acc_dk, dsa[kk], DescAdd(desc_q_mn, q_off + kk * 2048), 1);
     }
     WgmmaCommit();
-    WgmmaWaitFenced<1>(acc_dv, pa, dq);  // dV and dQ piece 0 done; dK may still run
-    add_dq(dq, h, m_begin, 0);
+    WgmmaWaitFenced<1>(acc_dv, pa, dq0);  // dV and dQ piece 0 done; dK may still run
     WgmmaFence();
-    issue_dq(dq, ds_off, 1);
-    WgmmaWaitFenced<0>(acc_dk, dsa, dq);
-    // Every product of the block is done: its dS^T buffer (consumer 0 is its
-    // last reader; only blocks two later reuse it) and its stage are free.
+    issue_dq(dq1, ds_off, 1);
+    WgmmaWaitFenced<0>(acc_dk, dsa, dq0, dq1);
+    // Every product of the block is done: its dS^T buffer is free (consumer
+    // 0 is its last reader; only blocks two later reuse it), and once both
+    // consumers are here, so are the stage's Q and dO: this consumer's dQ
+    // columns go over its Q (c = 0) or dO (1) tile, piece p as boxes 2 p and
+    // 2 p + 1, for the dQ warp's reductions.
     if (cg == 0) MbarArrive(&ds_free[ds_buf]);
+    MbarArrive(&stage_done[ring.stage]);
+    MbarWait(&stage_done[ring.stage], ring.phase);
+    unsigned char* staging = (cg == 0 ? s_q : s_do) + q_off;
+    StageDqTile(staging, Tr::kQPanelBytes, warp, g, t4, dq0);
+    StageDqTile(staging + 2 * Tr::kQPanelBytes, Tr::kQPanelBytes, warp, g, t4, dq1);
+    FenceProxyAsync();
+    MbarArrive(&dq_staged[ring.stage]);
     MbarArrive(&q_empty[ring.stage]);
     ring.Advance();
-    add_dq(dq, h, m_begin, 1);
   }
 
   // Epilogue: dK = scale * acc_dk, dV = acc_dv, columns [128 c, + 128) into
@@ -480,6 +510,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   // staged in the 128-byte swizzled layout in the Q (dK) and dO (dV) stages,
   // which no product reads any more once both consumers get here. Keys no
   // query sees get zeros (num_iters == 0).
+  if (num_iters > 0) MbarWait(dq_drained, 0);  // the last dQ staging has been read
   NamedBarrierSync(7, 256);
   unsigned char* dk_stage = s_q + cg * 2 * Tr::kQPanelBytes;
   unsigned char* dv_stage = s_do + cg * 2 * Tr::kQPanelBytes;

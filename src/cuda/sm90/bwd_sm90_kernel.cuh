@@ -472,37 +472,15 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   };
 
   // This warpgroup's dQ tile (64 x 64, unscaled; the convert kernel scales)
-  // into its staging tile, in the 128-byte-swizzled layout of the dq_acc
-  // map's box (row r: 16-byte chunk c at c ^ (r % 8)); the producer's dQ
-  // warp then adds it into dq_acc [B, T, H, D] at rows m_begin + dq_row0,
-  // columns dq_col0 by the copy engine. Float2 atomics from every thread,
-  // the earlier way, took a third of the kernel's time (NOTES.md). Rows past
-  // T fall outside the map and are dropped.
-  // An 8-byte store is served a half warp at a time (rows g < 4, then g >= 4).
-  // Lanes t4 < 2 and t4 >= 2 of a row write neighbouring chunks, which the
-  // swizzle by rows 0-3 keeps inside one 4-chunk half of the row: 2-way
-  // conflicts (ncu). So lanes t4 >= 2 store column block j ^ 2 when the
-  // others store j: their chunk moves to the other half, and each half warp
-  // covers all 32 banks once.
+  // into its staging tile (StageDqTile); the producer's dQ warp then adds it
+  // into dq_acc [B, T, H, D] at rows m_begin + dq_row0, columns dq_col0 by
+  // the copy engine. Float2 atomics from every thread, the earlier way, took
+  // a third of the kernel's time (NOTES.md). Rows past T fall outside the
+  // map and are dropped.
   const auto stage_dq = [&](const float (&dq)[32]) {
     unsigned char* tile = s_dq + cg * Tr::kDqTileBytes;
     NamedBarrierSync(5 + cg, 160);  // ids 5, 6: the dQ warp's last reduction has read the tile
-    const bool upper = t4 >= 2;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int jj = upper ? j ^ 2 : j;  // this lane's column block, 8 jj + 2 t4
-#pragma unroll
-      for (int rh = 0; rh < 2; ++rh) {
-        // Row r = 16 warp + g + 8 rh (r % 8 = g), columns 8 jj + 2 t4, + 1:
-        // panel jj / 4, chunk 2 (jj % 4) + t4 / 2, byte 8 (t4 % 2) in it.
-        const int r = 16 * warp + g + 8 * rh;
-        const int chunk = (2 * (jj % 4) + t4 / 2) ^ g;
-        const int lo = 4 * j + 2 * rh, hi = 4 * (j ^ 2) + 2 * rh;
-        const float2 v = upper ? make_float2(dq[hi], dq[hi + 1]) : make_float2(dq[lo], dq[lo + 1]);
-        *reinterpret_cast<float2*>(tile + (jj / 4) * Tr::kDqPanelBytes + r * 128 + chunk * 16 +
-                                   8 * (t4 % 2)) = v;
-      }
-    }
+    StageDqTile(tile, Tr::kDqPanelBytes, warp, g, t4, dq);
     FenceProxyAsync();
     NamedBarrierArrive(3 + cg, 160);  // ids 3, 4: the tile is staged, to the dQ warp
   };

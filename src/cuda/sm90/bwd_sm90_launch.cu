@@ -173,8 +173,7 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
                                   p.num_heads_q, p.head_dim, p.o_batch_stride, p.o_row_stride,
                                   p.o_head_stride, tile.block_m, &args.do_heads_inner);
     }
-    // (The D-split kernel adds dQ by atomics: no dq_acc map.)
-    if (err == cudaSuccess && !sm90::BwdSm90SplitsD(tile)) {
+    if (err == cudaSuccess) {
       err = sm90::EncodeDqAccTensorMap(&args.tma_dq, encode, s.dq_acc, p.batch, p.seqlen_q,
                                        p.num_heads_q, p.head_dim, /*box_rows=*/64);
     }

@@ -161,6 +161,37 @@ __device__ __forceinline__ void StageAccumulatorTile(unsigned char* tile, int pa
   }
 }
 
+// A warpgroup's 64 x 64 fp32 accumulator tile (the wgmma layout: dq[4 j + 2
+// rh + e] at row 16 warp + g + 8 rh, column 8 j + 2 t4 + e) into two panels
+// of 32 columns, panel_bytes apart, each in the 128-byte-swizzled layout of
+// a TMA box of 64 rows x 32 fp32 (row r: 16-byte chunk c at c ^ (r % 8)),
+// for the backward's dQ bulk reductions.
+// An 8-byte store is served a half warp at a time (rows g < 4, then g >= 4).
+// Lanes t4 < 2 and t4 >= 2 of a row write neighbouring chunks, which the
+// swizzle by rows 0-3 keeps inside one 4-chunk half of the row: 2-way
+// conflicts (ncu). So lanes t4 >= 2 store column block j ^ 2 when the
+// others store j: their chunk moves to the other half, and each half warp
+// covers all 32 banks once.
+__device__ __forceinline__ void StageDqTile(unsigned char* tile, int panel_bytes, int warp, int g,
+                                            int t4, const float (&dq)[32]) {
+  const bool upper = t4 >= 2;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int jj = upper ? j ^ 2 : j;  // this lane's column block, 8 jj + 2 t4
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      // Row r = 16 warp + g + 8 rh (r % 8 = g), columns 8 jj + 2 t4, + 1:
+      // panel jj / 4, chunk 2 (jj % 4) + t4 / 2, byte 8 (t4 % 2) in it.
+      const int r = 16 * warp + g + 8 * rh;
+      const int chunk = (2 * (jj % 4) + t4 / 2) ^ g;
+      const int lo = 4 * j + 2 * rh, hi = 4 * (j ^ 2) + 2 * rh;
+      const float2 v = upper ? make_float2(dq[hi], dq[hi + 1]) : make_float2(dq[lo], dq[lo + 1]);
+      *reinterpret_cast<float2*>(tile + (jj / 4) * panel_bytes + r * 128 + chunk * 16 +
+                                 8 * (t4 % 2)) = v;
+    }
+  }
+}
+
 __device__ __forceinline__ void BulkCommitGroup() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
