@@ -16,7 +16,7 @@
 // is reported as HANG and the process exits.
 //
 //   sm90_bwd_selftest               all cases + timings
-//   sm90_bwd_selftest --tiny        four small cases (for the sanitizers)
+//   sm90_bwd_selftest --tiny        the small cases (for the sanitizers)
 //   sm90_bwd_selftest --probe       exits 0 at once: checks that a carried binary loads
 //   sm90_bwd_selftest --filter STR  only the cases (checked and timed) whose name contains STR
 //   sm90_bwd_selftest --no-time     skip timings

@@ -26,24 +26,22 @@ namespace {
 using sm90::BwdSm90Args;
 using sm90::BwdSm90Tile;
 
+// The kernel of the tile of kHeadDim: BwdSm90Kernel, or at D = 256
+// BwdSm90DSplitKernel (one CTA per tile).
+template <typename Elem, int kHeadDim>
+constexpr auto BwdSm90KernelFor() {
+  if constexpr (sm90::BwdSm90SplitsD(sm90::BwdSm90TileFor(kHeadDim))) {
+    return &sm90::BwdSm90DSplitKernel<Elem>;
+  } else {
+    return &sm90::BwdSm90Kernel<Elem, kHeadDim>;
+  }
+}
+
 template <typename Elem, int kHeadDim>
 cudaError_t LaunchBwdSm90(const BwdSm90Args& args, int num_ctas, cudaStream_t stream) {
   constexpr BwdSm90Tile tile = sm90::BwdSm90TileFor(kHeadDim);
   constexpr int smem_bytes = sm90::BwdSm90SmemBytes(tile);
-  const auto kernel = &sm90::BwdSm90Kernel<Elem, kHeadDim>;
-  static std::atomic<uint64_t> opted_in{0};
-  const cudaError_t err =
-      OptInSharedMemoryOnce(reinterpret_cast<const void*>(kernel), opted_in, smem_bytes);
-  if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(num_ctas), sm90::kBwdSm90Threads, smem_bytes, stream>>>(args);
-  return cudaGetLastError();
-}
-
-// The D-split tile (D = 256): one CTA per tile.
-template <typename Elem>
-cudaError_t LaunchBwdSm90DSplit(const BwdSm90Args& args, int num_ctas, cudaStream_t stream) {
-  constexpr int smem_bytes = sm90::BwdSm90SmemBytes(sm90::BwdSm90TileFor(256));
-  const auto kernel = &sm90::BwdSm90DSplitKernel<Elem>;
+  const auto kernel = BwdSm90KernelFor<Elem, kHeadDim>();
   static std::atomic<uint64_t> opted_in{0};
   const cudaError_t err =
       OptInSharedMemoryOnce(reinterpret_cast<const void*>(kernel), opted_in, smem_bytes);
@@ -57,7 +55,7 @@ cudaError_t LaunchForHeadDim(const BwdSm90Args& args, int num_ctas, cudaStream_t
   switch (sm90::BwdSm90TileFor(args.p.head_dim).head_dim) {
     case 64: return LaunchBwdSm90<Elem, 64>(args, num_ctas, stream);
     case 128: return LaunchBwdSm90<Elem, 128>(args, num_ctas, stream);
-    case 256: return LaunchBwdSm90DSplit<Elem>(args, num_ctas, stream);
+    case 256: return LaunchBwdSm90<Elem, 256>(args, num_ctas, stream);
     default: return cudaErrorInvalidValue;
   }
 }
