@@ -166,8 +166,9 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   const int num_iters = num_m_blocks * group;
   // Iteration it visits block (it + rotation) mod num_iters: CTAs of
   // neighbouring key blocks, which run at the same time, start one block
-  // apart, so that their dQ atomics do not all land on the same rows at
-  // once (+2-3% unmasked, NOTES.md).
+  // apart, so that their dQ reductions do not all land on the same rows at
+  // once (+2-3% unmasked with the earlier dQ atomics, NOTES.md; not
+  // re-measured since).
   const int rotation = num_iters > 0 ? tile % args.num_n_blocks % num_iters : 0;
   const auto visit = [&](int it) {
     const int v = it + rotation;
