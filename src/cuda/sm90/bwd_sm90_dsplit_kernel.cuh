@@ -65,6 +65,7 @@
 #include "../../flash_mask.h"
 #include "../primitives.cuh"
 #include "bwd_sm90.h"
+#include "bwd_sm90_mask.cuh"
 #include "primitives.cuh"
 #include "wgmma.cuh"
 
@@ -391,14 +392,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
         const float2 l = rows[i / 4];
         acc[i] = FastExp2(fmaf(acc[i], scale_log2, -((i & 1) ? l.y : l.x)));
       }
-      // One branch per block, none per element.
       if (!(m_begin >= full_lo && m_begin + kBlockM <= full_hi)) {
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-          const int query = m_begin + 8 * (i / 4) + 2 * t4 + (i & 1);
-          const int rh = (i / 2) % 2;
-          if (query < q_lo[rh] || query >= q_hi[rh]) acc[i] = 0.f;
-        }
+        ZeroMaskedScores(acc, m_begin, t4, q_lo, q_hi);
       }
       // As A fragments (rounded to Elem, as in FlashAttention-2): n8 tiles 2
       // kk and 2 kk + 1 form k16 slice kk; and into the P^T tile for

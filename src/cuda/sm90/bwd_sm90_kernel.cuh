@@ -72,6 +72,7 @@
 #include "../../flash_mask.h"
 #include "../primitives.cuh"
 #include "bwd_sm90.h"
+#include "bwd_sm90_mask.cuh"
 #include "primitives.cuh"
 #include "wgmma.cuh"
 
@@ -586,16 +587,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
           s[i] = FastExp2(fmaf(s[i], scale_log2, -((r & 1) ? l.y : l.x)));
         }
       }
-      // One branch per block, none per element (a per-element mask call made
-      // ptxas wrap every exponential in its own branch).
-      if (!full) {
-#pragma unroll
-        for (int i = 0; i < Tr::kSAcc; ++i) {
-          const int query = m_begin + 8 * (i / 4) + 2 * t4 + (i & 1);
-          const int rh = (i / 2) % 2;
-          if (query < q_lo[rh] || query >= q_hi[rh]) s[i] = 0.f;
-        }
-      }
+      if (!full) ZeroMaskedScores(s, m_begin, t4, q_lo, q_hi);
       // dV += P^T dO (wgmma RS: P^T from registers, dO MN-major). At block_m =
       // 64 it is issued before dS^T is computed, to run under that math; at
       // 128, S^T in fp32 (for dS^T), P^T, dP^T, dK and dV do not all fit in
