@@ -18,9 +18,9 @@ namespace jax_flash2::cuda {
 struct BwdScratchPtrs;  // bwd_kernel.cuh
 
 // True when the Hopper backward can serve p: bf16/fp16, D <= 256 (by the
-// tile of D's bucket, head_dim.h), no softcap, ALiBi, segment ids or dropout, not deterministic, every stride a
-// multiple of 8 elements and every pointer 16-byte aligned (TMA), sizes
-// within the grid limits.
+// tile of D's bucket, head_dim.h), no softcap, ALiBi, segment ids or
+// dropout, not deterministic, every stride a multiple of 8 elements and
+// every pointer 16-byte aligned (TMA), sizes within the grid limits.
 bool Sm90BackwardSupports(const FlashParams& p);
 
 // False when the environment variable JAX_FLASH2_SM90_BACKWARD is "0": a
@@ -47,12 +47,13 @@ int64_t Sm90BackwardStreamKSlots(const FlashParams& p, const DeviceInfo& dev);
 
 namespace sm90 {
 
-// One row per head dim. At D <= 128 a CTA's tile is kBlockN = 128 keys of one
-// (batch, K/V head), 64 per consumer warpgroup, and it loops over block_m query rows at a
-// time (of every query head of its group): 128 at D = 64, where the five
-// products are half as long per query, so that the per-block costs (waits,
-// barriers, the dQ reduction) are paid half as often; 64 at D = 128, whose
-// dK, dV accumulators leave no registers for more. Shared memory, 2-byte
+// One row per head dim. At D <= 128 a CTA's tile is kBlockN = 128 keys of
+// one (batch, K/V head), 64 per consumer warpgroup, and it loops over block_m
+// query rows at a time (of every query head of its group): 128 at D = 64,
+// where the five products are half as long per query, so that the
+// per-block costs (waits, barriers, the dQ reduction) are paid half as
+// often; 64 at D = 128, whose dK, dV accumulators leave no registers for
+// more. Shared memory, 2-byte
 // elements: K, V (block_n x D each), `stages` x (Q, dO) (block_m x D each),
 // two dS^T buffers (block_n x block_m), in fp32 the dQ staging tiles (64 x
 // 64 per consumer warpgroup), at D = 128 a dV staging tile (block_n x D; see

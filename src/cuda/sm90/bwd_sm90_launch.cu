@@ -78,12 +78,13 @@ BwdSm90Grid PlanGrid(const FlashParams& p, const DeviceInfo& dev, int num_tiles,
   const int sms = dev.sm_count;
   BwdSm90Grid grid{tile.persistent && !masked ? std::min(num_tiles, sms) : num_tiles, num_tiles,
                    0};
-  // Stream-K needs tiles of one length (no mask), more tiles than SMs (so
-  // that every CTA's range covers a whole tile), a partial last round, and
-  // tiles of two iterations or more to cut.
+  // Stream-K needs BwdSm90Kernel (the D-split kernel has no stream-K walk),
+  // tiles of one length (no mask), more tiles than SMs (so that every CTA's
+  // range covers a whole tile), a partial last round, and tiles of two
+  // iterations or more to cut.
   const int64_t iters = sm90::BwdSm90FullTileIters(p.seqlen_q, p.group_size, tile.block_m);
-  if (!allow_stream_k || sm90::BwdSm90SplitsD(tile) || masked || sms <= 0 || num_tiles <= sms || num_tiles % sms == 0 ||
-      iters < 2) {
+  if (!allow_stream_k || sm90::BwdSm90SplitsD(tile) || masked || sms <= 0 || num_tiles <= sms ||
+      num_tiles % sms == 0 || iters < 2) {
     return grid;
   }
   grid.sk_ctas = sms;
