@@ -150,12 +150,12 @@ constexpr int64_t BwdSm90SlotFloats(int64_t head_dim) {
 
 constexpr int BwdSm90SmemBytes(const BwdSm90Tile& t) {
   if (BwdSm90SplitsD(t)) {
-    // K, V, `stages` x (Q, dO), P^T and two dS^T buffers (block_n x block_m),
-    // `stages` x (lse2, Dvec), the mbarriers (kv_full; four per stage; five
-    // between the consumers and the dQ warp): 64 + 128 + 24 + 1 KB + 1 KB
-    // slack = 218 KB at D = 256. (dQ is staged over the Q and dO stages.)
+    // K, V, `stages` x (Q, dO), P^T and dS^T (block_n x block_m), `stages` x
+    // (lse2, Dvec), the mbarriers (kv_full; four per stage; three between the
+    // consumers and the dQ warp): 64 + 128 + 16 + 1 KB + 1 KB slack = 210 KB
+    // at D = 256. (dQ is staged over the Q and dO stages.)
     return 2 * t.block_n * t.head_dim * 2 + t.stages * 2 * t.block_m * t.head_dim * 2 +
-           3 * t.block_n * t.block_m * 2 + t.stages * 2 * t.block_m * 4 + (6 + 4 * t.stages) * 8 +
+           2 * t.block_n * t.block_m * 2 + t.stages * 2 * t.block_m * 4 + (4 + 4 * t.stages) * 8 +
            1024;
   }
   const int kv = 2 * t.block_n * t.head_dim * 2;

@@ -14,7 +14,7 @@
 //                -> shared memory (Elem, [key][query])
 //   consumer 1:  dP^T = V dO^T            (likewise, side by side with S^T)
 //                P^T  <- shared memory, dS^T = P^T o (dP^T - Dvec)
-//                -> shared memory (second of two buffers per block parity)
+//                -> shared memory
 //   each c:      dV_c += P^T dO_c         wgmma RS, dO's columns of c MN-major
 //                dK_c += dS^T Q_c         wgmma RS
 //                dQ_c  = dS K_c           two m64n64 SS pieces (both MN-major)
@@ -33,15 +33,14 @@
 // arrivals release):
 //   p_full:      0 arrives after storing P^T, 1 waits before loading it.
 //   ds_full:     1 arrives after storing dS^T, 0 waits before loading it.
-//   ds_free[b]:  0 arrives once its dQ products (the last readers of dS^T
-//                buffer b) are done, 1 waits before storing the dS^T of the
-//                block two later.
-// P^T needs one buffer: consumer 0 writes the next one only after ds_full of
-// this block, which consumer 1 signals after its last read of P^T. No
-// barrier can run a phase ahead of its waiter: each side waits on the other's
-// signal between two of its own. (Named-barrier arrive / sync pairs would
-// do the same, but racecheck does not count an arrive as ordering the
-// arriving threads' shared-memory accesses.)
+// One buffer of each is enough: consumer 0 writes the next P^T only after
+// ds_full of this block, which consumer 1 signals after its last read of
+// P^T; consumer 1 writes the next dS^T only after the stage_done rendezvous
+// below, which consumer 0 reaches once its dQ products, the last readers of
+// dS^T, are done. No barrier can run a phase ahead of its waiter: each side
+// waits on the other's signal between two of its own. (Named-barrier arrive
+// / sync pairs would do the same, but racecheck does not count an arrive as
+// ordering the arriving threads' shared-memory accesses.)
 // A stage's dQ: stage_done[s] (every consumer thread, once its products of
 // the block are done: the stage's Q and dO may be overwritten), then
 // dq_staged[s] (every consumer thread, after its staging stores), then the
@@ -59,13 +58,12 @@
 
 #include <cuda_runtime.h>
 
-#include <climits>
 #include <cstdint>
 
 #include "../../flash_mask.h"
 #include "../primitives.cuh"
 #include "bwd_sm90.h"
-#include "bwd_sm90_mask.cuh"
+#include "bwd_sm90_common.cuh"
 #include "primitives.cuh"
 #include "wgmma.cuh"
 
@@ -100,13 +98,13 @@ struct BwdSm90DSplitSmem {
   static constexpr int kQ = kV + Tr::kKvBytes;
   static constexpr int kDo = kQ + Tr::kStages * Tr::kQBytes;
   static constexpr int kP = kDo + Tr::kStages * Tr::kQBytes;
-  static constexpr int kDs = kP + Tr::kPBytes;  // two buffers
+  static constexpr int kDs = kP + Tr::kPBytes;
   // [stage] lse2 then Dvec of the stage's query block (kBlockM floats each).
-  static constexpr int kRows = kDs + 2 * Tr::kPBytes;
+  static constexpr int kRows = kDs + Tr::kPBytes;
   static constexpr int kBars = kRows + Tr::kStages * 2 * Tr::kBlockM * 4;
   // kv_full; q_full, q_empty, stage_done, dq_staged per stage; p_full,
-  // ds_full, ds_free[2], dq_drained.
-  static constexpr int kEnd = kBars + (6 + 4 * Tr::kStages) * 8;
+  // ds_full, dq_drained.
+  static constexpr int kEnd = kBars + (4 + 4 * Tr::kStages) * 8;
   static_assert(kEnd + 1024 <= BwdSm90SmemBytes(Tr::kTile));
   static_assert(kV % 1024 == 0 && kQ % 1024 == 0 && kDo % 1024 == 0 && kP % 1024 == 0 &&
                 kDs % 1024 == 0 && kRows % 16 == 0);
@@ -137,12 +135,11 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   uint64_t* q_empty = q_full + kStages;
   uint64_t* stage_done = q_empty + kStages;
   uint64_t* dq_staged = stage_done + kStages;
-  // Consumer to consumer (see the top): P^T stored, dS^T stored, dS^T buffer
-  // 0 or 1 free; then the dQ warp's last reads.
+  // Consumer to consumer (see the top): P^T stored, dS^T stored; then the dQ
+  // warp's last reads.
   uint64_t* p_full = dq_staged + kStages;
   uint64_t* ds_full = p_full + 1;
-  uint64_t* ds_free = ds_full + 1;
-  uint64_t* dq_drained = ds_free + 2;
+  uint64_t* dq_drained = ds_full + 1;
 
   const FlashParams& p = args.p;
   const int seqlen_k = static_cast<int>(p.seqlen_k);
@@ -193,8 +190,6 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     }
     MbarInit(p_full, 128);
     MbarInit(ds_full, 128);
-    MbarInit(&ds_free[0], 128);
-    MbarInit(&ds_free[1], 128);
     MbarInit(dq_drained, 1);
     FenceBarrierInit();
   }
@@ -210,30 +205,14 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       PrefetchTensorMap(&args.tma_k);
       PrefetchTensorMap(&args.tma_v);
       MbarArriveExpectTx(kv_full, 2 * Tr::kKvBytes);
-#pragma unroll
-      for (int panel = 0; panel < Tr::kPanels; ++panel) {
-        TmaLoad4d(s_k + panel * Tr::kKvPanelBytes, &args.tma_k, kv_full, panel * 64,
-                  args.k_heads_inner ? kv_head : n_begin, args.k_heads_inner ? n_begin : kv_head,
-                  b);
-        TmaLoad4d(s_v + panel * Tr::kKvPanelBytes, &args.tma_v, kv_full, panel * 64,
-                  args.v_heads_inner ? kv_head : n_begin, args.v_heads_inner ? n_begin : kv_head,
-                  b);
-      }
+      LoadKvTile(args, s_k, s_v, kv_full, Tr::kPanels, Tr::kKvPanelBytes, n_begin, kv_head, b);
       RingPos<kStages> ring;
       for (int it = 0; it < num_iters; ++it) {
         const int h = head_of(it), m_begin = m_begin_of(it);
         MbarWait(&q_empty[ring.stage], ring.phase ^ 1);
         MbarArriveExpectTx(&q_full[ring.stage], 2 * Tr::kQBytes);
-        unsigned char* q_dst = s_q + ring.stage * Tr::kQBytes;
-        unsigned char* do_dst = s_do + ring.stage * Tr::kQBytes;
-#pragma unroll
-        for (int panel = 0; panel < Tr::kPanels; ++panel) {
-          TmaLoad4d(q_dst + panel * Tr::kQPanelBytes, &args.tma_q, &q_full[ring.stage], panel * 64,
-                    args.q_heads_inner ? h : m_begin, args.q_heads_inner ? m_begin : h, b);
-          TmaLoad4d(do_dst + panel * Tr::kQPanelBytes, &args.tma_do, &q_full[ring.stage],
-                    panel * 64, args.do_heads_inner ? h : m_begin,
-                    args.do_heads_inner ? m_begin : h, b);
-        }
+        LoadQDoBlock(args, s_q + ring.stage * Tr::kQBytes, s_do + ring.stage * Tr::kQBytes,
+                     &q_full[ring.stage], Tr::kPanels, Tr::kQPanelBytes, m_begin, h, b);
         ring.Advance();
       }
     } else if (threadIdx.x / 32 == 1) {
@@ -309,28 +288,9 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       MakeDescMN(SmemAddr(s_k) + cg * 2 * Tr::kKvPanelBytes, Tr::kKvPanelBytes);
   const uint64_t desc_ds_mn = MakeDescMN(SmemAddr(s_ds), Tr::kPBytes);
 
-  // Key rows of this thread: 16 warp + g + 8 rh. Queries [q_lo[rh], q_hi[rh])
-  // see them (none past S); blocks inside [full_lo, full_hi) see all 64 keys
-  // (WindowMask::BlockFullyVisible in 32-bit ints) and skip the predicate.
-  int q_lo[2], q_hi[2];
-#pragma unroll
-  for (int rh = 0; rh < 2; ++rh) {
-    const int key = n_begin + 16 * warp + g + 8 * rh;
-    int64_t lo = 0, hi = 0;
-    if (key < seqlen_k) mask.QueryRange(key, key + 1, p.seqlen_q, &lo, &hi);
-    q_lo[rh] = static_cast<int>(lo);
-    q_hi[rh] = static_cast<int>(hi);
-  }
-  int full_lo = INT_MAX, full_hi = INT_MAX;
-  {
-    int64_t lo, hi;
-    if (n_begin + kBlockN <= seqlen_k) {
-      mask.QueryRange(n_begin + kBlockN - 1, n_begin + kBlockN, INT_MAX, &lo, &hi);
-      full_lo = static_cast<int>(lo);
-    }
-    mask.QueryRange(n_begin, n_begin + 1, INT_MAX, &lo, &hi);
-    full_hi = static_cast<int>(hi);
-  }
+  // The queries that see this thread's key rows; fully visible blocks skip
+  // the mask.
+  const KeyRowWindow window = KeyRowWindowFor(mask, n_begin, warp, g, p.seqlen_q, seqlen_k);
 
   // P^T and dS^T tiles: fragment r of slice kk (key row 16 warp + g + 8 (r %
   // 2), queries 16 kk + 8 (r / 2) + 2 t4, + 1) at chunk 2 kk + r / 2 of the
@@ -341,13 +301,32 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     const int row = 16 * warp + g + 8 * (r % 2);
     return row * 128 + ((2 * kk + r / 2) ^ g) * 16 + 4 * t4;
   };
+  using Fragments = uint32_t[Tr::kSlices][4];
+  const auto store_tile = [&](unsigned char* tile, const Fragments& f) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::kSlices; ++kk) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        *reinterpret_cast<uint32_t*>(tile + fragment_offset(kk, r)) = f[kk][r];
+      }
+    }
+  };
+  const auto load_tile = [&](const unsigned char* tile, Fragments& f) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::kSlices; ++kk) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        f[kk][r] = *reinterpret_cast<const uint32_t*>(tile + fragment_offset(kk, r));
+      }
+    }
+  };
 
   // dQ piece `piece` = dS K_c over the block's 64 keys (4 k16 slices of 16
   // keys: 2048 bytes into the dS^T tile and K), committed as one group.
-  const auto issue_dq = [&](float (&dq)[32], uint32_t ds_off, int piece) {
+  const auto issue_dq = [&](float (&dq)[32], int piece) {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      Wgmma<Elem, 64>::SSMN(dq, DescAdd(desc_ds_mn, ds_off + kk * 2048),
+      Wgmma<Elem, 64>::SSMN(dq, DescAdd(desc_ds_mn, kk * 2048),
                             DescAdd(desc_k_mn, piece * Tr::kKvPanelBytes + kk * 2048), kk > 0);
     }
     WgmmaCommit();
@@ -362,8 +341,6 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   for (int it = 0; it < num_iters; ++it) {
     const int h = head_of(it), m_begin = m_begin_of(it);
     const uint32_t q_off = ring.stage * Tr::kQBytes;
-    const int ds_buf = it % 2;
-    const uint32_t ds_off = ds_buf * Tr::kPBytes;
     MbarWait(&q_full[ring.stage], ring.phase);
     // lse2 (consumer 0) or Dvec (1) at this thread's accumulator columns 8 j
     // + 2 t4, + 1, loaded before the products flood shared memory.
@@ -392,9 +369,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
         const float2 l = rows[i / 4];
         acc[i] = FastExp2(fmaf(acc[i], scale_log2, -((i & 1) ? l.y : l.x)));
       }
-      if (!(m_begin >= full_lo && m_begin + kBlockM <= full_hi)) {
-        ZeroMaskedScores(acc, m_begin, t4, q_lo, q_hi);
-      }
+      if (!window.FullyVisible(m_begin, kBlockM)) ZeroMaskedScores(acc, m_begin, t4, window);
       // As A fragments (rounded to Elem, as in FlashAttention-2): n8 tiles 2
       // kk and 2 kk + 1 form k16 slice kk; and into the P^T tile for
       // consumer 1 (read from registers before the dV wgmmas are issued:
@@ -404,19 +379,13 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           pa[kk][r] = PackFloat2<Elem>(acc[8 * kk + 2 * r], acc[8 * kk + 2 * r + 1]);
-          *reinterpret_cast<uint32_t*>(s_p + fragment_offset(kk, r)) = pa[kk][r];
         }
       }
+      store_tile(s_p, pa);
       MbarArrive(p_full);
     } else {
       MbarWait(p_full, it & 1);
-#pragma unroll
-      for (int kk = 0; kk < Tr::kSlices; ++kk) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          pa[kk][r] = *reinterpret_cast<const uint32_t*>(s_p + fragment_offset(kk, r));
-        }
-      }
+      load_tile(s_p, pa);
       // dS^T = P^T o (dP^T - Dvec[query]), from the P^T fragments: element
       // pair (8 kk + 2 r, + 1) is fragment r of slice kk, column block 2 kk +
       // r / 2.
@@ -444,27 +413,14 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     WgmmaCommit();
 
     if (cg == 1) {
-      // The buffer's previous dS^T (block it - 2) must be done with: consumer
-      // 0's dQ products read it last. Then hand this one over.
-      if (it >= 2) MbarWait(&ds_free[ds_buf], ((it - 2) / 2) & 1);
-#pragma unroll
-      for (int kk = 0; kk < Tr::kSlices; ++kk) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          *reinterpret_cast<uint32_t*>(s_ds + ds_off + fragment_offset(kk, r)) = dsa[kk][r];
-        }
-      }
+      // The previous block's dS^T is done with: both consumers passed its
+      // stage_done rendezvous after their dQ products, its last readers.
+      store_tile(s_ds, dsa);
       FenceProxyAsync();  // the dQ wgmmas read it through the async proxy
       MbarArrive(ds_full);
     } else {
       MbarWait(ds_full, it & 1);
-#pragma unroll
-      for (int kk = 0; kk < Tr::kSlices; ++kk) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          dsa[kk][r] = *reinterpret_cast<const uint32_t*>(s_ds + ds_off + fragment_offset(kk, r));
-        }
-      }
+      load_tile(s_ds, dsa);
     }
 
     // dQ piece 0, then dK_c += dS^T Q_c (wgmma RS, Q MN-major), then dQ
@@ -472,7 +428,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     // beside the fragments would not fit the registers).
     float dq0[32], dq1[32];
     WgmmaFence();
-    issue_dq(dq0, ds_off, 0);
+    issue_dq(dq0, 0);
     WgmmaFenceOperands(dsa);
     WgmmaFenceOperands(acc_dk);
 #pragma unroll
@@ -482,14 +438,12 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     WgmmaCommit();
     WgmmaWaitFenced<1>(acc_dv, pa, dq0);  // dV and dQ piece 0 done; dK may still run
     WgmmaFence();
-    issue_dq(dq1, ds_off, 1);
+    issue_dq(dq1, 1);
     WgmmaWaitFenced<0>(acc_dk, dsa, dq0, dq1);
-    // Every product of the block is done: its dS^T buffer is free (consumer
-    // 0 is its last reader; only blocks two later reuse it), and once both
-    // consumers are here, so are the stage's Q and dO: this consumer's dQ
-    // columns go over its Q (c = 0) or dO (1) tile, piece p as boxes 2 p and
-    // 2 p + 1, for the dQ warp's reductions.
-    if (cg == 0) MbarArrive(&ds_free[ds_buf]);
+    // Every product of the block is done. Once both consumers are here, the
+    // stage's Q and dO and the dS^T tile are free: this consumer's dQ columns
+    // go over its Q (c = 0) or dO (1) tile, piece p as boxes 2 p and 2 p + 1,
+    // for the dQ warp's reductions.
     MbarArrive(&stage_done[ring.stage]);
     MbarWait(&stage_done[ring.stage], ring.phase);
     unsigned char* staging = (cg == 0 ? s_q : s_do) + q_off;

@@ -65,14 +65,13 @@
 
 #include <cuda_runtime.h>
 
-#include <climits>
 #include <cmath>
 #include <cstdint>
 
 #include "../../flash_mask.h"
 #include "../primitives.cuh"
 #include "bwd_sm90.h"
-#include "bwd_sm90_mask.cuh"
+#include "bwd_sm90_common.cuh"
 #include "primitives.cuh"
 #include "wgmma.cuh"
 
@@ -309,31 +308,15 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
         ++kv_loads;
         const int kv_head = tile.kv_head, n_begin = tile.n_begin;
         MbarArriveExpectTx(kv_full, 2 * Tr::kKvBytes);
-#pragma unroll
-        for (int panel = 0; panel < Tr::kPanels; ++panel) {
-          TmaLoad4d(s_k + panel * Tr::kKvPanelBytes, &args.tma_k, kv_full, panel * Tr::kPanelCols,
-                    args.k_heads_inner ? kv_head : n_begin, args.k_heads_inner ? n_begin : kv_head,
-                    tile.b);
-          TmaLoad4d(s_v + panel * Tr::kKvPanelBytes, &args.tma_v, kv_full, panel * Tr::kPanelCols,
-                    args.v_heads_inner ? kv_head : n_begin, args.v_heads_inner ? n_begin : kv_head,
-                    tile.b);
-        }
+        LoadKvTile(args, s_k, s_v, kv_full, Tr::kPanels, Tr::kKvPanelBytes, n_begin, kv_head,
+                   tile.b);
         for (int it = item.it_begin; it < it_end; ++it) {
           const auto [h, m_begin] = query_block(tile, it);
           // Slot free? (Parity phase ^ 1: the first pass finds every slot free.)
           MbarWait(&q_empty[ring.stage], ring.phase ^ 1);
           MbarArriveExpectTx(&q_full[ring.stage], 2 * Tr::kQBytes);
-          unsigned char* q_dst = s_q + ring.stage * Tr::kQBytes;
-          unsigned char* do_dst = s_do + ring.stage * Tr::kQBytes;
-#pragma unroll
-          for (int panel = 0; panel < Tr::kPanels; ++panel) {
-            TmaLoad4d(q_dst + panel * Tr::kQPanelBytes, &args.tma_q, &q_full[ring.stage],
-                      panel * Tr::kPanelCols, args.q_heads_inner ? h : m_begin,
-                      args.q_heads_inner ? m_begin : h, tile.b);
-            TmaLoad4d(do_dst + panel * Tr::kQPanelBytes, &args.tma_do, &q_full[ring.stage],
-                      panel * Tr::kPanelCols, args.do_heads_inner ? h : m_begin,
-                      args.do_heads_inner ? m_begin : h, tile.b);
-          }
+          LoadQDoBlock(args, s_q + ring.stage * Tr::kQBytes, s_do + ring.stage * Tr::kQBytes,
+                       &q_full[ring.stage], Tr::kPanels, Tr::kQPanelBytes, m_begin, h, tile.b);
           ring.Advance();
         }
       }
@@ -517,32 +500,9 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     const int it_begin = item.it_begin;
     const int it_end = min(item.it_end, tile.num_iters);
     const int key0 = tile.n_begin + 64 * cg;
-    // Queries [q_lo[rh], q_hi[rh]) see this thread's key row key0 + 16 warp +
-    // g + 8 rh (none for rows past S). Blocks not fully visible compare
-    // against these, in 32-bit ints, without branches.
-    int q_lo[2], q_hi[2];
-#pragma unroll
-    for (int rh = 0; rh < 2; ++rh) {
-      const int key = key0 + 16 * warp + g + 8 * rh;
-      int64_t lo = 0, hi = 0;
-      if (key < seqlen_k) mask.QueryRange(key, key + 1, p.seqlen_q, &lo, &hi);
-      q_lo[rh] = static_cast<int>(lo);
-      q_hi[rh] = static_cast<int>(hi);
-    }
-    // Query blocks [m_begin, + kBlockM) inside [full_lo, full_hi) see all 64
-    // keys of this warpgroup (WindowMask::BlockFullyVisible, in 32-bit ints
-    // computed once per item: the 64-bit test in every iteration cost the
-    // D = 64 consumers spills).
-    int full_lo = INT_MAX, full_hi = INT_MAX;
-    {
-      int64_t lo, hi;
-      if (key0 + 64 <= seqlen_k) {
-        mask.QueryRange(key0 + 63, key0 + 64, INT_MAX, &lo, &hi);
-        full_lo = static_cast<int>(lo);
-      }
-      mask.QueryRange(key0, key0 + 1, INT_MAX, &lo, &hi);
-      full_hi = static_cast<int>(hi);
-    }
+    // The queries that see this thread's key rows; fully visible blocks skip
+    // the mask, without branches per element.
+    const KeyRowWindow window = KeyRowWindowFor(mask, key0, warp, g, p.seqlen_q, seqlen_k);
     float acc_dk[Tr::kAcc], acc_dv[Tr::kAcc];
 #pragma unroll
     for (int i = 0; i < Tr::kAcc; ++i) acc_dk[i] = acc_dv[i] = 0.f;
@@ -571,7 +531,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // Accumulator element i of the 64 x kBlockM tiles: key row 16 warp + g +
       // 8 rh, query column 8 j + 2 t4 + e, with j = i / 4, rh = (i / 2) % 2,
       // e = i % 2.
-      const bool full = m_begin >= full_lo && m_begin + kBlockM <= full_hi;
+      const bool full = window.FullyVisible(m_begin, kBlockM);
       WgmmaWaitFenced<1>(s);  // S^T done; dP^T may still run
       load_rows(ring.stage, 1, dvec);
       // P^T = exp2(S^T * scale_log2 - lse2[query]); lse2 = +inf (rows past T,
@@ -587,7 +547,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
           s[i] = FastExp2(fmaf(s[i], scale_log2, -((r & 1) ? l.y : l.x)));
         }
       }
-      if (!full) ZeroMaskedScores(s, m_begin, t4, q_lo, q_hi);
+      if (!full) ZeroMaskedScores(s, m_begin, t4, window);
       // dV += P^T dO (wgmma RS: P^T from registers, dO MN-major). At block_m =
       // 64 it is issued before dS^T is computed, to run under that math; at
       // 128, S^T in fp32 (for dS^T), P^T, dP^T, dK and dV do not all fit in

@@ -1,0 +1,96 @@
+// Pieces both Hopper backward kernels share (bwd_sm90_kernel.cuh,
+// bwd_sm90_dsplit_kernel.cuh): the producer's TMA loads of a key tile and of
+// a query block, and the causal / window mask of a 64-key P^T tile.
+#pragma once
+
+#include <climits>
+#include <cstdint>
+
+#include "../../flash_mask.h"
+#include "bwd_sm90.h"
+#include "primitives.cuh"
+
+namespace jax_flash2::cuda::sm90 {
+
+// K and V rows [n_begin, + block) of (b, kv_head) into s_k and s_v, as
+// `panels` 64-column panels of panel_bytes each, completing on `bar`.
+__device__ __forceinline__ void LoadKvTile(const BwdSm90Args& args, unsigned char* s_k,
+                                           unsigned char* s_v, uint64_t* bar, int panels,
+                                           int panel_bytes, int n_begin, int kv_head, int b) {
+#pragma unroll
+  for (int panel = 0; panel < panels; ++panel) {
+    TmaLoad4d(s_k + panel * panel_bytes, &args.tma_k, bar, panel * 64,
+              args.k_heads_inner ? kv_head : n_begin, args.k_heads_inner ? n_begin : kv_head, b);
+    TmaLoad4d(s_v + panel * panel_bytes, &args.tma_v, bar, panel * 64,
+              args.v_heads_inner ? kv_head : n_begin, args.v_heads_inner ? n_begin : kv_head, b);
+  }
+}
+
+// Q and dO rows [m_begin, + block) of (b, head h) into one ring stage, as
+// LoadKvTile.
+__device__ __forceinline__ void LoadQDoBlock(const BwdSm90Args& args, unsigned char* q_dst,
+                                             unsigned char* do_dst, uint64_t* bar, int panels,
+                                             int panel_bytes, int m_begin, int h, int b) {
+#pragma unroll
+  for (int panel = 0; panel < panels; ++panel) {
+    TmaLoad4d(q_dst + panel * panel_bytes, &args.tma_q, bar, panel * 64,
+              args.q_heads_inner ? h : m_begin, args.q_heads_inner ? m_begin : h, b);
+    TmaLoad4d(do_dst + panel * panel_bytes, &args.tma_do, bar, panel * 64,
+              args.do_heads_inner ? h : m_begin, args.do_heads_inner ? m_begin : h, b);
+  }
+}
+
+// Which queries see a thread's two key rows of a 64-key tile [key0, + 64)
+// (rows key0 + 16 warp + g + 8 rh, none past S): [q_lo[rh], q_hi[rh]). Query
+// blocks inside [full_lo, full_hi) see all 64 keys (the tile's
+// WindowMask::BlockFullyVisible). 32-bit ints computed once per tile: 64-bit
+// tests in every iteration cost the D = 64 consumers spills.
+struct KeyRowWindow {
+  int q_lo[2], q_hi[2];
+  int full_lo, full_hi;
+
+  __device__ __forceinline__ bool FullyVisible(int m_begin, int block_m) const {
+    return m_begin >= full_lo && m_begin + block_m <= full_hi;
+  }
+};
+
+__device__ __forceinline__ KeyRowWindow KeyRowWindowFor(const WindowMask& mask, int key0,
+                                                        int warp, int g, int64_t seqlen_q,
+                                                        int seqlen_k) {
+  KeyRowWindow w;
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    const int key = key0 + 16 * warp + g + 8 * rh;
+    int64_t lo = 0, hi = 0;
+    if (key < seqlen_k) mask.QueryRange(key, key + 1, seqlen_q, &lo, &hi);
+    w.q_lo[rh] = static_cast<int>(lo);
+    w.q_hi[rh] = static_cast<int>(hi);
+  }
+  w.full_lo = INT_MAX;
+  int64_t lo, hi;
+  if (key0 + 64 <= seqlen_k) {
+    mask.QueryRange(key0 + 63, key0 + 64, INT_MAX, &lo, &hi);
+    w.full_lo = static_cast<int>(lo);
+  }
+  mask.QueryRange(key0, key0 + 1, INT_MAX, &lo, &hi);
+  w.full_hi = static_cast<int>(hi);
+  return w;
+}
+
+// Zeroes the masked elements of a 64-key x (kAcc / 4 * 8)-query P^T
+// accumulator (element i: key row 16 warp + g + 8 ((i / 2) % 2), query
+// m_begin + 8 (i / 4) + 2 t4 + i % 2). For blocks not fully visible only:
+// one branch per block, none per element (a per-element mask call made
+// ptxas wrap every exponential in its own branch).
+template <int kAcc>
+__device__ __forceinline__ void ZeroMaskedScores(float (&p)[kAcc], int m_begin, int t4,
+                                                 const KeyRowWindow& window) {
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) {
+    const int query = m_begin + 8 * (i / 4) + 2 * t4 + (i & 1);
+    const int rh = (i / 2) % 2;
+    if (query < window.q_lo[rh] || query >= window.q_hi[rh]) p[i] = 0.f;
+  }
+}
+
+}  // namespace jax_flash2::cuda::sm90
