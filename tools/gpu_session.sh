@@ -3,6 +3,8 @@
 #   bash tools/gpu_session.sh            (logs and tables under $OUT)
 # 1. install with CUDA for sm_90a (the H200; ~30 s on 16 cores)
 # 2. the pytest suite on GPU $TEST_GPU, in parallel processes sharing it
+#    (TESTS=files to choose, PART=K/N for part K of N: the whole suite takes
+#    about 15 minutes with 16 workers, more than one call's 10)
 # 3. the quickstart
 # Optional jobs, run on GPU $AUX_GPU: beside the tests when it differs from
 # $TEST_GPU (a 2-GPU host), after them otherwise, so timings never share a GPU:
@@ -67,9 +69,16 @@ run_tests() {
   # Several pytest workers share the GPU: no preallocation, or the second one
   # finds the memory taken. Run from tests/ so the installed package is imported.
   SECONDS=0
+  # PART=K/N: only part K of N of the suite (tools/test_part.py), so that
+  # N calls of at most 10 minutes run all of it. Test ids hold spaces: an array.
+  local -a tests=(${TESTS:-.})
+  if [ -n "${PART:-}" ]; then
+    mapfile -t tests < <(python3 tools/test_part.py "${PART%/*}" "${PART#*/}")
+    echo "== part $PART: ${#tests[@]} tests"
+  fi
   (cd tests && CUDA_VISIBLE_DEVICES=$TEST_GPU XLA_PYTHON_CLIENT_PREALLOCATE=false \
     timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -v -rfE -p no:cacheprovider \
-    --tb=short -n "${WORKERS:-8}" ${TESTS:-.} > "$OUT/pytest.log" 2>&1)
+    --tb=short -n "${WORKERS:-8}" "${tests[@]}" > "$OUT/pytest.log" 2>&1)
   # -v keeps every finished test's result when the timeout cuts the run.
   grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest.log" | grep -v "^\[gw.*PASSED" | tail -30
   echo "== tests in ${SECONDS}s"

@@ -1,0 +1,42 @@
+"""Prints the test ids of part K of N of the pytest suite (collection order,
+every N-th test from the K-th), one per line, so that the whole suite can
+run on the GPU machine in device calls of at most 10 minutes each:
+
+  python3 tools/test_part.py 0 3 > /tmp/ids && (cd tests && \
+    python3 -m pytest -n 16 $(cat /tmp/ids))   # or via tools/gpu_session.sh PART=0/3
+
+Run from the repository root; the ids are relative to tests/. Dealt out
+rather than cut into runs, so every part gets a share of each file's slow
+cases.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def collect(extra_args: list[str]) -> list[str]:
+  out = subprocess.run(
+      [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+       *extra_args],
+      cwd="tests", capture_output=True, text=True, check=False)
+  ids = [line for line in out.stdout.splitlines() if "::" in line]
+  if not ids:
+    sys.exit(f"test_part: no tests collected:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+  # Collected from tests/ the ids may still start with "tests/" (rootdir).
+  return [i.removeprefix("tests/") for i in ids]
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) < 2 or not argv[0].isdigit() or not argv[1].isdigit():
+    sys.exit("usage: test_part.py K N [pytest collection args]")
+  part, parts = int(argv[0]), int(argv[1])
+  if not 0 <= part < parts:
+    sys.exit(f"test_part: need 0 <= K < N, got K={part} N={parts}")
+  ids = collect(argv[2:])
+  print("\n".join(ids[part::parts]))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
