@@ -4,7 +4,7 @@
 # 1. install with CUDA for sm_90a (the H200; ~30 s on 16 cores)
 # 2. the pytest suite on GPU $TEST_GPU, in parallel processes sharing it
 #    (TESTS=files to choose, PART=K/N for part K of N: the whole suite takes
-#    about 15 minutes with 16 workers, more than one call's 10)
+#    about 15-20 minutes with 16 workers, more than one call's 10)
 # 3. the quickstart
 # Optional jobs, run on GPU $AUX_GPU: beside the tests when it differs from
 # $TEST_GPU (a 2-GPU host), after them otherwise, so timings never share a GPU:
