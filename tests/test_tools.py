@@ -1,0 +1,30 @@
+"""tools/test_part.py: its N parts are disjoint and together the whole collection."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _part(k: int, n: int, *args: str) -> list[str]:
+  out = subprocess.run([sys.executable, "tools/test_part.py", str(k), str(n), *args], cwd=ROOT,
+                       capture_output=True, text=True, check=True)
+  return out.stdout.splitlines()
+
+
+def test_parts_cover_the_collection_once():
+  files = ("test_export.py", "test_heuristics.py")
+  whole = _part(0, 1, *files)
+  assert len(whole) > 10 and all("::" in t for t in whole)
+  parts = [_part(k, 3, *files) for k in range(3)]
+  assert sorted(sum(parts, [])) == sorted(whole)
+  assert all(abs(len(p) - len(whole) / 3) < 1 for p in parts)
+
+
+def test_part_out_of_range_fails():
+  out = subprocess.run([sys.executable, "tools/test_part.py", "3", "3"], cwd=ROOT,
+                       capture_output=True, text=True, check=False)
+  assert out.returncode != 0 and "0 <= K < N" in out.stderr
