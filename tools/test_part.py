@@ -2,8 +2,8 @@
 every N-th test from the K-th), one per line, so that the whole suite can
 run on the GPU machine in device calls of at most 10 minutes each:
 
-  python3 tools/test_part.py 0 3 > /tmp/ids && (cd tests && \
-    python3 -m pytest -n 16 $(cat /tmp/ids))   # or via tools/gpu_session.sh PART=0/3
+  mapfile -t ids < <(python3 tools/test_part.py 0 3)   # ids hold spaces: an array
+  (cd tests && python3 -m pytest -n 16 "${ids[@]}")    # or: PART=0/3 tools/gpu_session.sh
 
 Run from the repository root; the ids are relative to tests/. Dealt out
 rather than cut into runs, so every part gets a share of each file's slow

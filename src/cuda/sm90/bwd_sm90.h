@@ -53,11 +53,11 @@ namespace sm90 {
 // where the five products are half as long per query, so that the
 // per-block costs (waits, barriers, the dQ reduction) are paid half as
 // often; 64 at D = 128, whose dK, dV accumulators leave no registers for
-// more. Shared memory, 2-byte
-// elements: K, V (block_n x D each), `stages` x (Q, dO) (block_m x D each),
-// two dS^T buffers (block_n x block_m), in fp32 the dQ staging tiles (64 x
-// 64 per consumer warpgroup), at D = 128 a dV staging tile (block_n x D; see
-// the kernel's epilogue), and `stages` x (lse2, Dvec) (block_m each):
+// more. Shared memory, 2-byte elements: K, V (block_n x D each), `stages` x
+// (Q, dO) (block_m x D each), two dS^T buffers (block_n x block_m), in fp32
+// the dQ staging tiles (64 x 64 per consumer warpgroup), at D = 128 a dV
+// staging tile (block_n x D; see the kernel's epilogue), and `stages` x
+// (lse2, Dvec) (block_m each):
 //   D = 64:  32 KB + 2 x 32 KB + 64 KB + 32 KB + 2 KB = 194 KB
 //   D = 128: 64 KB + 2 x 32 KB + 32 KB + 32 KB + 32 KB + 1 KB = 225 KB
 // Registers per consumer thread: dK, dV (D / 2 fp32 each), S^T and dP^T

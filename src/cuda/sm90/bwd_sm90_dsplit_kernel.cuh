@@ -105,7 +105,8 @@ struct BwdSm90DSplitSmem {
   // kv_full; q_full, q_empty, stage_done, dq_staged per stage; p_full,
   // ds_full, dq_drained.
   static constexpr int kEnd = kBars + (4 + 4 * Tr::kStages) * 8;
-  static_assert(kEnd + 1024 <= BwdSm90SmemBytes(Tr::kTile));
+  // The host's size (bwd_sm90.h) is this carve-up plus the alignment slack.
+  static_assert(kEnd + 1024 == BwdSm90SmemBytes(Tr::kTile));
   static_assert(kV % 1024 == 0 && kQ % 1024 == 0 && kDo % 1024 == 0 && kP % 1024 == 0 &&
                 kDs % 1024 == 0 && kRows % 16 == 0);
 };
