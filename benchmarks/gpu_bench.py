@@ -13,6 +13,7 @@ Each timing is 3 samples of 10 back-to-back calls after one call; with
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -149,26 +150,25 @@ def decode_steps(fn, unroll=1):
 def decode(args):
   rows = []
   heads, kv_heads, head_dim = 32, 4, 128
-  for batch in (1, 8):
-    for seqlen_k in (4096, 32768, 131072):
-      keys = jax.random.split(jax.random.PRNGKey(batch * seqlen_k), 3)
-      qs = jax.random.normal(keys[0], (DECODE_STEPS, batch, 1, heads, head_dim), jnp.bfloat16)
-      k = jax.random.normal(keys[1], (batch, seqlen_k, kv_heads, head_dim), jnp.bfloat16)
-      v = jax.random.normal(keys[2], (batch, seqlen_k, kv_heads, head_dim), jnp.bfloat16)
-      kv_bytes = 2 * k.size * 2
-      row = {"B": batch, "S": seqlen_k}
-      for name, fn in jax_impls(False).items():
-        if name == "xla" and seqlen_k > 32768:
-          continue
-        try:
-          t = time_jax(decode_steps(fn, args.decode_unroll), (qs, k, v), args.warmup_s,
-                       iters=3) / DECODE_STEPS
-          row[name] = (t * 1e6, kv_bytes / t / 1e9)
-        except Exception as e:  # noqa: BLE001
-          row[name] = None
-          print(f"  {name} failed at {row}: {type(e).__name__}: {str(e)[:120]}")
-      rows.append(row)
-      print(row, flush=True)
+  for tq, batch, seqlen_k in itertools.product(args.decode_queries, (1, 8), args.decode_seqlens):
+    keys = jax.random.split(jax.random.PRNGKey(batch * seqlen_k + tq), 3)
+    qs = jax.random.normal(keys[0], (DECODE_STEPS, batch, tq, heads, head_dim), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (batch, seqlen_k, kv_heads, head_dim), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (batch, seqlen_k, kv_heads, head_dim), jnp.bfloat16)
+    kv_bytes = 2 * k.size * 2
+    row = {"T": tq, "B": batch, "S": seqlen_k}
+    for name, fn in jax_impls(False).items():
+      if name == "xla" and seqlen_k > 32768:
+        continue
+      try:
+        t = time_jax(decode_steps(fn, args.decode_unroll), (qs, k, v), args.warmup_s,
+                     iters=3) / DECODE_STEPS
+        row[name] = (t * 1e6, kv_bytes / t / 1e9)
+      except Exception as e:  # noqa: BLE001
+        row[name] = None
+        print(f"  {name} failed at {row}: {type(e).__name__}: {str(e)[:120]}")
+    rows.append(row)
+    print(row, flush=True)
   return rows
 
 
@@ -183,11 +183,12 @@ def markdown(grid_rows, decode_rows, command, decode_unroll):
            "| D | causal | T | " + " | ".join(names) + " |", "|---" * (3 + len(names)) + "|"]
   for r in grid_rows:
     lines.append(f"| {r['D']} | {r['causal']} | {r['T']} | " + " | ".join(fmt(r.get(n)) for n in names) + " |")
-  lines += ["", "Decode (bf16, T = 1, H = 32, K = 4, D = 128; per step of a jitted scan over "
-            f"{DECODE_STEPS} queries, unroll {decode_unroll}): microseconds / GB/s of K+V:", "",
-            "| B | S | jax_flash2 | cudnn | xla |", "|---|---|---|---|---|"]
+  lines += ["", "Decode (bf16, T queries, H = 32, K = 4, D = 128, no mask; per step of a jitted "
+            f"scan over {DECODE_STEPS} steps, unroll {decode_unroll}): microseconds / GB/s of K+V:",
+            "", "| T | B | S | jax_flash2 | cudnn | xla |", "|---|---|---|---|---|---|"]
   for r in decode_rows:
-    lines.append(f"| {r['B']} | {r['S']} | " + " | ".join(fmt(r.get(n)) for n in ("jax_flash2", "cudnn", "xla")) + " |")
+    lines.append(f"| {r['T']} | {r['B']} | {r['S']} | "
+                 + " | ".join(fmt(r.get(n)) for n in ("jax_flash2", "cudnn", "xla")) + " |")
   return "\n".join(lines) + "\n"
 
 
@@ -200,6 +201,9 @@ def main():
   parser.add_argument("--no-decode", action="store_true")
   parser.add_argument("--no-grid", action="store_true", help="the decode table alone")
   parser.add_argument("--xla-max-seqlen", type=int, default=4096)
+  parser.add_argument("--decode-queries", type=int, nargs="+", default=[1],
+                      help="query rows T per decode step (1: one token; more: speculative/chunked)")
+  parser.add_argument("--decode-seqlens", type=int, nargs="+", default=[4096, 32768, 131072])
   parser.add_argument("--decode-unroll", type=int, default=1,
                       help="scan unroll of the decode steps: >1 drops the loop's per-step cost")
   parser.add_argument("--warmup-s", type=float, default=0.0,

@@ -40,7 +40,8 @@ def _forward_calls_during(fn) -> dict[str, int]:
 
 # (B, T, S, H, K, D, causal, expected path on cc 9.0). The Hopper kernel takes
 # grids that fill the GPU; small ones go to the sm80 split-KV path, and calls
-# whose T * group size fits 16 rows to the decode kernel (on every GPU).
+# whose T * group size is at most 32 rows (16 at D 256) to the decode kernel
+# (on every GPU; 17-32 rows take two m16 tiles per block).
 PATH_CASES = [
     (8, 1000, 1000, 16, 16, 128, True, "sm90"),
     (8, 1025, 1500, 16, 4, 64, False, "sm90"),  # GQA by index, T != S
@@ -54,7 +55,10 @@ PATH_CASES = [
     (1, 1, 4096, 8, 2, 128, False, "decode"),  # GQA group packed, split-KV
     (2, 2, 3001, 16, 2, 64, True, "decode"),  # 16 packed rows, causal, ragged tail
     (1, 3, 4097, 8, 2, 128, True, "decode"),  # 3 queries x 4 heads = 12 rows
+    (2, 4, 5000, 32, 4, 128, True, "decode"),  # 32 rows, two m16 tiles a block, causal
+    (1, 6, 2001, 16, 4, 64, False, "decode"),  # 24 rows at D 64
     (1, 5, 4096, 16, 2, 128, False, "sm80"),  # 40 packed rows: the prefill kernel
+    (1, 5, 3000, 8, 2, 256, False, "sm80"),  # 20 rows at D 256: the prefill kernel
 ]
 
 

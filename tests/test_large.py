@@ -57,6 +57,8 @@ CASES = [
     Case("bh256-t1k-causal", 16, 1024, 1024, 16, 16, 64, True, True, 32),
     Case("decode-t1-s32k", 8, 1, 32768, 32, 4, 128, False, False, 32),
     Case("decode-t16-s32k-causal", 8, 16, 32768, 32, 4, 128, True, False, 8),
+    Case("decode-t4-s32k", 8, 4, 32768, 32, 4, 128, False, False, 8),
+    Case("decode-t8-s32k-causal", 8, 8, 32768, 32, 4, 128, True, False, 8),
     Case("mqa-t257-s8k", 2, 257, 8192, 8, 1, 128, False, True, 2),
     Case("mqa-t257-s8k-causal", 2, 257, 8192, 8, 1, 128, True, True, 2),
 ]

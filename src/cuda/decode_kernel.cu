@@ -1,5 +1,6 @@
-// Decode forward for sm80+: calls whose packed rows (T * group size queries
-// of one K/V head) fit one m16 mma tile, so the work is streaming K and V.
+// Decode forward for sm80+: calls with few packed rows (T * group size
+// queries of one K/V head, up to DecodeMaxRows), so the work is streaming K
+// and V.
 //
 // The prefill kernel (fwd_kernel.cuh) splits a block's query rows over its
 // warps; with at most 16 rows that leaves one warp doing all the math of a
@@ -11,9 +12,10 @@
 // softmax state. At the end the block merges the four states through shared
 // memory, as the split-KV combine merges splits:
 //   M = max_w m_w,  L = sum_w 2^((m_w - M) c) l_w,  O = sum_w 2^((m_w - M) c) O_w / L
-// with c = scale * log2(e). Grid (splits, B, K): each block is one K/V head's
-// share of keys; splits > 1 write normalised partials that
-// FwdCombineKernel merges (fwd_launch.cu).
+// with c = scale * log2(e). A block holds all the rows in kMTiles m16 tiles
+// (32 rows with two: T = 4 at a GQA group of 8). Grid (splits, B, K): each
+// block is one K/V head's share of keys; splits > 1 write normalised
+// partials that FwdCombineKernel merges (fwd_launch.cu).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -33,17 +35,18 @@ JF2_TRACE_RING(g_decode_ring, ReadDecodeTrace, ResetDecodeTrace)
 namespace {
 
 // The member names fwd_kernel.cuh's helpers (ComputeS, MaskScores,
-// OnlineSoftmax, AccumulatePV, LoadKvTile) read: one m16 tile per warp,
+// OnlineSoftmax, AccumulatePV, LoadKvTile) read: kMTiles m16 tiles per warp,
 // kBlockN keys per warp step, and a copy map for one warp (each warp fills
 // its own ring).
-template <int kHeadDim_>
+template <int kHeadDim_, int kMTiles_>
 struct DecodeTraits {
   static constexpr DecodeTileSizes kTile = DecodeTileFor(kHeadDim_);
   static_assert(kTile.head_dim == kHeadDim_, "not a decode head-dim bucket");
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kTile.warp_keys;
   static constexpr int kStages = kTile.stages;
-  static constexpr int kMTiles = 1;
+  static constexpr int kMTiles = kMTiles_;
+  static constexpr int kRows = 16 * kMTiles_;
   static constexpr int kNTiles = kBlockN / 8;
   static constexpr int kDTiles = kHeadDim / 8;
   static constexpr int kSmemStride = kHeadDim + kSmemPad;
@@ -51,10 +54,11 @@ struct DecodeTraits {
   static constexpr int kThreads = 32;
 };
 
-template <typename Elem, int kHeadDim>
+template <typename Elem, int kHeadDim, int kMTiles>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
     DecodeKernel(const __grid_constant__ FwdArgs args) {
-  using Tr = DecodeTraits<kHeadDim>;
+  using Tr = DecodeTraits<kHeadDim, kMTiles>;
+  constexpr int kRows = Tr::kRows;
   constexpr int kKeys = Tr::kBlockN;
   constexpr int kStages = Tr::kStages;
   constexpr int kStride = Tr::kSmemStride;
@@ -67,7 +71,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   JF2_TRACE_BEGIN(g_decode_ring);
   JF2_STAMP(kStart);
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  // Q (16 rows), then per warp kStages x (K tile, V tile).
+  // Q (kRows rows), then per warp kStages x (K tile, V tile).
   Elem* s_q = reinterpret_cast<Elem*>(smem_raw);
   const FlashParams& p = args.p;
   const int tid = threadIdx.x;
@@ -75,7 +79,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const int lane = tid % 32;
   const int g = lane / 4;
   const int t4 = lane % 4;
-  Elem* s_ring = s_q + kDecodeRows * kStride + warp * kStages * 2 * kTileElems;
+  Elem* s_ring = s_q + kRows * kStride + warp * kStages * 2 * kTileElems;
 
   const int split = blockIdx.x;
   const int b = blockIdx.y;
@@ -84,7 +88,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const int seqlen_q = static_cast<int>(p.seqlen_q);
   const int seqlen_k = static_cast<int>(p.seqlen_k);
   const int head_dim = static_cast<int>(p.head_dim);
-  const int num_rows = seqlen_q * group;  // <= kDecodeRows (the host's choice)
+  const int num_rows = seqlen_q * group;  // <= kRows (the host's choice)
 
   // Key chunks any row may see, within this block's split; every row sees
   // [full_begin, full_end), so only chunks crossing its edges are masked.
@@ -141,7 +145,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // written). (fwd::LoadQTile does the same for a block of Tr::kThreads; here
   // the traits' kThreads is one warp, for the per-warp K/V copies.)
   {
-    constexpr int kChunks = kDecodeRows * Tr::kChunksPerRow;
+    constexpr int kChunks = kRows * Tr::kChunksPerRow;
     for (int idx = tid; idx < kChunks; idx += kDecodeWarps * 32) {
       const int r = idx / Tr::kChunksPerRow;
       const int c = (idx % Tr::kChunksPerRow) * 8;
@@ -167,7 +171,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   CpAsyncWait<kStages - 1>();  // this thread's Q chunks (the oldest group)
   __syncthreads();             // everyone's
 
-  // ldmatrix lane addresses as in fwd_kernel.cuh (rows 0-15 for every warp).
+  // ldmatrix lane addresses as in fwd_kernel.cuh (rows 0-15 of the first
+  // tile for every warp; ComputeS steps to the others).
   const uint32_t q_addr =
       SmemAddress(s_q) + ((lane % 8 + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8) * 2;
   const uint32_t k_addr =
@@ -176,24 +181,27 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
                           ((((lane / 8) % 2) * 8 + lane % 8) * kStride + (lane / 16) * 8) * 2;
   const float scale_log2 = p.softmax_scale_log2;
 
-  // Shaped [m16 tile][half] for fwd_kernel.cuh's helpers (one tile here).
-  float o[1][kDT][4];
-  float row_max[1][2];
-  float row_sum[1][2];  // this lane's columns; quad-reduced at the merge
-  int key_lo[1][2], key_hi[1][2];
+  // Shaped [m16 tile][half] for fwd_kernel.cuh's helpers.
+  float o[kMTiles][kDT][4];
+  float row_max[kMTiles][2];
+  float row_sum[kMTiles][2];  // this lane's columns; quad-reduced at the merge
+  int key_lo[kMTiles][2], key_hi[kMTiles][2];
 #pragma unroll
-  for (int dt = 0; dt < kDT; ++dt) {
+  for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) o[0][dt][i] = 0.f;
-  }
+    for (int dt = 0; dt < kDT; ++dt) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    row_max[0][h] = -INFINITY;
-    row_sum[0][h] = 0.f;
-    const int t = min((g + 8 * h) / group, seqlen_q - 1);
-    mask.KeyRange(t, t + 1, &lo, &hi);
-    key_lo[0][h] = static_cast<int>(lo);
-    key_hi[0][h] = static_cast<int>(hi);
+      for (int i = 0; i < 4; ++i) o[mt][dt][i] = 0.f;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_max[mt][h] = -INFINITY;
+      row_sum[mt][h] = 0.f;
+      const int t = min((mt * 16 + g + 8 * h) / group, seqlen_q - 1);
+      mask.KeyRange(t, t + 1, &lo, &hi);
+      key_lo[mt][h] = static_cast<int>(lo);
+      key_hi[mt][h] = static_cast<int>(hi);
+    }
   }
 
   for (int i = 0; i < num_mine; ++i) {
@@ -203,13 +211,13 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     __syncwarp();                // and for the warp
     const uint32_t stage_bytes = (i % kStages) * 2 * kTileElems * 2;
     const int key0 = (c_begin + warp + i * kDecodeWarps) * kKeys;
-    float s[1][kNT][4];
-    fwd::ComputeS<Tr, Elem, 1>(s, q_addr, k_addr + stage_bytes, head_dim);
+    float s[kMTiles][kNT][4];
+    fwd::ComputeS<Tr, Elem, kMTiles>(s, q_addr, k_addr + stage_bytes, head_dim);
     if (key0 < full_begin || key0 + kKeys > full_end) {
       fwd::MaskScores<Tr>(s, key0, key_lo, key_hi, t4);
     }
     fwd::OnlineSoftmax<Tr>(s, o, row_max, row_sum, scale_log2);
-    fwd::AccumulatePV<Tr, Elem, 1>(s, o, v_addr + stage_bytes, head_dim);
+    fwd::AccumulatePV<Tr, Elem, kMTiles>(s, o, v_addr + stage_bytes, head_dim);
     __syncwarp();  // the warp is done reading this stage before it is refilled
     if (i == 0) JF2_STAMP(kFirstChunk);
   }
@@ -221,24 +229,27 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // O rows padded by 8 floats: a half warp's 8-byte stores (8 rows x 4
   // lanes) then hit distinct banks.
   constexpr int kMergeStride = kHeadDim + 8;
-  float* merge_max = reinterpret_cast<float*>(s_q + kDecodeRows * kStride);  // [warp][row]
-  float* merge_sum = merge_max + kDecodeWarps * kDecodeRows;                 // [warp][row]
-  float* merge_o = merge_sum + kDecodeWarps * kDecodeRows;  // [warp][row][kMergeStride]
-  static_assert((2 + kMergeStride) * kDecodeWarps * kDecodeRows * 4 <=
+  float* merge_max = reinterpret_cast<float*>(s_q + kRows * kStride);  // [warp][row]
+  float* merge_sum = merge_max + kDecodeWarps * kRows;                 // [warp][row]
+  float* merge_o = merge_sum + kDecodeWarps * kRows;  // [warp][row][kMergeStride]
+  static_assert((2 + kMergeStride) * kDecodeWarps * kRows * 4 <=
                 kDecodeWarps * kStages * 2 * kTileElems * 2);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float l = QuadSum(row_sum[0][h]);
-    if (g + 8 * h >= num_rows) continue;  // padding rows are never written
-    const int r = warp * kDecodeRows + g + 8 * h;
-    if (t4 == 0) {
-      merge_max[r] = row_max[0][h];
-      merge_sum[r] = l;
-    }
+  for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-    for (int dt = 0; dt < kDT; ++dt) {
-      *reinterpret_cast<float2*>(merge_o + r * kMergeStride + dt * 8 + 2 * t4) =
-          make_float2(o[0][dt][2 * h], o[0][dt][2 * h + 1]);
+    for (int h = 0; h < 2; ++h) {
+      const float l = QuadSum(row_sum[mt][h]);
+      if (mt * 16 + g + 8 * h >= num_rows) continue;  // padding rows are never written
+      const int r = warp * kRows + mt * 16 + g + 8 * h;
+      if (t4 == 0) {
+        merge_max[r] = row_max[mt][h];
+        merge_sum[r] = l;
+      }
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt) {
+        *reinterpret_cast<float2*>(merge_o + r * kMergeStride + dt * 8 + 2 * t4) =
+            make_float2(o[mt][dt][2 * h], o[mt][dt][2 * h + 1]);
+      }
     }
   }
   __syncthreads();
@@ -246,20 +257,20 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // Thread -> (row, 4 columns every 4 * threads_per_row): all threads share
   // the real rows (the merge is a chain of dependent steps; fewer per thread
   // is shorter).
-  const int threads_per_row = num_rows > 8 ? 8 : num_rows > 4 ? 16 : 32;
+  const int threads_per_row = num_rows > 16 ? 4 : num_rows > 8 ? 8 : num_rows > 4 ? 16 : 32;
   const int r = tid / threads_per_row;
   JF2_STAMP(kMerged);
   if (r >= num_rows) return;
   float mx = -INFINITY;
 #pragma unroll
-  for (int w = 0; w < kDecodeWarps; ++w) mx = fmaxf(mx, merge_max[w * kDecodeRows + r]);
+  for (int w = 0; w < kDecodeWarps; ++w) mx = fmaxf(mx, merge_max[w * kRows + r]);
   float weight[kDecodeWarps];
   float l = 0.f;
 #pragma unroll
   for (int w = 0; w < kDecodeWarps; ++w) {
     // A row no warp saw a key of keeps max -inf: weights 0, O 0, LSE -inf.
-    weight[w] = mx == -INFINITY ? 0.f : FastExp2((merge_max[w * kDecodeRows + r] - mx) * scale_log2);
-    l += weight[w] * merge_sum[w * kDecodeRows + r];
+    weight[w] = mx == -INFINITY ? 0.f : FastExp2((merge_max[w * kRows + r] - mx) * scale_log2);
+    l += weight[w] * merge_sum[w * kRows + r];
   }
   const float inv_l = l > 0.f ? 1.f / l : 0.f;
   const float lse = l > 0.f ? mx * p.softmax_scale + logf(l) : -INFINITY;
@@ -277,7 +288,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 #pragma unroll
     for (int w = 0; w < kDecodeWarps; ++w) {
       const float4 x =
-          *reinterpret_cast<const float4*>(merge_o + (w * kDecodeRows + r) * kMergeStride + d);
+          *reinterpret_cast<const float4*>(merge_o + (w * kRows + r) * kMergeStride + d);
       acc.x += weight[w] * x.x;
       acc.y += weight[w] * x.y;
       acc.z += weight[w] * x.z;
@@ -301,11 +312,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   JF2_STAMP(kEnd);
 }
 
-template <typename Elem, int kHeadDim>
+template <typename Elem, int kHeadDim, int kMTiles>
 cudaError_t LaunchDecodeFor(const FwdArgs& args, cudaStream_t stream) {
-  using Tr = DecodeTraits<kHeadDim>;
-  const auto kernel = &DecodeKernel<Elem, kHeadDim>;
-  constexpr int kSmemBytes = DecodeSmemBytes(Tr::kTile);
+  using Tr = DecodeTraits<kHeadDim, kMTiles>;
+  const auto kernel = &DecodeKernel<Elem, kHeadDim, kMTiles>;
+  constexpr int kSmemBytes = DecodeSmemBytes(Tr::kTile, kMTiles);
   static std::atomic<uint64_t> opted_in{0};
   const cudaError_t err =
       OptInSharedMemoryOnce(reinterpret_cast<const void*>(kernel), opted_in, kSmemBytes);
@@ -318,16 +329,18 @@ cudaError_t LaunchDecodeFor(const FwdArgs& args, cudaStream_t stream) {
 }  // namespace
 
 template <typename Elem>
-cudaError_t LaunchDecodeKernel(const FwdArgs& args, int bucket, cudaStream_t stream) {
-  switch (bucket) {
-    case 64: return LaunchDecodeFor<Elem, 64>(args, stream);
-    case 128: return LaunchDecodeFor<Elem, 128>(args, stream);
-    case 256: return LaunchDecodeFor<Elem, 256>(args, stream);
+cudaError_t LaunchDecodeKernel(const FwdArgs& args, int bucket, int m_tiles, cudaStream_t stream) {
+  switch (bucket * 10 + m_tiles) {
+    case 641: return LaunchDecodeFor<Elem, 64, 1>(args, stream);
+    case 642: return LaunchDecodeFor<Elem, 64, 2>(args, stream);
+    case 1281: return LaunchDecodeFor<Elem, 128, 1>(args, stream);
+    case 1282: return LaunchDecodeFor<Elem, 128, 2>(args, stream);
+    case 2561: return LaunchDecodeFor<Elem, 256, 1>(args, stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
-template cudaError_t LaunchDecodeKernel<__half>(const FwdArgs&, int, cudaStream_t);
-template cudaError_t LaunchDecodeKernel<__nv_bfloat16>(const FwdArgs&, int, cudaStream_t);
+template cudaError_t LaunchDecodeKernel<__half>(const FwdArgs&, int, int, cudaStream_t);
+template cudaError_t LaunchDecodeKernel<__nv_bfloat16>(const FwdArgs&, int, int, cudaStream_t);
 
 }  // namespace jax_flash2::cuda

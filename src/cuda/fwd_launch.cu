@@ -42,12 +42,15 @@ struct FwdPlan {
   int num_splits = 1;
   int n_blocks_per_split = 0;
   int kv_stages = 1;
+  int m_tiles = 1;  // the decode kernel: m16 tiles of rows per block
 };
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Decode-shaped: the packed rows of one K/V head fit one m16 tile.
-bool IsDecodeShape(const FlashParams& p) { return p.seqlen_q * p.group_size <= kDecodeRows; }
+// Decode-shaped: few packed rows per K/V head (DecodeMaxRows).
+bool IsDecodeShape(const FlashParams& p) {
+  return p.seqlen_q * p.group_size <= DecodeMaxRows(DecodeTileFor(p.head_dim));
+}
 
 // JAX_FLASH2_DECODE_KERNEL=0 sends decode shapes to the prefill kernel (read
 // once per process): for side-by-side timings and as a way out.
@@ -70,12 +73,12 @@ bool DecodePdlEnabled() {
 }
 
 // The decode kernel serves decode shapes without score variants or dropout,
-// on GPUs with its shared memory (143 KB at d128: not sm86/sm89's 99 KB).
+// on GPUs with its shared memory (143-148 KB at d128: not sm86/sm89's 99 KB).
 bool UseDecodeKernel(const FlashParams& p, const DeviceInfo& dev) {
-  return IsDecodeShape(p) && !HasScoreVariants(p) && p.dropout_seeds == nullptr &&
-         static_cast<size_t>(DecodeSmemBytes(DecodeTileFor(p.head_dim))) <=
-             dev.max_smem_per_block_optin &&
-         DecodeKernelEnabled();
+  if (!IsDecodeShape(p) || HasScoreVariants(p) || p.dropout_seeds != nullptr) return false;
+  const DecodeTileSizes tile = DecodeTileFor(p.head_dim);
+  const int smem = DecodeSmemBytes(tile, DecodeMTiles(tile, p.seqlen_q * p.group_size));
+  return static_cast<size_t>(smem) <= dev.max_smem_per_block_optin && DecodeKernelEnabled();
 }
 
 // Splits of the decode kernel: its blocks stream disjoint keys (memory bound),
@@ -87,6 +90,7 @@ FwdPlan MakeDecodePlan(const FlashParams& p, const DeviceInfo& dev) {
   plan.bucket = tile.head_dim;
   plan.pack = static_cast<int>(p.group_size);
   plan.num_m_blocks = 1;
+  plan.m_tiles = DecodeMTiles(tile, p.seqlen_q * p.group_size);
   const int64_t chunks = CeilDiv(p.seqlen_k, tile.warp_keys);
   const int64_t block_steps = CeilDiv(chunks, kDecodeWarps);  // chunk rounds of the warps
   const int splits = ChooseNumSplits(p.batch * p.num_heads_kv, block_steps,
@@ -292,8 +296,9 @@ cudaError_t LaunchBucket(const FwdArgs& args, int bucket, cudaStream_t stream) {
 
 template <typename Elem>
 cudaError_t LaunchForward(const FwdArgs& args, const FwdPlan& plan, cudaStream_t stream) {
-  const cudaError_t err = plan.decode ? LaunchDecodeKernel<Elem>(args, plan.bucket, stream)
-                                      : LaunchBucket<Elem>(args, plan.bucket, stream);
+  const cudaError_t err = plan.decode
+                              ? LaunchDecodeKernel<Elem>(args, plan.bucket, plan.m_tiles, stream)
+                              : LaunchBucket<Elem>(args, plan.bucket, stream);
   if (err != cudaSuccess || args.num_splits <= 1) return err;
   return LaunchFwdCombine<Elem>(args, stream);
 }

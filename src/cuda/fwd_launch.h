@@ -56,10 +56,11 @@ cudaError_t LaunchWithFwdArgs(Kernel kernel, dim3 grid, dim3 block, size_t smem_
 template <typename Elem, int kHeadDim>
 cudaError_t LaunchFwdKernel(const FwdArgs& args, cudaStream_t stream);
 
-// The decode kernel of a head-dim bucket (64, 128 or 256) for calls whose
-// packed rows T * group_size fit kDecodeRows; decode_kernel.cu.
+// The decode kernel of a head-dim bucket (64, 128 or 256) with m_tiles m16
+// tiles of rows per block (DecodeMTiles) for calls whose packed rows T *
+// group_size are at most DecodeMaxRows; decode_kernel.cu.
 template <typename Elem>
-cudaError_t LaunchDecodeKernel(const FwdArgs& args, int bucket, cudaStream_t stream);
+cudaError_t LaunchDecodeKernel(const FwdArgs& args, int bucket, int m_tiles, cudaStream_t stream);
 
 // Merges the split partials into O (Elem) and LSE; defined in fwd_launch.cu.
 template <typename Elem>

@@ -50,8 +50,8 @@ constexpr int FwdSmemBytes(const FwdTileSizes& t, int stages, bool dropout) {
          (dropout ? t.block_m / 16 * 2 * 32 * 4 : 0);
 }
 
-// The decode kernel (decode_kernel.cu): calls whose packed rows, T * group
-// size, fit one m16 tile. Its warps split the keys, each streaming its own
+// The decode kernel (decode_kernel.cu): calls with few packed rows (T * group
+// size, DecodeMaxRows). Its warps split the keys, each streaming its own
 // warp_keys-key chunks through a private `stages`-deep ring, and the block
 // merges the four warps' softmax states at the end. Two stages of 32 keys
 // (16 at d256) keep ~128 KB per block in flight, which the memory-bound
@@ -65,7 +65,6 @@ struct DecodeTileSizes {
 };
 
 inline constexpr int kDecodeWarps = 4;
-inline constexpr int kDecodeRows = 16;
 
 inline constexpr DecodeTileSizes kDecodeTileTable[] = {
     {64, 32, 2, 2}, {128, 32, 2, 1}, {256, 16, 2, 1}};
@@ -77,9 +76,22 @@ constexpr DecodeTileSizes DecodeTileFor(int64_t head_dim) {
   return DecodeTileSizes{0, 0, 0, 0};
 }
 
-// Q tile, then each warp's stages of K and V tiles (2-byte elements).
-constexpr int DecodeSmemBytes(const DecodeTileSizes& t) {
-  return (kDecodeRows + kDecodeWarps * t.stages * 2 * t.warp_keys) * (t.head_dim + kSmemPad) * 2;
+// m16 tiles of rows per block for `rows` packed rows: two (32 rows) when
+// they need more than one, except at d256, whose 32 x 4 O accumulators per
+// tile leave no registers for a second.
+constexpr int DecodeMTiles(const DecodeTileSizes& t, int64_t rows) {
+  return rows > 16 && t.head_dim <= 128 ? 2 : 1;
+}
+
+// The rows one block holds: 32, 16 at d256. Splitting more rows over blocks
+// that each stream the keys again (from L2) measured slower than the prefill
+// kernel at T 16 and at B8 T8 S128k (NOTES.md, nineteenth session).
+constexpr int64_t DecodeMaxRows(const DecodeTileSizes& t) { return 16 * DecodeMTiles(t, 32); }
+
+// Q tile (16 rows per m16 tile), then each warp's stages of K and V tiles
+// (2-byte elements).
+constexpr int DecodeSmemBytes(const DecodeTileSizes& t, int m_tiles) {
+  return (16 * m_tiles + kDecodeWarps * t.stages * 2 * t.warp_keys) * (t.head_dim + kSmemPad) * 2;
 }
 
 template <int kHeadDim_>

@@ -310,7 +310,12 @@ int main(int argc, char** argv) {
       {"decode B8 T1 S32k H32 K4 D128 bf16", bf, 8, 1, 32768, 32, 4, 128, -1, -1},
       {"decode B8 T1 S128k H32 K4 D128 bf16", bf, 8, 1, 131072, 32, 4, 128, -1, -1},
       {"decode B1 T2 S32k H32 K4 D128 causal bf16", bf, 1, 2, 32768, 32, 4, 128, -1, 0},
-      {"decode B1 T16 S32k H32 K4 D128 bf16 (prefill)", bf, 1, 16, 32768, 32, 4, 128, -1, 0},
+      {"decode B1 T4 S32k H32 K4 D128 bf16", bf, 1, 4, 32768, 32, 4, 128, -1, -1},
+      {"decode B8 T4 S32k H32 K4 D128 bf16", bf, 8, 4, 32768, 32, 4, 128, -1, -1},
+      {"decode B1 T8 S32k H32 K4 D128 bf16 (prefill)", bf, 1, 8, 32768, 32, 4, 128, -1, -1},
+      {"decode B8 T8 S32k H32 K4 D128 bf16 (prefill)", bf, 8, 8, 32768, 32, 4, 128, -1, -1},
+      {"decode B1 T16 S32k H32 K4 D128 bf16 (prefill)", bf, 1, 16, 32768, 32, 4, 128, -1, -1},
+      {"decode B8 T16 S32k H32 K4 D128 bf16 (prefill)", bf, 8, 16, 32768, 32, 4, 128, -1, -1},
   };
   const std::string decode_filter = decode_time && argc > 2 ? argv[2] : "";
   auto time_decode = [&] {
@@ -360,9 +365,10 @@ int main(int argc, char** argv) {
       {"T17 S1000 D256 fp16", fp, 1, 17, 1000, 2, 2, 256, -1, -1},
       {"T1 S2000 D128 MHA decode bf16", bf, 2, 1, 2000, 4, 4, 128, -1, -1},
       {"T5 S3000 D64 causal GQA8 fp16", fp, 1, 5, 3000, 16, 2, 64, -1, 0},
-      // The decode kernel (T * group <= 16 rows, no score options): causal
-      // over the last chunk and a ragged tail, window, T > S (rows that see
-      // no key), every bucket with padded head dims, [B, H, T, D] strides.
+      // The decode kernel (T * group <= DecodeMaxRows rows, no score
+      // options): causal over the last chunk and a ragged tail, window, T > S
+      // (rows that see no key), every bucket with padded head dims, [B, H, T,
+      // D] strides; two m16 tiles per block (17-32 rows).
       {"decode T2 S3001 GQA8 D128 causal fp16", fp, 2, 2, 3001, 16, 2, 128, -1, 0},
       {"decode T3 S777 GQA4 D64 win(100,0) bf16", bf, 1, 3, 777, 8, 2, 64, 100, 0},
       {"decode T1 S5000 GQA4 D256 bf16", bf, 1, 1, 5000, 4, 1, 256, -1, -1},
@@ -370,6 +376,12 @@ int main(int argc, char** argv) {
       {"decode T16 S333 MHA D96 causal bf16", bf, 1, 16, 333, 4, 4, 96, -1, 0},
       {"decode T5 S3 D32 causal (empty rows) fp16", fp, 2, 5, 3, 2, 2, 32, -1, 0},
       {"decode T2 S1500 GQA4 D200 bhtd bf16", bf, 2, 2, 1500, 8, 2, 200, -1, -1, true},
+      {"decode T3 S2001 GQA8 D128 causal bf16 (24 rows)", bf, 2, 3, 2001, 16, 2, 128, -1, 0},
+      {"decode T4 S3000 GQA8 D64 causal fp16 (32 rows)", fp, 1, 4, 3000, 16, 2, 64, -1, 0},
+      {"decode T4 S1200 GQA8 D96 win(300,0) bf16", bf, 2, 4, 1200, 8, 1, 96, 300, 0},
+      {"T5 S700 GQA4 D256 causal bf16 (20 rows: prefill)", bf, 1, 5, 700, 8, 2, 256, -1, 0},
+      {"decode T32 S4000 MHA D128 causal fp16 bhtd", fp, 1, 32, 4000, 2, 2, 128, -1, 0, true},
+      {"decode T4 S5 GQA8 D32 causal (empty rows) bf16", bf, 2, 4, 5, 8, 1, 32, -1, 0},
   };
   // Score options: softcap, ALiBi, segment ids (packed, and random ids that
   // leave queries with no key: O = 0, LSE = -inf), alone and with causal,
@@ -411,8 +423,8 @@ int main(int argc, char** argv) {
   };
   cases.insert(cases.end(), dropout.begin(), dropout.end());
   if (tiny) {  // one of each path: causal + empty rows, window, packed GQA split, options
-    cases = {cases[1], cases[2], cases[5], cases[9], cases[10], cases[15], options[3],
-             options[6], dropout[1], dropout[5]};
+    cases = {cases[1], cases[2], cases[5], cases[9], cases[10], cases[15], cases[17],
+             options[3], options[6], dropout[1], dropout[5]};
   }
   if (!small) {
     std::vector<Case> big = {
@@ -429,6 +441,7 @@ int main(int argc, char** argv) {
         {"T1024 S1500 D256 causal fp16 B2 H8", fp, 2, 1024, 1500, 8, 8, 256, -1, 0},
         {"decode T1 S32768 H32 K4 D128 bf16", bf, 1, 1, 32768, 32, 4, 128, -1, 0},
         {"decode T16 S8000 H32 K4 D128 causal fp16", fp, 2, 16, 8000, 32, 4, 128, -1, 0},
+        {"decode T4 S20000 H32 K4 D128 bf16", bf, 3, 4, 20000, 32, 4, 128, -1, -1},
         {"decode T3 S4096 win(100,0) K8 D64 bf16", bf, 1, 3, 4096, 8, 1, 64, 100, 0},
         {"decode B8 T1 S32768 H32 K4 D128 bf16", bf, 8, 1, 32768, 32, 4, 128, -1, -1},
         {"decode B3 T2 S100001 H8 K1 D64 causal fp16", fp, 3, 2, 100001, 8, 1, 64, -1, 0},
