@@ -76,17 +76,21 @@ constexpr DecodeTileSizes DecodeTileFor(int64_t head_dim) {
   return DecodeTileSizes{0, 0, 0, 0};
 }
 
-// m16 tiles of rows per block for `rows` packed rows: two (32 rows) when
-// they need more than one, except at d256, whose 32 x 4 O accumulators per
-// tile leave no registers for a second.
-constexpr int DecodeMTiles(const DecodeTileSizes& t, int64_t rows) {
-  return rows > 16 && t.head_dim <= 128 ? 2 : 1;
-}
+// m16 tiles of rows a block can hold: two (32 rows), except at d256, whose
+// 32 x 4 O accumulators per tile leave no registers for a second.
+constexpr int DecodeMaxMTiles(const DecodeTileSizes& t) { return t.head_dim <= 128 ? 2 : 1; }
 
-// The rows one block holds: 32, 16 at d256. Splitting more rows over blocks
-// that each stream the keys again (from L2) measured slower than the prefill
-// kernel at T 16 and at B8 T8 S128k (NOTES.md, nineteenth session).
-constexpr int64_t DecodeMaxRows(const DecodeTileSizes& t) { return 16 * DecodeMTiles(t, 32); }
+// The decode kernel's calls have at most this many packed rows: one block
+// holds them all. Splitting more rows over blocks that each stream the keys
+// again (from L2) measured slower than the prefill kernel at T 16 and at B8
+// T8 S128k (NOTES.md, nineteenth session).
+constexpr int64_t DecodeMaxRows(const DecodeTileSizes& t) { return 16 * DecodeMaxMTiles(t); }
+
+// m16 tiles of rows per block for `rows` (<= DecodeMaxRows) packed rows.
+constexpr int DecodeMTiles(const DecodeTileSizes& t, int64_t rows) {
+  return rows > 16 ? DecodeMaxMTiles(t) : 1;
+}
+static_assert(DecodeMaxRows(DecodeTileFor(128)) == 32 && DecodeMaxRows(DecodeTileFor(256)) == 16);
 
 // Q tile (16 rows per m16 tile), then each warp's stages of K and V tiles
 // (2-byte elements).

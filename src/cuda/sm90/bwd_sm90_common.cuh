@@ -19,10 +19,10 @@ __device__ __forceinline__ void LoadKvTile(const BwdSm90Args& args, unsigned cha
                                            int panel_bytes, int n_begin, int kv_head, int b) {
 #pragma unroll
   for (int panel = 0; panel < panels; ++panel) {
-    TmaLoad4d(s_k + panel * panel_bytes, &args.tma_k, bar, panel * 64,
-              args.k_heads_inner ? kv_head : n_begin, args.k_heads_inner ? n_begin : kv_head, b);
-    TmaLoad4d(s_v + panel * panel_bytes, &args.tma_v, bar, panel * 64,
-              args.v_heads_inner ? kv_head : n_begin, args.v_heads_inner ? n_begin : kv_head, b);
+    TmaLoadRows(s_k + panel * panel_bytes, &args.tma_k, args.k_heads_inner, bar, panel * 64,
+                n_begin, kv_head, b);
+    TmaLoadRows(s_v + panel * panel_bytes, &args.tma_v, args.v_heads_inner, bar, panel * 64,
+                n_begin, kv_head, b);
   }
 }
 
@@ -33,10 +33,10 @@ __device__ __forceinline__ void LoadQDoBlock(const BwdSm90Args& args, unsigned c
                                              int panel_bytes, int m_begin, int h, int b) {
 #pragma unroll
   for (int panel = 0; panel < panels; ++panel) {
-    TmaLoad4d(q_dst + panel * panel_bytes, &args.tma_q, bar, panel * 64,
-              args.q_heads_inner ? h : m_begin, args.q_heads_inner ? m_begin : h, b);
-    TmaLoad4d(do_dst + panel * panel_bytes, &args.tma_do, bar, panel * 64,
-              args.do_heads_inner ? h : m_begin, args.do_heads_inner ? m_begin : h, b);
+    TmaLoadRows(q_dst + panel * panel_bytes, &args.tma_q, args.q_heads_inner, bar, panel * 64,
+                m_begin, h, b);
+    TmaLoadRows(do_dst + panel * panel_bytes, &args.tma_do, args.do_heads_inner, bar, panel * 64,
+                m_begin, h, b);
   }
 }
 

@@ -472,13 +472,12 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   FenceProxyAsync();
   NamedBarrierSync(8 + cg, 128);
   if (wg_tid == 0 && n_begin < seqlen_k) {
-    const int c1 = args.kv_grad_heads_inner ? kv_head : n_begin;
-    const int c2 = args.kv_grad_heads_inner ? n_begin : kv_head;
+    const RowHeadCoords at(args.kv_grad_heads_inner, n_begin, kv_head);
 #pragma unroll
     for (int panel = 0; panel < 2; ++panel) {
       const int col = Tr::kHalf * cg + 64 * panel;
-      TmaStore4d(dk_stage + panel * Tr::kQPanelBytes, &args.tma_dk, col, c1, c2, b);
-      TmaStore4d(dv_stage + panel * Tr::kQPanelBytes, &args.tma_dv, col, c1, c2, b);
+      TmaStore4d(dk_stage + panel * Tr::kQPanelBytes, &args.tma_dk, col, at.c1, at.c2, b);
+      TmaStore4d(dv_stage + panel * Tr::kQPanelBytes, &args.tma_dv, col, at.c1, at.c2, b);
     }
     BulkCommitGroup();
     BulkWaitGroupRead<0>();  // the staging must outlive the copy engine's reads

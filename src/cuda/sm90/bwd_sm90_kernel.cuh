@@ -723,14 +723,13 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     FenceProxyAsync();
     NamedBarrierSync(8 + cg, 128);
     if (wg_tid == 0 && key0 < seqlen_k) {
-      const int c1 = args.kv_grad_heads_inner ? tile.kv_head : key0;
-      const int c2 = args.kv_grad_heads_inner ? key0 : tile.kv_head;
+      const RowHeadCoords at(args.kv_grad_heads_inner, key0, tile.kv_head);
 #pragma unroll
       for (int panel = 0; panel < Tr::kPanels; ++panel) {
-        TmaStore4d(s_dk_stage + panel * kDkPanelStride, &args.tma_dk, panel * Tr::kPanelCols, c1,
-                   c2, tile.b);
-        TmaStore4d(s_dv_stage + panel * kDvPanelStride, &args.tma_dv, panel * Tr::kPanelCols, c1,
-                   c2, tile.b);
+        TmaStore4d(s_dk_stage + panel * kDkPanelStride, &args.tma_dk, panel * Tr::kPanelCols,
+                   at.c1, at.c2, tile.b);
+        TmaStore4d(s_dv_stage + panel * kDvPanelStride, &args.tma_dv, panel * Tr::kPanelCols,
+                   at.c1, at.c2, tile.b);
       }
       BulkCommitGroup();
     }

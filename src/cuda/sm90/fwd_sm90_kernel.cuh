@@ -307,17 +307,14 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
         }
         JF2_FWD90_STAMP(0, i, 1);
         // Rows [row, + panel_bytes / 128) of `head` into dst, one panel of
-        // 64 columns at a time, completing on `full`. The two middle
-        // coordinates are (head, row) or (row, head), by the tensor map's
-        // dimension order (see FwdSm90Args).
+        // 64 columns at a time, completing on `full`.
         const auto load_tile = [&](Elem* dst, int panel_bytes, const CUtensorMap* map,
                                    bool heads_inner, uint64_t* full, int row, int head) {
           MbarArriveExpectTx(full, Tr::kPanels * panel_bytes);
 #pragma unroll
           for (int panel = 0; panel < Tr::kPanels; ++panel) {
-            TmaLoad4d(reinterpret_cast<unsigned char*>(dst) + panel * panel_bytes, map, full,
-                      panel * Tr::kPanelCols, heads_inner ? head : row,
-                      heads_inner ? row : head, b);
+            TmaLoadRows(reinterpret_cast<unsigned char*>(dst) + panel * panel_bytes, map,
+                        heads_inner, full, panel * Tr::kPanelCols, row, head, b);
           }
         };
         load_tile(s_q, Tr::kQPanelBytes, &args.tma_q, args.q_heads_inner, q_full, t.row_begin,
@@ -730,10 +727,11 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
       NamedBarrierSync(kOStagedBarrier + cg, 128);
       // Rows past T are dropped by the copy engine (out of the map's bounds).
       if (wg_tid == 0 && wg_row0 < tl.row_end) {
+        const RowHeadCoords at(args.o_heads_inner, wg_row0, head);
 #pragma unroll
         for (int panel = 0; panel < Tr::kPanels; ++panel) {
           TmaStore4d(s_o_staged + panel * kOPanelStride, &args.tma_o, panel * Tr::kPanelCols,
-                     args.o_heads_inner ? head : wg_row0, args.o_heads_inner ? wg_row0 : head, b);
+                     at.c1, at.c2, b);
         }
         BulkCommitGroup();
       }

@@ -93,6 +93,16 @@ __device__ __forceinline__ void PrefetchTensorMap(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
+// The two middle coordinates {c1, c2} of a [B, rows, heads, D] tensor map,
+// whose encoding (tensor_map.h, EncodeRowsTensorMap) puts the smaller of the
+// row and head strides first: (head, row) when the heads are inner, else
+// (row, head).
+struct RowHeadCoords {
+  int c1, c2;
+  __device__ __forceinline__ RowHeadCoords(bool heads_inner, int row, int head)
+      : c1(heads_inner ? head : row), c2(heads_inner ? row : head) {}
+};
+
 __device__ __forceinline__ void TmaLoad4d(void* smem_dst, const CUtensorMap* map, uint64_t* bar,
                                           int c0, int c1, int c2, int c3) {
   asm volatile(
@@ -101,6 +111,15 @@ __device__ __forceinline__ void TmaLoad4d(void* smem_dst, const CUtensorMap* map
       "l"(reinterpret_cast<uint64_t>(map)), "r"(SmemAddr(bar)), "r"(c0), "r"(c1), "r"(c2),
       "r"(c3)
       : "memory");
+}
+
+// TmaLoad4d of a box of rows starting at `row` of one head of a [B, rows,
+// heads, D] tensor map, at column col.
+__device__ __forceinline__ void TmaLoadRows(void* smem_dst, const CUtensorMap* map,
+                                            bool heads_inner, uint64_t* bar, int col, int row,
+                                            int head, int b) {
+  const RowHeadCoords at(heads_inner, row, head);
+  TmaLoad4d(smem_dst, map, bar, col, at.c1, at.c2, b);
 }
 
 // out[box at {c0, c1, c2, c3}] += the smem tile (the map's element type and
