@@ -35,7 +35,7 @@ JF2_TRACE_RING(g_decode_ring, ReadDecodeTrace, ResetDecodeTrace)
 namespace {
 
 // The member names fwd_kernel.cuh's helpers (ComputeS, MaskScores,
-// OnlineSoftmax, AccumulatePV, LoadKvTile) read: kMTiles m16 tiles per warp,
+// OnlineSoftmax, AccumulatePV, CopyMap) read: kMTiles m16 tiles per warp,
 // kBlockN keys per warp step, and a copy map for one warp (each warp fills
 // its own ring).
 template <int kHeadDim_, int kMTiles_>
@@ -49,10 +49,64 @@ struct DecodeTraits {
   static constexpr int kRows = 16 * kMTiles_;
   static constexpr int kNTiles = kBlockN / 8;
   static constexpr int kDTiles = kHeadDim / 8;
-  static constexpr int kSmemStride = kHeadDim + kSmemPad;
+  static constexpr int kQStride = kHeadDim + kSmemPad;  // Q rows, padded
   static constexpr int kChunksPerRow = kHeadDim / 8;
   static constexpr int kThreads = 32;
 };
+
+// K/V tiles: rows of kHeadDim elements, unpadded, so that every row starts
+// on a 128-byte line of shared memory, with the 16-byte chunk c of row r
+// stored at position c ^ (r % 8), so that the 8 rows an ldmatrix reads hit
+// distinct banks. With the prefill kernel's padded rows (most starting off a
+// line) the cp.asyncs moved 1.5x the K/V bytes from L2 into the SMs (ncu, B1
+// S32k: 101 MB for 67 MB; unpadded rows: 67 MB), and B8 S128k streamed at 84%
+// of the DRAM peak instead of 94% (NOTES.md, twentieth session).
+template <int kHeadDim>
+__device__ __forceinline__ int SwizzledOffset(int row, int chunk) {
+  return row * kHeadDim + ((chunk ^ (row % 8)) * 8);
+}
+
+// ldmatrix addresses in such a tile (fwd_kernel.cuh's PaddedTileAt for the
+// swizzled layout): 16-row group i, 16-column step j. The lane reads row
+// lane_row (== lane % 8 mod 8), 16-byte chunk 2 j + half: at position
+// (2 j + half) ^ (lane % 8) = 2 j ^ y with y = half ^ (lane % 8), i.e. byte
+// (32 j) ^ (16 y), where the XOR touches only the low 7 bits.
+template <int kHeadDim>
+struct SwizzledTileAt {
+  uint32_t base;  // the tile's address plus lane_row * kHeadDim * 2
+  uint32_t y16;   // 16 * (half ^ (lane % 8))
+  __device__ __forceinline__ uint32_t operator()(int i, int j) const {
+    return base + i * 16 * kHeadDim * 2 + ((j * 32) & ~127) + (((j * 32) & 127) ^ y16);
+  }
+};
+
+// cp.async of kRows K or V rows (one warp) into a swizzled tile, as
+// fwd::LoadKvTile does into a padded one: rows >= num_rows and columns >=
+// head_dim zero-filled, under the L2 policy.
+template <class Tr, int kRows, typename Elem>
+__device__ __forceinline__ void LoadSwizzledKvTile(Elem* tile, const Elem* head_base,
+                                                   int64_t row_stride, int row0, int num_rows,
+                                                   int head_dim, int lane, uint64_t l2_policy) {
+  using Map = fwd::CopyMap<Tr>;
+  static_assert(kRows % Map::kRowsPerIter == 0 && Tr::kChunksPerRow >= 8);
+  const int tr = lane / Map::kThreadsPerRow;
+  const int tc = lane % Map::kThreadsPerRow;  // first chunk
+  const Elem* src = head_base + (row0 + tr) * row_stride + tc * 8;
+  const int64_t step = Map::kRowsPerIter * row_stride;
+#pragma unroll
+  for (int i = 0; i < kRows / Map::kRowsPerIter; ++i) {
+    const int r = tr + i * Map::kRowsPerIter;
+    const bool row_ok = row0 + r < num_rows;
+#pragma unroll
+    for (int j = 0; j < Map::kChunksPerThread; ++j) {
+      const int chunk = tc + j * Map::kThreadsPerRow;
+      const bool valid = row_ok && chunk * 8 < head_dim;
+      const Elem* from = valid ? src + j * Map::kThreadsPerRow * 8 : head_base;
+      CpAsync16(tile + SwizzledOffset<Tr::kHeadDim>(r, chunk), from, valid, l2_policy);
+    }
+    src += step;
+  }
+}
 
 template <typename Elem, int kHeadDim, int kMTiles>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
@@ -61,10 +115,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   constexpr int kRows = Tr::kRows;
   constexpr int kKeys = Tr::kBlockN;
   constexpr int kStages = Tr::kStages;
-  constexpr int kStride = Tr::kSmemStride;
+  constexpr int kQStride = Tr::kQStride;
   constexpr int kNT = Tr::kNTiles;
   constexpr int kDT = Tr::kDTiles;
-  constexpr int kTileElems = kKeys * kStride;
+  constexpr int kTileElems = kKeys * kHeadDim;
 
   // The split combine (if any) may be scheduled now: it waits for this grid.
   AllowDependentLaunch();
@@ -79,7 +133,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const int lane = tid % 32;
   const int g = lane / 4;
   const int t4 = lane % 4;
-  Elem* s_ring = s_q + kRows * kStride + warp * kStages * 2 * kTileElems;
+  // The rings start on a 128-byte line (kRows * kQStride * 2 is a multiple
+  // of 128 for every head-dim bucket; dynamic shared memory starts aligned).
+  static_assert(kRows * kQStride * 2 % 128 == 0);
+  Elem* s_ring = s_q + kRows * kQStride + warp * kStages * 2 * kTileElems;
 
   const int split = blockIdx.x;
   const int b = blockIdx.y;
@@ -150,7 +207,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
       const int r = idx / Tr::kChunksPerRow;
       const int c = (idx % Tr::kChunksPerRow) * 8;
       const bool valid = r < num_rows && c < head_dim;
-      CpAsync16(s_q + r * kStride + c, valid ? q_row(r) + c : static_cast<const Elem*>(p.q), valid);
+      CpAsync16(s_q + r * kQStride + c, valid ? q_row(r) + c : static_cast<const Elem*>(p.q),
+                valid);
     }
     CpAsyncCommit();
   }
@@ -158,10 +216,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   auto load_chunk = [&](int i) {
     Elem* k_dst = s_ring + (i % kStages) * 2 * kTileElems;
     const int key0 = (c_begin + warp + i * kDecodeWarps) * kKeys;
-    fwd::LoadKvTile<Tr, kKeys, true>(k_dst, k_head, p.k_row_stride, key0, seqlen_k, head_dim,
-                                     lane, kv_policy);
-    fwd::LoadKvTile<Tr, kKeys, true>(k_dst + kTileElems, v_head, p.v_row_stride, key0, seqlen_k,
-                                     head_dim, lane, kv_policy);
+    LoadSwizzledKvTile<Tr, kKeys>(k_dst, k_head, p.k_row_stride, key0, seqlen_k, head_dim, lane,
+                                  kv_policy);
+    LoadSwizzledKvTile<Tr, kKeys>(k_dst + kTileElems, v_head, p.v_row_stride, key0, seqlen_k,
+                                  head_dim, lane, kv_policy);
   };
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) {
@@ -172,13 +230,16 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   __syncthreads();             // everyone's
 
   // ldmatrix lane addresses as in fwd_kernel.cuh (rows 0-15 of the first
-  // tile for every warp; ComputeS steps to the others).
+  // tile for every warp; ComputeS steps to the others): Q padded, K and V
+  // swizzled (K: row (lane / 16) * 8 + lane % 8, half (lane / 8) % 2; V,
+  // transposed: row ((lane / 8) % 2) * 8 + lane % 8, half lane / 16).
   const uint32_t q_addr =
-      SmemAddress(s_q) + ((lane % 8 + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8) * 2;
-  const uint32_t k_addr =
-      SmemAddress(s_ring) + (((lane / 16) * 8 + lane % 8) * kStride + ((lane / 8) % 2) * 8) * 2;
-  const uint32_t v_addr = SmemAddress(s_ring + kTileElems) +
-                          ((((lane / 8) % 2) * 8 + lane % 8) * kStride + (lane / 16) * 8) * 2;
+      SmemAddress(s_q) + ((lane % 8 + ((lane / 8) % 2) * 8) * kQStride + (lane / 16) * 8) * 2;
+  const uint32_t k_addr = SmemAddress(s_ring) + ((lane / 16) * 8 + lane % 8) * kHeadDim * 2;
+  const uint32_t k_y16 = (((lane / 8) % 2) ^ (lane % 8)) * 16;
+  const uint32_t v_addr =
+      SmemAddress(s_ring + kTileElems) + (((lane / 8) % 2) * 8 + lane % 8) * kHeadDim * 2;
+  const uint32_t v_y16 = ((lane / 16) ^ (lane % 8)) * 16;
   const float scale_log2 = p.softmax_scale_log2;
 
   // Shaped [m16 tile][half] for fwd_kernel.cuh's helpers.
@@ -212,12 +273,15 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     const uint32_t stage_bytes = (i % kStages) * 2 * kTileElems * 2;
     const int key0 = (c_begin + warp + i * kDecodeWarps) * kKeys;
     float s[kMTiles][kNT][4];
-    fwd::ComputeS<Tr, Elem, kMTiles>(s, q_addr, k_addr + stage_bytes, head_dim);
+    fwd::ComputeS<Tr, Elem, kMTiles>(s, fwd::PaddedTileAt<kQStride>{q_addr},
+                                     SwizzledTileAt<kHeadDim>{k_addr + stage_bytes, k_y16},
+                                     head_dim);
     if (key0 < full_begin || key0 + kKeys > full_end) {
       fwd::MaskScores<Tr>(s, key0, key_lo, key_hi, t4);
     }
     fwd::OnlineSoftmax<Tr>(s, o, row_max, row_sum, scale_log2);
-    fwd::AccumulatePV<Tr, Elem, kMTiles>(s, o, v_addr + stage_bytes, head_dim);
+    fwd::AccumulatePV<Tr, Elem, kMTiles>(
+        s, o, SwizzledTileAt<kHeadDim>{v_addr + stage_bytes, v_y16}, head_dim);
     __syncwarp();  // the warp is done reading this stage before it is refilled
     if (i == 0) JF2_STAMP(kFirstChunk);
   }
@@ -229,7 +293,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // O rows padded by 8 floats: a half warp's 8-byte stores (8 rows x 4
   // lanes) then hit distinct banks.
   constexpr int kMergeStride = kHeadDim + 8;
-  float* merge_max = reinterpret_cast<float*>(s_q + kRows * kStride);  // [warp][row]
+  float* merge_max = reinterpret_cast<float*>(s_q + kRows * kQStride);  // [warp][row]
   float* merge_sum = merge_max + kDecodeWarps * kRows;                 // [warp][row]
   float* merge_o = merge_sum + kDecodeWarps * kRows;  // [warp][row][kMergeStride]
   static_assert((2 + kMergeStride) * kDecodeWarps * kRows * 4 <=

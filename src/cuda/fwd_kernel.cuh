@@ -127,11 +127,23 @@ __device__ __forceinline__ void LoadQTile(Elem* smem, const FlashParams& p, int 
   }
 }
 
-// S = Q K^T for the first kLive m16 tiles of the warp (the rest stay 0).
-template <class Tr, typename Elem, int kLive>
-__device__ __forceinline__ void ComputeS(float (&s)[Tr::kMTiles][Tr::kNTiles][4], uint32_t q_addr,
-                                         uint32_t k_tile, int head_dim) {
-  constexpr int kStride = Tr::kSmemStride;
+// This lane's ldmatrix address in a tile whose rows are kStride elements apart
+// (the prefill kernel's padded rows, conflict-free for ldmatrix): 16-row group
+// i, 16-column step j. ComputeS and AccumulatePV take the tiles' layouts as
+// such address maps (the decode kernel's K/V tiles are swizzled instead).
+template <int kStride>
+struct PaddedTileAt {
+  uint32_t base;  // this lane's address at (0, 0)
+  __device__ __forceinline__ uint32_t operator()(int i, int j) const {
+    return base + (i * 16 * kStride + j * 16) * 2;
+  }
+};
+
+// S = Q K^T for the first kLive m16 tiles of the warp (the rest stay 0);
+// q_at(m16 tile, k16 step), k_at(16-key pair, k16 step).
+template <class Tr, typename Elem, int kLive, class QAt, class KAt>
+__device__ __forceinline__ void ComputeS(float (&s)[Tr::kMTiles][Tr::kNTiles][4], QAt q_at,
+                                         KAt k_at, int head_dim) {
 #pragma unroll
   for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
@@ -145,13 +157,11 @@ __device__ __forceinline__ void ComputeS(float (&s)[Tr::kMTiles][Tr::kNTiles][4]
     if (ks * 16 >= head_dim) break;  // zero padding columns contribute nothing
     uint32_t a[kLive][4];
 #pragma unroll
-    for (int mt = 0; mt < kLive; ++mt) {
-      LdMatrixX4At(a[mt], q_addr + (mt * 16 * kStride + ks * 16) * 2);
-    }
+    for (int mt = 0; mt < kLive; ++mt) LdMatrixX4At(a[mt], q_at(mt, ks));
 #pragma unroll
     for (int np = 0; np < Tr::kNTiles / 2; ++np) {
       uint32_t kf[4];
-      LdMatrixX4At(kf, k_tile + (np * 16 * kStride + ks * 16) * 2);
+      LdMatrixX4At(kf, k_at(np, ks));
       const uint32_t b0[2] = {kf[0], kf[1]};
       const uint32_t b1[2] = {kf[2], kf[3]};
 #pragma unroll
@@ -163,14 +173,13 @@ __device__ __forceinline__ void ComputeS(float (&s)[Tr::kMTiles][Tr::kNTiles][4]
   }
 }
 
-// O += P V for the first kLive m16 tiles. The C fragments of two adjacent n8
-// tiles of P are the A fragment of one k16 step (primitives.cuh), rounded to
-// Elem as in FA2.
-template <class Tr, typename Elem, int kLive>
+// O += P V for the first kLive m16 tiles; v_at(16-key step, 16-column pair).
+// The C fragments of two adjacent n8 tiles of P are the A fragment of one k16
+// step (primitives.cuh), rounded to Elem as in FA2.
+template <class Tr, typename Elem, int kLive, class VAt>
 __device__ __forceinline__ void AccumulatePV(const float (&s)[Tr::kMTiles][Tr::kNTiles][4],
-                                             float (&o)[Tr::kMTiles][Tr::kDTiles][4],
-                                             uint32_t v_tile, int head_dim) {
-  constexpr int kStride = Tr::kSmemStride;
+                                             float (&o)[Tr::kMTiles][Tr::kDTiles][4], VAt v_at,
+                                             int head_dim) {
 #pragma unroll
   for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
     uint32_t a[kLive][4];
@@ -185,7 +194,7 @@ __device__ __forceinline__ void AccumulatePV(const float (&s)[Tr::kMTiles][Tr::k
     for (int dp = 0; dp < Tr::kHeadDim / 16; ++dp) {
       if (dp * 16 >= head_dim) break;  // padding columns of O are never written
       uint32_t vf[4];
-      LdMatrixX4TransAt(vf, v_tile + (kk * 16 * kStride + dp * 16) * 2);
+      LdMatrixX4TransAt(vf, v_at(kk, dp));
       const uint32_t b0[2] = {vf[0], vf[1]};
       const uint32_t b1[2] = {vf[2], vf[3]};
 #pragma unroll
@@ -554,9 +563,9 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, 1)
     if constexpr (kDropout) ApplyDropoutBits<Tr>(s, dropout_keep());
 
     if (kMT == 1 || all) {
-      AccumulatePV<Tr, Elem, kMT>(s, o, v_tile, head_dim);
+      AccumulatePV<Tr, Elem, kMT>(s, o, PaddedTileAt<kStride>{v_tile}, head_dim);
     } else {
-      AccumulatePV<Tr, Elem, 1>(s, o, v_tile, head_dim);
+      AccumulatePV<Tr, Elem, 1>(s, o, PaddedTileAt<kStride>{v_tile}, head_dim);
     }
   };
 
@@ -568,9 +577,11 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, 1)
                           Opaque(row_begin + warp_row0), Opaque(key0), g, t4);
     }
     if (kMT == 1 || all) {
-      ComputeS<Tr, Elem, kMT>(s, q_addr, k_tile, head_dim);
+      ComputeS<Tr, Elem, kMT>(s, PaddedTileAt<kStride>{q_addr}, PaddedTileAt<kStride>{k_tile},
+                              head_dim);
     } else {
-      ComputeS<Tr, Elem, 1>(s, q_addr, k_tile, head_dim);
+      ComputeS<Tr, Elem, 1>(s, PaddedTileAt<kStride>{q_addr}, PaddedTileAt<kStride>{k_tile},
+                            head_dim);
     }
   };
 

@@ -92,10 +92,12 @@ constexpr int DecodeMTiles(const DecodeTileSizes& t, int64_t rows) {
 }
 static_assert(DecodeMaxRows(DecodeTileFor(128)) == 32 && DecodeMaxRows(DecodeTileFor(256)) == 16);
 
-// Q tile (16 rows per m16 tile), then each warp's stages of K and V tiles
-// (2-byte elements).
+// Q tile (16 rows per m16 tile, padded rows), then each warp's stages of K
+// and V tiles (unpadded, swizzled rows; 2-byte elements).
 constexpr int DecodeSmemBytes(const DecodeTileSizes& t, int m_tiles) {
-  return (16 * m_tiles + kDecodeWarps * t.stages * 2 * t.warp_keys) * (t.head_dim + kSmemPad) * 2;
+  return (16 * m_tiles * (t.head_dim + kSmemPad) +
+          kDecodeWarps * t.stages * 2 * t.warp_keys * t.head_dim) *
+         2;
 }
 
 template <int kHeadDim_>
