@@ -8,9 +8,9 @@
 // time (1.6 TB/s at B1 S32k on the H200). Here every warp owns the same 16
 // rows and a quarter of the block's keys instead: warp w takes key chunks w,
 // w + 4, w + 8, ... (kBlockN keys each), streams them through its own
-// cp.async ring (no block barrier in the loop), and keeps its own online
-// softmax state. At the end the block merges the four states through shared
-// memory, as the split-KV combine merges splits:
+// cp.async ring (swizzled tiles, below; no block barrier in the loop), and
+// keeps its own online softmax state. At the end the block merges the four
+// states through shared memory, as the split-KV combine merges splits:
 //   M = max_w m_w,  L = sum_w 2^((m_w - M) c) l_w,  O = sum_w 2^((m_w - M) c) O_w / L
 // with c = scale * log2(e). A block holds all the rows in kMTiles m16 tiles
 // (32 rows with two: T = 4 at a GQA group of 8). Grid (splits, B, K): each
@@ -68,7 +68,7 @@ __device__ __forceinline__ int SwizzledOffset(int row, int chunk) {
 
 // ldmatrix addresses in such a tile (fwd_kernel.cuh's PaddedTileAt for the
 // swizzled layout): 16-row group i, 16-column step j. The lane reads row
-// lane_row (== lane % 8 mod 8), 16-byte chunk 2 j + half: at position
+// lane_row (lane_row % 8 == lane % 8), 16-byte chunk 2 j + half: at position
 // (2 j + half) ^ (lane % 8) = 2 j ^ y with y = half ^ (lane % 8), i.e. byte
 // (32 j) ^ (16 y), where the XOR touches only the low 7 bits.
 template <int kHeadDim>
@@ -88,7 +88,8 @@ __device__ __forceinline__ void LoadSwizzledKvTile(Elem* tile, const Elem* head_
                                                    int64_t row_stride, int row0, int num_rows,
                                                    int head_dim, int lane, uint64_t l2_policy) {
   using Map = fwd::CopyMap<Tr>;
-  static_assert(kRows % Map::kRowsPerIter == 0 && Tr::kChunksPerRow >= 8);
+  // The XOR permutes chunks within each group of 8: a row must hold whole groups.
+  static_assert(kRows % Map::kRowsPerIter == 0 && Tr::kChunksPerRow % 8 == 0);
   const int tr = lane / Map::kThreadsPerRow;
   const int tc = lane % Map::kThreadsPerRow;  // first chunk
   const Elem* src = head_base + (row0 + tr) * row_stride + tc * 8;
