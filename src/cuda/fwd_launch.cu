@@ -73,7 +73,7 @@ bool DecodePdlEnabled() {
 }
 
 // The decode kernel serves decode shapes without score variants or dropout,
-// on GPUs with its shared memory (143-148 KB at d128: not sm86/sm89's 99 KB).
+// on GPUs with its shared memory (135-140 KB at d128: not sm86/sm89's 99 KB).
 bool UseDecodeKernel(const FlashParams& p, const DeviceInfo& dev) {
   if (!IsDecodeShape(p) || HasScoreVariants(p) || p.dropout_seeds != nullptr) return false;
   const DecodeTileSizes tile = DecodeTileFor(p.head_dim);

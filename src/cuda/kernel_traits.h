@@ -56,7 +56,7 @@ constexpr int FwdSmemBytes(const FwdTileSizes& t, int stages, bool dropout) {
 // merges the four warps' softmax states at the end. Two stages of 32 keys
 // (16 at d256) keep ~128 KB per block in flight, which the memory-bound
 // decode needs, and fit sm80's 163 KB; blocks_per_sm is what the split
-// planner assumes resident (d64's 76 KB allows two).
+// planner assumes resident (d64's 68-70 KB allow two).
 struct DecodeTileSizes {
   int head_dim;  // bucket
   int warp_keys;

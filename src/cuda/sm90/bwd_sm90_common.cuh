@@ -12,32 +12,35 @@
 
 namespace jax_flash2::cuda::sm90 {
 
-// K and V rows [n_begin, + block) of (b, kv_head) into s_k and s_v, as
-// `panels` 64-column panels of panel_bytes each, completing on `bar`.
-__device__ __forceinline__ void LoadKvTile(const BwdSm90Args& args, unsigned char* s_k,
-                                           unsigned char* s_v, uint64_t* bar, int panels,
-                                           int panel_bytes, int n_begin, int kv_head, int b) {
+// Rows [row0, + block) of (b, head) of two tensors (K and V, or Q and dO)
+// into dst_a and dst_b, as `panels` 64-column panels of panel_bytes each,
+// completing on `bar`.
+__device__ __forceinline__ void LoadRowPanelPair(const CUtensorMap* map_a, bool a_heads_inner,
+                                                 unsigned char* dst_a, const CUtensorMap* map_b,
+                                                 bool b_heads_inner, unsigned char* dst_b,
+                                                 uint64_t* bar, int panels, int panel_bytes,
+                                                 int row0, int head, int b) {
 #pragma unroll
   for (int panel = 0; panel < panels; ++panel) {
-    TmaLoadRows(s_k + panel * panel_bytes, &args.tma_k, args.k_heads_inner, bar, panel * 64,
-                n_begin, kv_head, b);
-    TmaLoadRows(s_v + panel * panel_bytes, &args.tma_v, args.v_heads_inner, bar, panel * 64,
-                n_begin, kv_head, b);
+    TmaLoadRows(dst_a + panel * panel_bytes, map_a, a_heads_inner, bar, panel * 64, row0, head, b);
+    TmaLoadRows(dst_b + panel * panel_bytes, map_b, b_heads_inner, bar, panel * 64, row0, head, b);
   }
 }
 
-// Q and dO rows [m_begin, + block) of (b, head h) into one ring stage, as
-// LoadKvTile.
+// K and V rows [n_begin, + block) of (b, kv_head) into s_k and s_v.
+__device__ __forceinline__ void LoadKvTile(const BwdSm90Args& args, unsigned char* s_k,
+                                           unsigned char* s_v, uint64_t* bar, int panels,
+                                           int panel_bytes, int n_begin, int kv_head, int b) {
+  LoadRowPanelPair(&args.tma_k, args.k_heads_inner, s_k, &args.tma_v, args.v_heads_inner, s_v,
+                   bar, panels, panel_bytes, n_begin, kv_head, b);
+}
+
+// Q and dO rows [m_begin, + block) of (b, head h) into one ring stage.
 __device__ __forceinline__ void LoadQDoBlock(const BwdSm90Args& args, unsigned char* q_dst,
                                              unsigned char* do_dst, uint64_t* bar, int panels,
                                              int panel_bytes, int m_begin, int h, int b) {
-#pragma unroll
-  for (int panel = 0; panel < panels; ++panel) {
-    TmaLoadRows(q_dst + panel * panel_bytes, &args.tma_q, args.q_heads_inner, bar, panel * 64,
-                m_begin, h, b);
-    TmaLoadRows(do_dst + panel * panel_bytes, &args.tma_do, args.do_heads_inner, bar, panel * 64,
-                m_begin, h, b);
-  }
+  LoadRowPanelPair(&args.tma_q, args.q_heads_inner, q_dst, &args.tma_do, args.do_heads_inner,
+                   do_dst, bar, panels, panel_bytes, m_begin, h, b);
 }
 
 // Which queries see a thread's two key rows of a 64-key tile [key0, + 64)
