@@ -6,7 +6,7 @@ ONE.json and TWO.json are written by `examples/train_lm.py --compare --json-out`
 on one and on two GPUs (tools/multi_gpu_session.sh makes both). The table:
 tokens/s and scaling efficiency, flash against jax.nn.dot_product_attention in
 speed and peak memory, and the loss at the first and last step. A missing file
-is reported in the table rather than failing, so a partial session still leaves
+is reported in the table rather than failing, so a partial run still leaves
 its numbers.
 """
 

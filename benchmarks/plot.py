@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def parse(path):
   """{(D, causal): {name: [(T, fwd, fwd_bwd)]}} from the first grid table
-  (results files keep older grids below it)."""
+  (the package grid; other tables with D / causal / T columns follow it)."""
   rows, names = {}, None
   for line in open(path):
     cells = [c.strip() for c in line.strip().strip("|").split("|")]

@@ -1,8 +1,8 @@
 """The forward at B1 T=S=16k H16 D128 (bf16), ours beside cuDNN, for three
 input distributions, with nvidia-smi sampling the SM clock and board power
 meanwhile: at this shape both kernels run at the H200's 700 W limit, so
-their speed moves with the clock the power manager allows (results file,
-section 5).
+their speed moves with the clock the power manager allows (benchmarks/results/h200.md,
+"Clock and power").
 
   python benchmarks/power_probe.py
 """
