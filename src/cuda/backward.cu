@@ -1,32 +1,20 @@
-// Host side of the backward: scratch size, argument checks, and the three
-// launches (preprocess, main per head-dim bucket, convert). See bwd_kernel.cuh.
+// The CUDA backward's entry points: scratch size, argument checks, and the
+// three launches (preprocess, main, convert; sm80/bwd_kernel.cuh), the main
+// one from the Hopper (sm90/) or the sm80 (sm80/) kernels.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 
-#include "bwd_kernel.cuh"
 #include "flash_cuda.h"
+#include "sm80/bwd_kernel.cuh"
+#include "sm80/bwd_launch.h"
 #if JF2_HAVE_SM90
 #include "sm90/bwd_sm90.h"
 #endif
 
 namespace jax_flash2::cuda {
-
-// The main kernels are instantiated in bwd_hdim{32,64,128,256}.cu.
-#define JF2_EXTERN_BWD(ELEM, D)                                                               \
-  extern template cudaError_t LaunchBwdMain<ELEM, D>(const FlashParams&, const BwdScratchPtrs&, \
-                                                     const DeviceInfo&, cudaStream_t);
-JF2_EXTERN_BWD(__half, 32)
-JF2_EXTERN_BWD(__half, 64)
-JF2_EXTERN_BWD(__half, 128)
-JF2_EXTERN_BWD(__half, 256)
-JF2_EXTERN_BWD(__nv_bfloat16, 32)
-JF2_EXTERN_BWD(__nv_bfloat16, 64)
-JF2_EXTERN_BWD(__nv_bfloat16, 128)
-JF2_EXTERN_BWD(__nv_bfloat16, 256)
-#undef JF2_EXTERN_BWD
 
 namespace {
 
@@ -87,17 +75,10 @@ cudaError_t RunBackwardTyped(const FlashParams& p, const BwdScratchPtrs& s, size
   const bool sm90 = UseSm90Backward(p, dev);
   ++backward_calls[sm90 ? 1 : 0];
 #if JF2_HAVE_SM90
-  if (sm90) {
-    err = RunBackwardSm90(p, s, dev, stream);
-  } else
+  err = sm90 ? RunBackwardSm90(p, s, dev, stream) : LaunchSm80BwdMain(p, s, dev, stream);
+#else
+  err = LaunchSm80BwdMain(p, s, dev, stream);
 #endif
-  switch (BwdTileFor(p.head_dim).head_dim) {
-    case 32: err = LaunchBwdMain<Elem, 32>(p, s, dev, stream); break;
-    case 64: err = LaunchBwdMain<Elem, 64>(p, s, dev, stream); break;
-    case 128: err = LaunchBwdMain<Elem, 128>(p, s, dev, stream); break;
-    case 256: err = LaunchBwdMain<Elem, 256>(p, s, dev, stream); break;
-    default: return cudaErrorInvalidValue;
-  }
   if (err != cudaSuccess) return err;
 
   // 3. dq = dq_acc * scale. Grid-stride: a few waves of blocks are enough.

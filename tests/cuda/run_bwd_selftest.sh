@@ -15,7 +15,7 @@ ARCH="$ARCH -lgomp"  # the link line: the host reference runs under OpenMP
 BIN=build/bwd_selftest
 
 source tests/cuda/selftest_lib.sh
-build_selftest $BIN build/bwd_obj "" src/cuda/bwd_*.cu src/cuda/device_info.cu \
+build_selftest $BIN build/bwd_obj "" src/cuda/backward.cu src/cuda/sm80/bwd_*.cu src/cuda/device_info.cu \
   tests/cuda/bwd_selftest.cu || exit 1
 
 status=0

@@ -12,8 +12,8 @@ FLAGS="-std=c++17 -O3 -I. --expt-relaxed-constexpr $ARCH"
 BIN=build/fwd_selftest
 
 source tests/cuda/selftest_lib.sh
-build_selftest $BIN build/fwd_obj "" src/cuda/device_info.cu src/cuda/fwd_launch.cu \
-  src/cuda/fwd_hdim*.cu src/cuda/decode_kernel.cu \
+build_selftest $BIN build/fwd_obj "" src/cuda/device_info.cu src/cuda/forward.cu \
+  src/cuda/sm80/fwd_*.cu src/cuda/sm80/decode_kernel.cu \
   tests/cuda/fwd_selftest.cu || exit 1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 rc=0

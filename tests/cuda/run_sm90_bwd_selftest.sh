@@ -22,8 +22,8 @@ source tests/cuda/selftest_lib.sh
 # The sm80 backward is linked too (without JF2_HAVE_SM90, so RunBackward is
 # the sm80 path), for the side-by-side timings.
 build_selftest $BIN build/sm90_bwd_obj src/cuda/sm90/bwd_sm90_launch.cu \
-  src/cuda/sm90/bwd_sm90_launch.cu src/cuda/device_info.cu src/cuda/bwd_launch.cu \
-  src/cuda/bwd_hdim*.cu \
+  src/cuda/sm90/bwd_sm90_launch.cu src/cuda/device_info.cu src/cuda/backward.cu \
+  src/cuda/sm80/bwd_*.cu \
   tests/cuda/sm90_bwd_selftest.cu || exit 1
 sass_summary build/sm90_bwd_obj/bwd_sm90_launch.o
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader

@@ -21,8 +21,8 @@ BIN=build/sm90_fwd_selftest
 source tests/cuda/selftest_lib.sh
 # The sm80 forward is linked too, for the side-by-side timings.
 build_selftest $BIN build/sm90_obj src/cuda/sm90/fwd_sm90_launch.cu \
-  src/cuda/sm90/fwd_sm90_launch.cu src/cuda/device_info.cu src/cuda/fwd_launch.cu \
-  src/cuda/fwd_hdim*.cu src/cuda/decode_kernel.cu \
+  src/cuda/sm90/fwd_sm90_launch.cu src/cuda/device_info.cu src/cuda/forward.cu \
+  src/cuda/sm80/fwd_*.cu src/cuda/sm80/decode_kernel.cu \
   tests/cuda/sm90_fwd_selftest.cu || exit 1
 sass_summary build/sm90_obj/fwd_sm90_launch.o
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader

@@ -13,7 +13,10 @@ build_selftest() {
   if [ "${REBUILD:-0}" != 1 ] && "$bin" --probe >/dev/null 2>&1; then return 0; fi
   echo "== building $bin"
   local start=$SECONDS pids=() f failed=0
+  # A fresh object set: the link takes every object of OBJDIR, and one left
+  # from an older source list would define its symbols twice.
   mkdir -p "$objdir"
+  rm -f "$objdir"/*.o
   for f in "$@"; do
     local extra=""
     [ "$f" = "$ptxas_source" ] && extra="-Xptxas -v"

@@ -34,9 +34,9 @@
 #include <string>
 #include <vector>
 
-#include "src/cuda/bwd_kernel.cuh"
-#include "src/cuda/bwd_traits.h"
 #include "src/cuda/flash_cuda.h"
+#include "src/cuda/sm80/bwd_kernel.cuh"
+#include "src/cuda/sm80/bwd_traits.h"
 #include "src/cuda/sm90/bwd_sm90.h"
 #include "src/flash_mask.h"
 #include "src/flash_params.h"

@@ -43,13 +43,13 @@
 #include <cmath>
 #include <cstdint>
 
-#include "../flash_dropout.h"
-#include "../flash_mask.h"
-#include "../flash_params.h"
+#include "../../flash_dropout.h"
+#include "../../flash_mask.h"
+#include "../../flash_params.h"
+#include "../flash_cuda.h"
+#include "../smem_optin.h"
 #include "bwd_traits.h"
-#include "flash_cuda.h"
 #include "primitives.cuh"
-#include "smem_optin.h"
 
 namespace jax_flash2::cuda {
 

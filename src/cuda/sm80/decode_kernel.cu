@@ -23,12 +23,12 @@
 #include <atomic>
 #include <cmath>
 
-#include "decode_trace.cuh"
+#include "../decode_trace.cuh"
+#include "../smem_optin.h"
 #include "fwd_kernel.cuh"
 #include "fwd_launch.h"
 #include "kernel_traits.h"
 #include "primitives.cuh"
-#include "smem_optin.h"
 
 namespace jax_flash2::cuda {
 JF2_TRACE_RING(g_decode_ring, ReadDecodeTrace, ResetDecodeTrace)

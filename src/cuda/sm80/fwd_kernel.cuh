@@ -30,12 +30,12 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "../flash_dropout.h"
-#include "../flash_mask.h"
+#include "../../flash_dropout.h"
+#include "../../flash_mask.h"
+#include "../smem_optin.h"
 #include "fwd_launch.h"
 #include "kernel_traits.h"
 #include "primitives.cuh"
-#include "smem_optin.h"
 
 namespace jax_flash2::cuda {
 namespace fwd {

@@ -1,12 +1,15 @@
-// What the forward dispatch (fwd_launch.cu) hands to the per-bucket kernel
+// What the forward dispatch (forward.cu) hands to the per-bucket kernel
 // instantiations (fwd_hdim*.cu). Plain C++ so both sides see one definition.
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include "../flash_params.h"
+#include "../../flash_params.h"
 
 namespace jax_flash2::cuda {
+
+// Most key-range splits of a forward call (the combine kernel's LSE slots).
+inline constexpr int kMaxSplits = 128;
 
 struct FwdArgs {
   FlashParams p;
@@ -62,8 +65,14 @@ cudaError_t LaunchFwdKernel(const FwdArgs& args, cudaStream_t stream);
 template <typename Elem>
 cudaError_t LaunchDecodeKernel(const FwdArgs& args, int bucket, int m_tiles, cudaStream_t stream);
 
-// Merges the split partials into O (Elem) and LSE; defined in fwd_launch.cu.
+// Merges the split partials into O (Elem) and LSE; fwd_combine.cu.
 template <typename Elem>
 cudaError_t LaunchFwdCombine(const FwdArgs& args, cudaStream_t stream);
+
+// The sm80 forward of args.p's dtype: the decode kernel (m_tiles m16 tiles
+// of rows) or the prefill kernel of a head-dim bucket, then the combine when
+// args.num_splits > 1; fwd_launch.cu.
+cudaError_t LaunchSm80Forward(const FwdArgs& args, bool decode, int bucket, int m_tiles,
+                              cudaStream_t stream);
 
 }  // namespace jax_flash2::cuda

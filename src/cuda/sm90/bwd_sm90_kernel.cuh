@@ -69,7 +69,7 @@
 #include <cstdint>
 
 #include "../../flash_mask.h"
-#include "../primitives.cuh"
+#include "../sm80/primitives.cuh"
 #include "bwd_sm90.h"
 #include "bwd_sm90_common.cuh"
 #include "primitives.cuh"

@@ -13,7 +13,7 @@
 #include <cstring>
 
 #include "../../flash_mask.h"
-#include "../bwd_kernel.cuh"
+#include "../sm80/bwd_kernel.cuh"
 #include "../smem_optin.h"
 #include "bwd_sm90.h"
 #include "bwd_sm90_dsplit_kernel.cuh"

@@ -64,7 +64,7 @@
 #include <cstdint>
 
 #include "../../flash_mask.h"
-#include "../primitives.cuh"
+#include "../sm80/primitives.cuh"
 #include "fwd_sm90.h"
 #include "primitives.cuh"
 #include "wgmma.cuh"

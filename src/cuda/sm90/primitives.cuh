@@ -13,7 +13,7 @@
 
 #include <cstdint>
 
-#include "../primitives.cuh"  // PackFloat2
+#include "../sm80/primitives.cuh"  // PackFloat2
 
 namespace jax_flash2::cuda::sm90 {
 
