@@ -5,6 +5,7 @@
 
 #include <mutex>
 
+#include "../test_switches.h"
 #include "flash_cuda.h"
 
 namespace jax_flash2::cuda {
@@ -31,6 +32,12 @@ cudaError_t QueryDeviceInfo(int device, DeviceInfo* info) {
   info->cc_major = major;
   info->cc_minor = minor;
   info->max_smem_per_block_optin = static_cast<size_t>(smem_optin);
+  // The test switch JAX_FLASH2_MAX_SMEM_PER_BLOCK: plan (and opt in) as a GPU
+  // with less shared memory would.
+  const int64_t cap = GetTestSwitches().max_smem_per_block;
+  if (cap > 0 && static_cast<size_t>(cap) < info->max_smem_per_block_optin) {
+    info->max_smem_per_block_optin = static_cast<size_t>(cap);
+  }
   info->l2_bytes = static_cast<size_t>(l2_bytes);
   return cudaSuccess;
 }

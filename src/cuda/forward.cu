@@ -7,11 +7,11 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "../flash_mask.h"
 #include "../heuristics.h"
+#include "../test_switches.h"
 #include "flash_cuda.h"
 #include "sm80/fwd_launch.h"
 #include "sm80/kernel_traits.h"
@@ -45,33 +45,13 @@ bool IsDecodeShape(const FlashParams& p) {
   return p.seqlen_q * p.group_size <= DecodeMaxRows(DecodeTileFor(p.head_dim));
 }
 
-// JAX_FLASH2_DECODE_KERNEL=0 sends decode shapes to the prefill kernel (read
-// once per process): for side-by-side timings and as a way out.
-bool DecodeKernelEnabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("JAX_FLASH2_DECODE_KERNEL");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  return enabled;
-}
-
-// JAX_FLASH2_DECODE_PDL=0 launches the decode kernel and its combine as plain
-// stream-ordered grids (read once per process; for comparisons).
-bool DecodePdlEnabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("JAX_FLASH2_DECODE_PDL");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  return enabled;
-}
-
 // The decode kernel serves decode shapes without score variants or dropout,
 // on GPUs with its shared memory (135-140 KB at d128: not sm86/sm89's 99 KB).
 bool UseDecodeKernel(const FlashParams& p, const DeviceInfo& dev) {
   if (!IsDecodeShape(p) || HasScoreVariants(p) || p.dropout_seeds != nullptr) return false;
   const DecodeTileSizes tile = DecodeTileFor(p.head_dim);
   const int smem = DecodeSmemBytes(tile, DecodeMTiles(tile, p.seqlen_q * p.group_size));
-  return static_cast<size_t>(smem) <= dev.max_smem_per_block_optin && DecodeKernelEnabled();
+  return static_cast<size_t>(smem) <= dev.max_smem_per_block_optin && GetTestSwitches().decode_kernel;
 }
 
 // Splits of the decode kernel: its blocks stream disjoint keys (memory bound),
@@ -248,7 +228,7 @@ cudaError_t RunForward(const FlashParams& p, void* scratch, const DeviceInfo& de
   args.kv_stages = plan.kv_stages;
   args.num_splits = plan.num_splits;
   args.n_blocks_per_split = plan.n_blocks_per_split;
-  args.programmatic_launch = plan.decode && dev.cc_major >= 9 && DecodePdlEnabled();
+  args.programmatic_launch = plan.decode && dev.cc_major >= 9 && GetTestSwitches().decode_pdl;
   const double kv_bytes = 2.0 * p.batch * p.seqlen_k * p.num_heads_kv * p.head_dim * 2;
   args.kv_read_once = plan.decode && kv_bytes > 0.5 * static_cast<double>(dev.l2_bytes);
   if (plan.num_splits > 1) {

@@ -4,10 +4,7 @@
 //   fwd_selftest            all cases + timings
 //   fwd_selftest --small    small cases only, no timings (for compute-sanitizer memcheck)
 //   fwd_selftest --tiny     a few small cases (for compute-sanitizer racecheck)
-//   fwd_selftest --decode-time [substring]   the decode timings alone (those named so);
-//                                            built with -DJF2_DECODE_TRACE, each followed by
-//                                            the decode and combine kernels' block timelines
-//                                            (src/cuda/decode_trace.cuh)
+//   fwd_selftest --decode-time [substring]   the decode timings alone (those named so)
 //   fwd_selftest --probe    exits 0 at once: checks that a carried binary loads
 //
 // Outputs and scratch are poisoned with NaN before each run, so an element the
@@ -27,7 +24,6 @@
 #include <thread>
 #include <vector>
 
-#include "src/cuda/decode_trace.cuh"
 #include "src/cuda/flash_cuda.h"
 #include "src/flash_mask.h"
 #include "src/flash_params.h"
@@ -221,69 +217,6 @@ double TimeForward(const Case& c, const cuda::DeviceInfo& dev, int sets, int rep
   return ms[reps / 2];
 }
 
-#ifdef JF2_DECODE_TRACE
-// The last three launches of the decode kernel and its combine, in
-// microseconds from the first one's earliest block start: per kernel the
-// spread of each stamp over its blocks (min / median / max).
-void PrintDecodeTrace(bool with_combine) {
-  using namespace cuda::trace;
-  static Ring dec, comb;
-  cuda::ReadDecodeTrace(&dec);
-  cuda::ReadCombineTrace(&comb);
-  const int64_t dec_blocks = static_cast<int64_t>(dec.grid_blocks);
-  const int64_t comb_blocks = static_cast<int64_t>(comb.grid_blocks);
-  if (dec_blocks == 0) return;
-  const int64_t dec_launches = static_cast<int64_t>(dec.ticket) / dec_blocks;
-  const int64_t comb_launches = comb_blocks ? static_cast<int64_t>(comb.ticket) / comb_blocks : 0;
-  const int64_t nd = std::min<int64_t>(dec_blocks, kMaxBlocks);
-  const int64_t nc = std::min<int64_t>(comb_blocks, kMaxBlocks);
-  static const char* names[kStamps] = {"start",  "chunk0", "loop",   "end",
-                                       "",       "waited", "merged", "stored"};
-  const int64_t first = dec_launches - 3;
-  if (first < 0) return;
-  const double t_ref = [&] {
-    double t = 1e300;
-    for (int64_t b = 0; b < nd; ++b) t = std::min(t, double(dec.stamp[first % kSlots][b][kStart]));
-    return t;
-  }();
-  // One stamp's min / median / max over the blocks of a launch.
-  auto print_stamp = [&](const char* kernel, const Ring& ring, int64_t launch, int64_t blocks,
-                         int64_t call, int k) {
-    std::vector<double> v;
-    for (int64_t b = 0; b < blocks; ++b) {
-      v.push_back((ring.stamp[launch % kSlots][b][k] - t_ref) / 1e3);
-    }
-    std::sort(v.begin(), v.end());
-    std::printf("    %s %lld %-6s %6.2f %6.2f %6.2f\n", kernel, static_cast<long long>(call),
-                names[k], v.front(), v[v.size() / 2], v.back());
-  };
-  std::printf("  trace: %lld decode blocks, %lld combine blocks; us from the first start (min med max)\n",
-              static_cast<long long>(dec_blocks), static_cast<long long>(comb_blocks));
-  for (int64_t l = first; l < dec_launches; ++l) {
-    for (int k : {kStart, kWaited, kFirstChunk, kLoopDone, kMerged, kStored, kEnd}) {
-      print_stamp("decode", dec, l, nd, l - first, k);
-    }
-    if (l == dec_launches - 1) {  // which blocks end their loops first and last
-      std::vector<std::pair<double, int64_t>> order;
-      for (int64_t b = 0; b < nd; ++b) {
-        order.push_back({(dec.stamp[l % kSlots][b][kLoopDone] - t_ref) / 1e3, b});
-      }
-      std::sort(order.begin(), order.end());
-      std::printf("    loop end by block (block:sm time):");
-      for (size_t i = 0; i < order.size(); ++i) {
-        if (i % 8 == 0) std::printf("\n     ");
-        std::printf(" %3lld:%3llu %6.2f", static_cast<long long>(order[i].second),
-                    dec.stamp[l % kSlots][order[i].second][kSmId], order[i].first);
-      }
-      std::printf("\n");
-    }
-    // The combine of the same call (tickets count launches the same way).
-    const int64_t cl = comb_launches - (dec_launches - l);
-    if (!with_combine || nc == 0 || cl < 0) continue;
-    for (int k : {kStart, kWaited, kEnd}) print_stamp("combine", comb, cl, nc, l - first, k);
-  }
-}
-#endif
 
 }  // namespace
 
@@ -325,16 +258,9 @@ int main(int argc, char** argv) {
       const double bytes = 2.0 * c.B * c.S * c.K * c.D * 2;
       // Enough copies that the rotation spans 4x the H200's 60 MB L2.
       const int sets = std::max(4, static_cast<int>(240e6 / bytes) + 1);
-#ifdef JF2_DECODE_TRACE
-      cuda::ResetDecodeTrace();
-      cuda::ResetCombineTrace();
-#endif
       const double ms = TimeForward(c, dev, sets, 30, &split, 20);
       std::printf("TIME %-44s %8.4f ms  %6.0f GB/s of K+V  (split-KV %s)\n", c.name.c_str(), ms,
                   bytes / ms / 1e6, split ? "on" : "off");
-#ifdef JF2_DECODE_TRACE
-      PrintDecodeTrace(split != 0);
-#endif
     }
   };
   if (decode_time) {

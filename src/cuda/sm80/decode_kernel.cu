@@ -23,7 +23,6 @@
 #include <atomic>
 #include <cmath>
 
-#include "../decode_trace.cuh"
 #include "../smem_optin.h"
 #include "fwd_kernel.cuh"
 #include "fwd_launch.h"
@@ -31,7 +30,6 @@
 #include "primitives.cuh"
 
 namespace jax_flash2::cuda {
-JF2_TRACE_RING(g_decode_ring, ReadDecodeTrace, ResetDecodeTrace)
 namespace {
 
 // The member names fwd_kernel.cuh's helpers (ComputeS, MaskScores,
@@ -123,8 +121,6 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 
   // The split combine (if any) may be scheduled now: it waits for this grid.
   AllowDependentLaunch();
-  JF2_TRACE_BEGIN(g_decode_ring);
-  JF2_STAMP(kStart);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Q (kRows rows), then per warp kStages x (K tile, V tile).
   Elem* s_q = reinterpret_cast<Elem*>(smem_raw);
@@ -197,7 +193,6 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     if (tid < num_rows) PrefetchRowL2(q_row(tid), row_bytes);
   }
   WaitForPrimaryGrid();
-  JF2_STAMP(kWaited);
 
   // Q by the whole block; rows past num_rows are zero-filled (and never
   // written). (fwd::LoadQTile does the same for a block of Tr::kThreads; here
@@ -284,13 +279,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     fwd::AccumulatePV<Tr, Elem, kMTiles>(
         s, o, SwizzledTileAt<kHeadDim>{v_addr + stage_bytes, v_y16}, head_dim);
     __syncwarp();  // the warp is done reading this stage before it is refilled
-    if (i == 0) JF2_STAMP(kFirstChunk);
   }
 
   // Merge the warps' states through the (now idle) rings.
   CpAsyncWait<0>();
   __syncthreads();
-  JF2_STAMP(kLoopDone);
   // O rows padded by 8 floats: a half warp's 8-byte stores (8 rows x 4
   // lanes) then hit distinct banks.
   constexpr int kMergeStride = kHeadDim + 8;
@@ -324,7 +317,6 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // is shorter).
   const int threads_per_row = num_rows > 16 ? 4 : num_rows > 8 ? 8 : num_rows > 4 ? 16 : 32;
   const int r = tid / threads_per_row;
-  JF2_STAMP(kMerged);
   if (r >= num_rows) return;
   float mx = -INFINITY;
 #pragma unroll
@@ -346,7 +338,6 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const int64_t part = split * p.batch * p.num_heads_q * seqlen_q + lse_index;
   Elem* o_row = static_cast<Elem*>(p.o) + b * p.o_batch_stride + t * p.o_row_stride +
                 head * p.o_head_stride;
-  JF2_STAMP(kStored);
   // head_dim is a multiple of 8: a thread's 4 columns never straddle its end.
   for (int d = (tid % threads_per_row) * 4; d < head_dim; d += threads_per_row * 4) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -374,7 +365,6 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
       p.lse[lse_index] = lse;
     }
   }
-  JF2_STAMP(kEnd);
 }
 
 template <typename Elem, int kHeadDim, int kMTiles>

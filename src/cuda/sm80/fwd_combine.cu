@@ -7,12 +7,10 @@
 #include <cmath>
 #include <cstdint>
 
-#include "../decode_trace.cuh"
 #include "fwd_launch.h"
 #include "primitives.cuh"
 
 namespace jax_flash2::cuda {
-JF2_TRACE_RING(g_combine_ring, ReadCombineTrace, ResetCombineTrace)
 namespace {
 
 constexpr int kCombineWarps = 4;
@@ -35,10 +33,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   __shared__ float4 warp_sums[kCombineWarps - 1][kColSlots][32];
   // A next decode call may be scheduled now; it waits for this grid.
   AllowDependentLaunch();
-  JF2_TRACE_BEGIN(g_combine_ring);
-  JF2_STAMP(kStart);
   WaitForPrimaryGrid();  // the partials are the main kernel's (programmatic_launch)
-  JF2_STAMP(kWaited);
   const FlashParams& p = args.p;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -146,7 +141,6 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
         make_uint2(PackFloat2<Elem>(total.x, total.y), PackFloat2<Elem>(total.z, total.w));
   }
   if (lane == 0) p.lse[row] = lse;
-  JF2_STAMP(kEnd);
 }
 
 }  // namespace

@@ -1,0 +1,57 @@
+// Test-only environment switches: every one the library reads, in one place.
+// Each is read once per process (the first call that plans a kernel); none is
+// needed in normal use. They exist for side-by-side measurements and for
+// running the small-shared-memory tiles of other GPUs on a larger one.
+//
+//   JAX_FLASH2_DECODE_KERNEL=0   decode shapes run the sm80 prefill kernel
+//                                (split-KV) instead of the decode kernel
+//   JAX_FLASH2_DECODE_PDL=0      the decode kernel and its split combine are
+//                                launched as plain stream-ordered grids, not as
+//                                programmatic dependents (cc 9.0)
+//   JAX_FLASH2_SM90_BACKWARD=0   the backward runs the sm80 kernels on cc 9.0
+//   JAX_FLASH2_MAX_SMEM_PER_BLOCK=N
+//                                plan as if the GPU allowed at most N bytes of
+//                                shared memory per block (e.g. 101376 on an
+//                                H200 runs the tiles of cc 8.6 / 8.9 GPUs,
+//                                and the sm80 kernels instead of the Hopper
+//                                ones, which need 227 KB)
+//
+// Plain C++ (no CUDA): the CPU extension's plan() reads the same switches.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+namespace jax_flash2 {
+
+struct TestSwitches {
+  bool decode_kernel = true;
+  bool decode_pdl = true;
+  bool sm90_backward = true;
+  int64_t max_smem_per_block = 0;  // 0: the device's own limit
+};
+
+inline TestSwitches ReadTestSwitches() {
+  auto off = [](const char* name) {
+    const char* v = std::getenv(name);
+    return v != nullptr && std::strcmp(v, "0") == 0;
+  };
+  TestSwitches s;
+  s.decode_kernel = !off("JAX_FLASH2_DECODE_KERNEL");
+  s.decode_pdl = !off("JAX_FLASH2_DECODE_PDL");
+  s.sm90_backward = !off("JAX_FLASH2_SM90_BACKWARD");
+  if (const char* v = std::getenv("JAX_FLASH2_MAX_SMEM_PER_BLOCK")) {
+    const long long n = std::strtoll(v, nullptr, 10);
+    s.max_smem_per_block = n > 0 ? n : 0;
+  }
+  return s;
+}
+
+// The switches of this process (read once, thread-safe).
+inline const TestSwitches& GetTestSwitches() {
+  static const TestSwitches switches = ReadTestSwitches();
+  return switches;
+}
+
+}  // namespace jax_flash2
