@@ -3,7 +3,7 @@
   python benchmarks/multi_gpu_table.py ONE.json TWO.json [--checks LOG] --out h200x2.md
 
 ONE.json and TWO.json are written by `examples/train_lm.py --compare --json-out`
-on one and on two GPUs (tools/multi_gpu_session.sh makes both). The table:
+on one and on two GPUs (tools/multi_gpu_suite.sh makes both). The table:
 tokens/s and scaling efficiency, flash against jax.nn.dot_product_attention in
 speed and peak memory, and the loss at the first and last step. A missing file
 is reported in the table rather than failing, so a partial run still leaves
@@ -96,7 +96,7 @@ def main(argv=None):
   p.add_argument("one", help="--compare JSON of the 1-GPU run")
   p.add_argument("two", help="--compare JSON of the 2-GPU run")
   p.add_argument("--checks", help="log of tests/multi_device_checks.py on the GPUs")
-  p.add_argument("--command", default="bash tools/multi_gpu_session.sh",
+  p.add_argument("--command", default="bash tools/multi_gpu_suite.sh",
                  help="the command that made the runs, quoted in the table")
   p.add_argument("--out", required=True)
   args = p.parse_args(argv)

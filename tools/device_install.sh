@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the package with CUDA on the GPU machine (its jax's headers, so
-# --no-build-isolation), logging to $OUT/pip.log; the session scripts source it.
+# --no-build-isolation), logging to $OUT/pip.log; the tools/*_suite.sh scripts source it.
 # ARCHS sets the CUDA architectures (default 90a, the H200).
 SECONDS=0
 JAX_FLASH2_CUDA=on JAX_FLASH2_CUDA_ARCHS=${ARCHS:-90a} CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \

@@ -1,9 +1,9 @@
 """Prints the test ids of part K of N of the pytest suite (collection order,
 every N-th test from the K-th), one per line, so that the whole suite can
-run on the GPU machine in device calls of at most 10 minutes each:
+run on the GPU machine in runs of at most 10 minutes each:
 
   mapfile -t ids < <(python3 tools/test_part.py 0 3)   # ids hold spaces: an array
-  (cd tests && python3 -m pytest -n 16 "${ids[@]}")    # or: PART=0/3 tools/gpu_session.sh
+  (cd tests && python3 -m pytest -n 16 "${ids[@]}")    # or: PART=0/3 tools/gpu_suite.sh
 
 Run from the repository root; the ids are relative to tests/. Dealt out
 rather than cut into runs, so every part gets a share of each file's slow

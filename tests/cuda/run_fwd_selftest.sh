@@ -1,7 +1,7 @@
 #!/bin/bash
 # Builds (unless a carried build/fwd_selftest loads) and runs the CUDA forward
 # self-test, then compute-sanitizer memcheck and racecheck on small shapes.
-# Meant for one device call:  bash tests/cuda/run_fwd_selftest.sh
+# One run on the GPU machine:  bash tests/cuda/run_fwd_selftest.sh
 # Logs go to $OUT (or /tmp/fwd_selftest_out).
 set -u
 cd "$(dirname "$0")/../.."

@@ -2,7 +2,7 @@
 # Builds (unless a carried build/sm90_bwd_selftest loads) and runs the Hopper
 # backward self-test: the case matrix against the float64 oracle, timings
 # beside the sm80 backward, then compute-sanitizer memcheck and racecheck on
-# tiny cases. Meant for one device call (an H200; under 4 minutes):
+# tiny cases. One run on an H200 (under 4 minutes):
 #   bash tests/cuda/run_sm90_bwd_selftest.sh
 # Logs go to $OUT (or /tmp/sm90_bwd_selftest_out). REBUILD=1 forces a build,
 # SANITIZE=0 skips the sanitizer runs, TIME=0 the timings, FILTER=str runs

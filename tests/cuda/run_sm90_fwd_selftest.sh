@@ -2,7 +2,7 @@
 # Builds (unless a carried build/sm90_fwd_selftest loads) and runs the Hopper
 # forward self-test: smoke cases first, the full matrix, timings beside the
 # sm80 forward, then compute-sanitizer memcheck and racecheck on small shapes.
-# Meant for one device call (an H200; well under 5 minutes):
+# One run on an H200 (well under 5 minutes):
 #   bash tests/cuda/run_sm90_fwd_selftest.sh
 # Logs go to $OUT (or /tmp/sm90_fwd_selftest_out). REBUILD=1 forces a build,
 # SANITIZE=0 skips the sanitizer runs, TIME=0 the timings, FILTER=str runs
@@ -12,8 +12,8 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/sm90_fwd_selftest_out}
 mkdir -p "$OUT"
 # wgmma and setmaxnreg need the arch-specific target (sm_90a), spelled with
-# -gencode (HOPPER.md: the -arch=sm_90a shorthand also ran a plain sm_90 pass
-# that rejects them on some nvcc versions).
+# -gencode (the -arch=sm_90a shorthand also runs a plain sm_90 pass that
+# rejects them on some nvcc versions).
 ARCH=-gencode=arch=compute_90a,code=sm_90a
 FLAGS="-std=c++17 -O3 -I. --expt-relaxed-constexpr $ARCH -DJF2_SM90_ALL_SCHEDULES=1"
 BIN=build/sm90_fwd_selftest

@@ -40,7 +40,7 @@ inline constexpr BwdTileSizes kBwdTileTable[] = {
 // (causal) against the row above. Only buckets listed here get a second
 // kernel. d256 has none: its 16-warp row {256, 64, 4, 4} spilled (112 bytes
 // at the 128 registers of 512 threads) and measured 139.0 / 129.9 TFLOP/s
-// against 144.0 / 134.5 for the row above (fifteenth session, two rounds).
+// against 144.0 / 134.5 for the row above.
 inline constexpr BwdTileSizes kBwdTileTableLargeSmem[] = {
     {128, 64, 8, 2},
 };

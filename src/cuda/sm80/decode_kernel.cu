@@ -58,7 +58,7 @@ struct DecodeTraits {
 // distinct banks. With the prefill kernel's padded rows (most starting off a
 // line) the cp.asyncs moved 1.5x the K/V bytes from L2 into the SMs (ncu, B1
 // S32k: 101 MB for 67 MB; unpadded rows: 67 MB), and B8 S128k streamed at 84%
-// of the DRAM peak instead of 94% (NOTES.md, twentieth session).
+// of the DRAM peak instead of 94%.
 template <int kHeadDim>
 __device__ __forceinline__ int SwizzledOffset(int row, int chunk) {
   return row * kHeadDim + ((chunk ^ (row % 8)) * 8);
@@ -179,8 +179,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // the GPU's writes meet, so a line the previous grid writes after the
   // prefetch is updated there. Prefetching this warp's first kStages chunks
   // (what it asks for first anyway) and Q meanwhile keeps the memory busy
-  // during that grid's tail: B1 S32k 24.2-24.6 -> 22.1-22.6 us (NOTES.md,
-  // twelfth session; one, three or four chunks measured slower).
+  // during that grid's tail: B1 S32k 24.2-24.6 -> 22.1-22.6 us (one, three
+  // or four chunks measured slower).
   {
     const int row_bytes = head_dim * static_cast<int>(sizeof(Elem));
 #pragma unroll

@@ -350,9 +350,9 @@ __device__ __forceinline__ void ApplyScoreVariants(float (&s)[Tr::kMTiles][Tr::k
 //     epilogue.
 // Why the detour: the d128 tile sits at 255 registers with S and O live, and
 // the Philox calls beside S, or even four words of bits carried in registers
-// from before S to after it, made ptxas spill 144-700 bytes (measured while
-// dropout was a runtime branch of the one kernel; now 44 bytes, in the
-// dropout kernel only, at d128 on sm_80).
+// from before S to after it, made ptxas spill 144-700 bytes (dropout as a
+// runtime branch of one kernel); this way the dropout kernel alone spills 44
+// bytes at d128 on sm_80.
 // Rows and keys as in ApplyScoreVariants (packed row r: query r / pack of head
 // z * pack + r % pack). A lane's two keys 2 * t4 and 2 * t4 + 1 of an n8 tile
 // lie in one Philox group of four (key0 is a multiple of 8), and lane t4 ^ 1

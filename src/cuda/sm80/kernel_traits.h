@@ -83,7 +83,7 @@ constexpr int DecodeMaxMTiles(const DecodeTileSizes& t) { return t.head_dim <= 1
 // The decode kernel's calls have at most this many packed rows: one block
 // holds them all. Splitting more rows over blocks that each stream the keys
 // again (from L2) measured slower than the prefill kernel at T 16 and at B8
-// T8 S128k (NOTES.md, nineteenth session).
+// T8 S128k.
 constexpr int64_t DecodeMaxRows(const DecodeTileSizes& t) { return 16 * DecodeMaxMTiles(t); }
 
 // m16 tiles of rows per block for `rows` (<= DecodeMaxRows) packed rows.

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Everything worth checking on the GPU machine, in one device call:
-#   bash tools/gpu_session.sh            (logs and tables under $OUT)
+# Everything worth checking on the GPU machine, in one run:
+#   bash tools/gpu_suite.sh            (logs and tables under $OUT)
 # 1. install with CUDA for sm_90a (the H200; ~30 s on 16 cores)
 # 2. the pytest suite on GPU $TEST_GPU, in parallel processes sharing it
 #    (TESTS=files to choose, PART=K/N for part K of N: the whole suite takes
-#    about 15-20 minutes with 16 workers, more than one call's 10)
+#    about 15-20 minutes with 16 workers, more than one run's 10-minute limit)
 # 3. the quickstart
 # Optional jobs, run on GPU $AUX_GPU: beside the tests when it differs from
 # $TEST_GPU (a 2-GPU host), after them otherwise, so timings never share a GPU:
@@ -17,7 +17,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu_session}
+OUT=${OUT:-/tmp/gpu_suite}
 mkdir -p "$OUT"
 TEST_GPU=${TEST_GPU:-0}
 AUX_GPU=${AUX_GPU:-$TEST_GPU}

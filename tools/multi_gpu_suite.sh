@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The multi-GPU checks and measurements on the 2-GPU host, in one device call:
-#   bash tools/multi_gpu_session.sh     (logs, JSON and the table under $OUT)
+# The multi-GPU checks and measurements on the 2-GPU host, in one run on the GPU machine:
+#   bash tools/multi_gpu_suite.sh     (logs, JSON and the table under $OUT)
 # a. install with CUDA for sm_90a
 # b. tests/multi_device_checks.py on both GPUs (bf16 inputs), and, at the same
 #    time (neither is timed), c. the Flax, export and training-example tests on
@@ -15,7 +15,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/multi_gpu_session}
+OUT=${OUT:-/tmp/multi_gpu_suite}
 mkdir -p "$OUT"
 failed=""
 
@@ -63,7 +63,7 @@ done
 mkdir -p benchmarks/results
 python3 benchmarks/multi_gpu_table.py "$OUT/train_1gpu.json" "$OUT/train_2gpu.json" \
   --checks "$OUT/multi_device_checks.log" --out benchmarks/results/h200x2.md \
-  --command "bash tools/multi_gpu_session.sh  # train_lm.py ${MODEL[*]} --compare" \
+  --command "bash tools/multi_gpu_suite.sh  # train_lm.py ${MODEL[*]} --compare" \
   || failed="$failed table"
 cp benchmarks/results/h200x2.md "$OUT/" 2>/dev/null
 

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# One device call on the 2-GPU H200 host that checks and measures everything
+# One run on the 2-GPU H200 host that checks and measures everything
 # at once, each GPU busy with one thing at a time so timings are their own:
 #   GPU 1: Hopper backward self-test, then the benchmark grid (+ decode)
 #   GPU 0: the pytest suite, then train_lm.py --compare on one GPU
 #   both:  train_lm.py --compare data-parallel on two GPUs
 # Every step has a timeout; the whole stays under 10 minutes. Logs, tables
 # and JSON go to $OUT.
-#   bash tools/h200x2_session.sh
+#   bash tools/h200x2_suite.sh
 set -u
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/h200x2_session}
+OUT=${OUT:-/tmp/h200x2_suite}
 mkdir -p "$OUT"
 
 source tools/device_install.sh
