@@ -2,10 +2,11 @@
 
 from jax_flash2 import export, reference
 from jax_flash2.api import AttentionConfig, flash_attention, flash_attention_varlen, kernel_info
+from jax_flash2.context_parallel import ring_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AttentionConfig", "export", "flash_attention", "flash_attention_varlen", "kernel_info",
-    "reference",
+    "reference", "ring_attention",
 ]
