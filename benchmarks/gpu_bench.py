@@ -4,7 +4,9 @@ and FlashAttention-2 (torch SDPA, FLASH backend) in one run.
 FLOPs: forward 4*B*T*S*H*D, halved for causal; forward+backward 3.5x forward
 (the backward counts 2.5x). Decode: achieved bandwidth = bytes of K and V / time.
 
-  python benchmarks/gpu_bench.py --out benchmarks/results/h200.md
+  python benchmarks/gpu_bench.py --head-dims 64 128 256 --xla-max-seqlen 0 --out grid.md
+
+(the grid goes into benchmarks/results/h200.md, section "Package grid").
 
 Each timing is 3 samples of 10 back-to-back calls after one call; with
 --warmup-s X, after X seconds of calls (the clocks settled at the power limit).

@@ -10,7 +10,9 @@ visible pair forward, 3.5x that forward+backward. Rows:
   alibi     ALiBi slopes at T = 8k; cuDNN gets the same bias as a [1, H, T, S] tensor
   determ.   deterministic=True backward beside the default, T = 8k
 
-  python benchmarks/variant_bench.py --out benchmarks/results/h200_variants.md
+  python benchmarks/variant_bench.py --out variants.md
+
+(the table goes into benchmarks/results/h200.md, section "Variants").
 """
 
 from __future__ import annotations
