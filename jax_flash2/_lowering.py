@@ -12,6 +12,7 @@ import numpy as np
 from jax.interpreters import mlir
 
 from jax_flash2 import _ext
+from jax_flash2._config import ExtraOperands
 
 
 def _attributes(config) -> dict:
@@ -26,28 +27,28 @@ def _attributes(config) -> dict:
   )
 
 
-def _without_unused_inputs(ctx, args, config, backward: bool):
-  """The optional inputs (ALiBi slopes, the two segment ids, dropout seeds)
+def _without_unused_inputs(ctx, args, config):
+  """The extra operands (ALiBi slopes, the two segment ids, dropout seeds)
   that the call does not read become zero-size constants, so that XLA
   computes nothing for them: their zero fills cost a kernel launch each
   (about 2 us apiece on the H200)."""
-  first = 7 if backward else 3  # after q, k, v (and out, lse, d_out, d_lse)
-  used = (config.has_alibi, config.has_segment_ids, config.has_segment_ids,
-          config.dropout_rate > 0)
-  args, avals = list(args), list(ctx.avals_in)
-  for i, is_used in enumerate(used):
-    if not is_used:
-      dtype = avals[first + i].dtype
-      args[first + i] = mlir.ir_constant(np.zeros((0,), dtype))
-      avals[first + i] = jax.core.ShapedArray((0,), dtype)
+  core_args, extra_args = ExtraOperands.split(args)
+  core_avals, extra_avals = ExtraOperands.split(ctx.avals_in)
+  args, avals = list(core_args), list(core_avals)
+  for arg, aval, used in zip(extra_args, extra_avals, ExtraOperands.used(config)):
+    if not used:
+      arg = mlir.ir_constant(np.zeros((0,), aval.dtype))
+      aval = jax.core.ShapedArray((0,), aval.dtype)
+    args.append(arg)
+    avals.append(aval)
   return ctx.replace(avals_in=avals), args
 
 
-def _cpu_rule(target: str, backward: bool):
+def _cpu_rule(target: str):
   ffi_rule = jax.ffi.ffi_lowering(target)
 
   def rule(ctx, *args, config):
-    ctx, args = _without_unused_inputs(ctx, args, config, backward)
+    ctx, args = _without_unused_inputs(ctx, args, config)
     return ffi_rule(ctx, *args, **_attributes(config))
 
   return rule
@@ -93,7 +94,7 @@ def _cuda_rule(target: str, backward: bool):
       )
     batch, seqlen_q, heads_q, head_dim = ctx.avals_in[0].shape
     seqlen_k, heads_kv = ctx.avals_in[1].shape[1:3]
-    ctx, args = _without_unused_inputs(ctx, args, config, backward)
+    ctx, args = _without_unused_inputs(ctx, args, config)
     sm_count, cc_major = _gpu_plan()
     # Scratch (split-KV partials; D and the fp32 dQ accumulator) is an extra
     # output, so XLA allocates it with the call's other buffers.
@@ -122,6 +123,6 @@ def _missing_rule(platform: str):
 def register(fwd_p, bwd_p) -> None:
   for prim, target in ((fwd_p, _ext.FORWARD_TARGET), (bwd_p, _ext.BACKWARD_TARGET)):
     backward = prim is bwd_p
-    mlir.register_lowering(prim, _cpu_rule(target, backward), platform="cpu")
+    mlir.register_lowering(prim, _cpu_rule(target), platform="cpu")
     cuda_rule = _cuda_rule(target, backward) if _ext.cuda_ext is not None else _missing_rule("cuda")
     mlir.register_lowering(prim, cuda_rule, platform="cuda")

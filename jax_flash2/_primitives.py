@@ -1,13 +1,12 @@
 """The attention primitives: abstract evaluation and batching.
 
-flash_fwd_p: (q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids,
-              dropout_seeds) -> (out, lse)
-flash_bwd_p: (q, k, v, out, lse, d_out, d_lse, alibi_slopes, q_segment_ids,
-              kv_segment_ids, dropout_seeds) -> (dq, dk, dv)
-Both carry `config` (an AttentionConfig) as their only parameter. The slopes
-[B, H] float32, segment ids [B, T], [B, S] int32 and dropout seeds [B, H, 2]
-uint32 are always operands (zeros when the config leaves them off), so every
-operand leads with B. vmap folds
+flash_fwd_p: (q, k, v, *ExtraOperands) -> (out, lse)
+flash_bwd_p: (q, k, v, out, lse, d_out, d_lse, *ExtraOperands) -> (dq, dk, dv)
+Both carry `config` (an AttentionConfig) as their only parameter. The extra
+operands (slopes [B, H] float32, segment ids [B, T], [B, S] int32, dropout
+seeds [B, H, 2] uint32) are always passed, flat and last, in the FFI
+signature's order (zeros when the config leaves them off), so every operand
+leads with B. vmap folds
 every mapped axis into the batch axis B: one kernel launch, no loop; an
 unbatched operand (say slopes shared by the vmapped examples) is broadcast
 along the mapped axis first, so per-B slopes and ids stay lined up with q.
@@ -23,6 +22,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching
 
 from jax_flash2 import _lowering
+from jax_flash2._config import ExtraOperands
 
 
 def _define(name: str, abstract_eval, batch_rule) -> Primitive:
@@ -35,9 +35,9 @@ def _define(name: str, abstract_eval, batch_rule) -> Primitive:
   return prim
 
 
-def _fwd_abstract_eval(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds, *,
-                       config):
-  del k, v, alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds, config
+def _fwd_abstract_eval(*avals, config):
+  del config
+  (q, _, _), _ = ExtraOperands.split(avals)
   batch, seqlen_q, num_heads, _ = q.shape
   return (
       jax.core.ShapedArray(q.shape, q.dtype),
@@ -45,9 +45,9 @@ def _fwd_abstract_eval(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, dro
   )
 
 
-def _bwd_abstract_eval(q, k, v, out, lse, d_out, d_lse, alibi_slopes, q_segment_ids,
-                       kv_segment_ids, dropout_seeds, *, config):
-  del out, lse, d_out, d_lse, alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds, config
+def _bwd_abstract_eval(*avals, config):
+  del config
+  (q, k, v, *_), _ = ExtraOperands.split(avals)
   return (
       jax.core.ShapedArray(q.shape, q.dtype),
       jax.core.ShapedArray(k.shape, k.dtype),

@@ -1,6 +1,6 @@
 """Partition-aware calls of the attention primitives.
 
-_vjp calls exactly `forward` and `backward`. They bind two wrapper primitives
+_autodiff calls exactly `forward` and `backward`. They bind two wrapper primitives
 whose lowering goes through `jax.experimental.custom_partitioning`, so that jit
 over a mesh splits the kernels along batch and heads instead of gathering q, k
 and v onto every device.
@@ -14,10 +14,11 @@ function merges the leading axes into B and binds the core primitives
 flash_fwd_p / flash_bwd_p on per-device shapes.
 
 Operands here are [*L, T, H, D] for q, out, d_out, [*L, S, K, D] for k, v,
-[*L, H, T] for lse, d_lse, [*L, H] for the ALiBi slopes, [*L, T] and [*L, S]
-for the query and key segment ids, [*L, H, 2] for the dropout seeds, with L
-the leading batch axes (B, plus one per vmap). The slopes, ids and seeds are
-always operands (zeros when unused).
+[*L, H, T] for lse, d_lse, and the ExtraOperands ([*L, H] ALiBi slopes,
+[*L, T] and [*L, S] query and key segment ids, [*L, H, 2] dropout seeds),
+with L the leading batch axes (B, plus one per vmap). The extra operands are
+always passed (zeros when unused); the primitives take them flat, after the
+others, and every function here names them through ExtraOperands.
 
 What gets partitioned:
   * L: split freely; every batch entry is an independent attention problem.
@@ -56,26 +57,22 @@ from jax.sharding import PartitionSpec as P
 from jax._src import dispatch as _dispatch
 
 from jax_flash2 import _primitives
+from jax_flash2._config import ExtraOperands
 
 
-def forward(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds, config):
-  """(out, lse) = flash forward of q [B, T, H, D], k, v [B, S, K, D], with
-  alibi_slopes [B, H], q_segment_ids [B, T], kv_segment_ids [B, S],
-  dropout_seeds [B, H, 2]."""
-  extras = [_vary_like(x, q)
-            for x in (alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds)]
+def forward(q, k, v, extras: ExtraOperands, config):
+  """(out, lse) = flash forward of q [*L, T, H, D], k, v [*L, S, K, D]."""
+  extras = [vary_like(x, q) for x in extras]
   return tuple(_fwd_p.bind(q, k, v, *extras, config=config))
 
 
-def backward(q, k, v, out, lse, d_out, d_lse, alibi_slopes, q_segment_ids, kv_segment_ids,
-             dropout_seeds, config):
+def backward(q, k, v, out, lse, d_out, d_lse, extras: ExtraOperands, config):
   """(dq, dk, dv) from the forward's residuals and the output cotangents."""
-  extras = [_vary_like(x, q)
-            for x in (alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds)]
+  extras = [vary_like(x, q) for x in extras]
   return tuple(_bwd_p.bind(q, k, v, out, lse, d_out, d_lse, *extras, config=config))
 
 
-def _vary_like(x, ref):
+def vary_like(x, ref):
   """x, made to vary over the shard_map axes `ref` varies over. The slopes,
   ids and seeds are often replicated (shared parameters, or the zeros standing in for an
   unused option) while q varies; the kernels need them typed alike."""
@@ -131,23 +128,25 @@ def _plan(mesh, q_sharding, q_ndim: int, num_heads: int, num_kv_heads: int):
 
 
 def _specs(lead: tuple, heads: tuple, kv_heads: tuple):
-  """PartitionSpecs for [*L, T, H, D], [*L, S, K, D], [*L, H, T], [*L, H]
-  (slopes), [*L, T|S] (segment ids) and [*L, H, 2] (dropout seeds) arrays."""
+  """PartitionSpecs for [*L, T, H, D], [*L, S, K, D] and [*L, H, T] arrays, and
+  the ExtraOperands' specs: the slopes and seeds follow q's heads, the
+  segment ids only the leading axes."""
   lead = tuple(_entry(a) for a in lead)
   h, kh = _entry(heads), _entry(kv_heads)
-  return (P(*lead, None, h, None), P(*lead, None, kh, None), P(*lead, h, None), P(*lead, h),
-          P(*lead, None), P(*lead, h, None))
+  extras = ExtraOperands(alibi_slopes=P(*lead, h), q_segment_ids=P(*lead, None),
+                         kv_segment_ids=P(*lead, None), dropout_seeds=P(*lead, h, None))
+  return P(*lead, None, h, None), P(*lead, None, kh, None), P(*lead, h, None), extras
 
 
 def _plan_shardings(mesh, arg_shapes):
   q, k = arg_shapes[0], arg_shapes[1]
   lead, heads, kv_heads = _plan(mesh, q.sharding, q.ndim, q.shape[-2], k.shape[-2])
-  q_like, kv_like, lse_like, slopes_like, ids_like, seeds_like = (
-      NamedSharding(mesh, s) for s in _specs(lead, heads, kv_heads))
+  q_spec, kv_spec, lse_spec, extra_specs = _specs(lead, heads, kv_heads)
+  q_like, kv_like, lse_like = (NamedSharding(mesh, s) for s in (q_spec, kv_spec, lse_spec))
+  extras = ExtraOperands(*(NamedSharding(mesh, s) for s in extra_specs))
   # MQA with split query heads: each shard's dk, dv covers only its own query
   # heads, so the full gradient is their sum over the head axes.
   reduce_axes = heads if heads and not kv_heads else ()
-  extras = (slopes_like, ids_like, ids_like, seeds_like)  # slopes, q ids, kv ids, seeds
   return q_like, kv_like, lse_like, extras, reduce_axes
 
 
@@ -160,8 +159,9 @@ def _shardy_rule(backward: bool):
   is no NamedSharding to hand to `partition`. `partition` lines them up.
   """
   q, k, v, o, lse = "... t h d", "... s kv d", "... s kv e", "... t h e", "... h t"
-  # alibi slopes, q segment ids, kv segment ids, dropout seeds (a seed is 2 words)
-  extras = "... h, ... t, ... s, ... h w"
+  extras = ", ".join(ExtraOperands(alibi_slopes="... h", q_segment_ids="... t",
+                                   kv_segment_ids="... s",
+                                   dropout_seeds="... h w"))  # a seed is 2 words
   if backward:
     rule = f"{q}, {k}, {v}, {o}, {lse}, {o}, {lse}, {extras} -> {q}, {k}, {v}"
   else:
@@ -177,28 +177,33 @@ def _merge_lead(x, trailing: int):
   return x.reshape((-1,) + x.shape[x.ndim - trailing:])
 
 
-def _fwd_local(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds, config):
-  lead = q.shape[:-3]
-  args = [_merge_lead(x, 3) for x in (q, k, v)]
-  args += [_merge_lead(x, 1) for x in (alibi_slopes, q_segment_ids, kv_segment_ids)]
-  args += [_merge_lead(dropout_seeds, 2)]
-  out, lse = _primitives.flash_fwd_p.bind(*args, config=config)
-  return out.reshape(lead + out.shape[1:]), lse.reshape(lead + lse.shape[1:])
+# Trailing (non-batch) rank of the operands before the extra ones: q, k, v for
+# the forward; q, k, v, out, lse, d_out, d_lse for the backward.
+_FWD_TRAILING = (3, 3, 3)
+_BWD_TRAILING = (3, 3, 3, 3, 2, 3, 2)
 
 
-def _bwd_local(q, k, v, out, lse, d_out, d_lse, alibi_slopes, q_segment_ids, kv_segment_ids,
-               dropout_seeds, config):
-  lead = q.shape[:-3]
-  args = [_merge_lead(x, 3) for x in (q, k, v, out)]
-  args += [_merge_lead(lse, 2), _merge_lead(d_out, 3), _merge_lead(d_lse, 2)]
-  args += [_merge_lead(x, 1) for x in (alibi_slopes, q_segment_ids, kv_segment_ids)]
-  args += [_merge_lead(dropout_seeds, 2)]
-  grads = _primitives.flash_bwd_p.bind(*args, config=config)
-  return tuple(g.reshape(lead + g.shape[1:]) for g in grads)
+def _trailing_ranks(backward: bool) -> tuple:
+  return (_BWD_TRAILING if backward else _FWD_TRAILING) + tuple(ExtraOperands.trailing_ranks())
 
 
-_fwd_partitioned = custom_partitioning(_fwd_local, static_argnums=(7,))
-_bwd_partitioned = custom_partitioning(_bwd_local, static_argnums=(11,))
+def _local(prim, backward: bool):
+  """The per-device function: merge the leading axes into B, bind the core
+  primitive, split them again. config comes first (a static argument)."""
+
+  def local(config, *args):
+    lead = args[0].shape[:-3]
+    merged = [_merge_lead(x, n) for x, n in zip(args, _trailing_ranks(backward), strict=True)]
+    results = prim.bind(*merged, config=config)
+    return tuple(r.reshape(lead + r.shape[1:]) for r in results)
+
+  return local
+
+
+_fwd_local = _local(_primitives.flash_fwd_p, backward=False)
+_bwd_local = _local(_primitives.flash_bwd_p, backward=True)
+_fwd_partitioned = custom_partitioning(_fwd_local, static_argnums=(0,))
+_bwd_partitioned = custom_partitioning(_bwd_local, static_argnums=(0,))
 
 
 def _fwd_infer(config, mesh, arg_shapes, result_shape):
@@ -211,9 +216,8 @@ def _fwd_partition(config, mesh, arg_shapes, result_shape):
   del result_shape
   q_like, kv_like, lse_like, extras, _ = _plan_shardings(mesh, arg_shapes)
 
-  def per_device(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds):
-    return _fwd_local(q, k, v, alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds,
-                      config)
+  def per_device(*args):
+    return _fwd_local(config, *args)
 
   return mesh, per_device, (q_like, lse_like), (q_like, kv_like, kv_like, *extras)
 
@@ -228,10 +232,8 @@ def _bwd_partition(config, mesh, arg_shapes, result_shape):
   del result_shape
   q_like, kv_like, lse_like, extras, reduce_axes = _plan_shardings(mesh, arg_shapes)
 
-  def per_device(q, k, v, out, lse, d_out, d_lse, alibi_slopes, q_segment_ids, kv_segment_ids,
-                 dropout_seeds):
-    dq, dk, dv = _bwd_local(q, k, v, out, lse, d_out, d_lse, alibi_slopes, q_segment_ids,
-                            kv_segment_ids, dropout_seeds, config)
+  def per_device(*args):
+    dq, dk, dv = _bwd_local(config, *args)
     if reduce_axes:
       dk = jax.lax.psum(dk, reduce_axes)
       dv = jax.lax.psum(dv, reduce_axes)
@@ -260,7 +262,7 @@ def _varying(aval) -> frozenset:
   return getattr(aval, "vma", frozenset())  # jax 0.7 to 0.9
 
 
-def _result_types(outs, avals, backward: bool):
+def result_types(outs, avals, backward: bool):
   """Puts mesh typing on the core primitive's result types.
 
   A core abstract eval leaves out two things:
@@ -280,7 +282,7 @@ def _result_types(outs, avals, backward: bool):
         "flash_attention inside shard_map: the operands vary over different mesh "
         f"axes {[sorted(_varying(a)) for a in avals]}; make them vary alike, "
         "e.g. with jax.lax.pcast(x, axes, to=\"varying\")")
-  q_like, kv_like, lse_like, *_ = _specs(
+  q_like, kv_like, lse_like, _ = _specs(
       *_plan(mesh, q.sharding, q.ndim, q.shape[-2], k.shape[-2]))
   specs = (q_like, kv_like, kv_like) if backward else (q_like, lse_like)
   manual = {}
@@ -300,19 +302,17 @@ def _merged_aval(aval, trailing: int):
 def _define(name: str, inner: Primitive, local, partitioned, backward: bool):
   prim = Primitive(name)
   prim.multiple_results = True
-  # Trailing (non-batch) rank of each operand: lse and d_lse are [*L, H, T];
-  # the slopes [*L, H], segment ids [*L, T|S] and dropout seeds [*L, H, 2] come last.
-  trailing = ((3, 3, 3, 3, 2, 3, 2) if backward else (3, 3, 3)) + (1, 1, 1, 2)
+  trailing = _trailing_ranks(backward)
 
   def impl(*args, config):
-    return jax.jit(local, static_argnums=len(args))(*args, config)
+    return jax.jit(local, static_argnums=0)(config, *args)
 
   def abstract_eval(*avals, config):
-    merged = [_merged_aval(a, n) for a, n in zip(avals, trailing)]
+    merged = [_merged_aval(a, n) for a, n in zip(avals, trailing, strict=True)]
     outs, effects = inner.abstract_eval(*merged, config=config)
     lead = avals[0].shape[:-3]
     outs = [o.update(shape=lead + o.shape[1:]) for o in outs]
-    return _result_types(outs, avals, backward), effects
+    return result_types(outs, avals, backward), effects
 
   def batch_rule(args, dims, *, config):
     # The vmapped axis becomes one more leading batch axis. An unbatched
@@ -330,7 +330,7 @@ def _define(name: str, inner: Primitive, local, partitioned, backward: bool):
       fn = local
     else:
       fn = partitioned
-    return mlir.lower_fun(lambda *xs: fn(*xs, config), multiple_results=True)(ctx, *args)
+    return mlir.lower_fun(lambda *xs: fn(config, *xs), multiple_results=True)(ctx, *args)
 
   prim.def_impl(impl)
   prim.def_effectful_abstract_eval(abstract_eval)

@@ -30,7 +30,7 @@ def keep_mask(key, batch, heads, seqlen_q, seqlen_k, rate):
   api.extra_operands derives, as every backend does)."""
   q = jnp.zeros((batch, seqlen_q, heads, 8))
   k = jnp.zeros((batch, seqlen_k, 1, 8))
-  seeds = api.extra_operands(q, k, dropout_rng=key, dropout_rate=rate)[3]
+  seeds = api.extra_operands(q, k, dropout_rng=key, dropout_rate=rate).dropout_seeds
   return np.asarray(reference.dropout_keep(seeds, seqlen_q, seqlen_k, rate))
 
 

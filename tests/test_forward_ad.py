@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_flash2
-from jax_flash2 import _ext, _forward_ad, reference
+from jax_flash2 import _blockwise, _ext, reference
 from conftest import attention_fn, random_inputs, supports
 from oracle import assert_close_to_oracle, naive_same_dtype, oracle
 
@@ -98,8 +98,8 @@ def test_jvp_matches_oracle(backend, rng, case, dtype):
 def test_many_query_blocks(backend, rng, monkeypatch):
   """Blocks of 16 rows over T = 75 (a ragged tail of 11) with every option:
   equal to the oracle, so the block offsets reach the mask, ALiBi and ids."""
-  monkeypatch.setattr(_forward_ad, "_MAX_ROWS", 16)
-  assert _forward_ad.block_rows(2, 4, 75, 75) == (16, 5)
+  monkeypatch.setattr(_blockwise, "_MAX_ROWS", 16)
+  assert _blockwise.block_rows(2, 4, 75, 75) == (16, 5)
   dtype = _dtype(backend)
   q, k, v = random_inputs(rng, 2, 75, 75, 4, 2, 16, dtype)
   tq, tk, tv = random_inputs(rng, 2, 75, 75, 4, 2, 16, dtype)
@@ -116,14 +116,14 @@ def test_many_query_blocks(backend, rng, monkeypatch):
 
 def test_block_rows_heuristic():
   # Small problems: one block of all rows.
-  assert _forward_ad.block_rows(1, 2, 100, 64) == (100, 1)
+  assert _blockwise.block_rows(1, 2, 100, 64) == (100, 1)
   # Capped at 512 rows, split evenly in multiples of 8: 1100 -> 3 x 368.
-  assert _forward_ad.block_rows(1, 2, 1100, 64) == (368, 3)
+  assert _blockwise.block_rows(1, 2, 1100, 64) == (368, 3)
   # A large B * H * S shrinks the block to the score budget, not below 16 rows.
-  rows, count = _forward_ad.block_rows(8, 32, 8192, 8192)
+  rows, count = _blockwise.block_rows(8, 32, 8192, 8192)
   assert rows == 16 and count == 512
-  rows, count = _forward_ad.block_rows(1, 16, 8192, 8192)
-  assert 8 * 16 * 8192 * rows <= 8 * _forward_ad._SCORE_BUDGET and rows * count >= 8192
+  rows, count = _blockwise.block_rows(1, 16, 8192, 8192)
+  assert 8 * 16 * 8192 * rows <= 8 * _blockwise._SCORE_BUDGET and rows * count >= 8192
 
 
 def test_rows_that_see_no_key(backend, rng):
@@ -260,7 +260,7 @@ def test_jvp_holds_no_t_by_s_array(rng):
   hlo = jvp.lower(q, k, v).compile().as_text()
   sizes = [int(np.prod([int(d) for d in dims.split(",") if d]))
            for dims in re.findall(r"f32\[([\d,]*)\]", hlo)]
-  rows, _ = _forward_ad.block_rows(batch, num_heads, seqlen_q, seqlen_k)
+  rows, _ = _blockwise.block_rows(batch, num_heads, seqlen_q, seqlen_k)
   # About one query block of scores at most: XLA's CPU compiler keeps one (or
   # fuses even that away), its GPU compiler was seen to keep a buffer of two
   # (f32[1472,4,176] for blocks of 368 rows by S = 700, padded to 704).

@@ -1,0 +1,129 @@
+"""Attention in plain JAX over blocks of query rows: never a [B, H, T, S] tensor.
+
+`tangents` is the forward-mode tangent map of (out, lse) (the custom_jvp's
+tangent primitive in _autodiff lowers to it on every platform). Operands are
+q [B, T, H, D], k, v [B, S, K, D], lse [B, H, T] and the ExtraOperands.
+
+The blocks run under lax.map, so at most [B, H, rows, S] scores exist at once;
+`block_rows` picks the rows from a budget of score elements.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_flash2 import _scores
+from jax_flash2._config import ExtraOperands
+
+# Query rows per block: at most this many score elements ([B, H, rows, S])
+# per float32 temporary, within [_MIN_ROWS, _MAX_ROWS] rows.
+_SCORE_BUDGET = 1 << 25
+_MIN_ROWS, _MAX_ROWS = 16, 512
+
+
+def block_rows(batch: int, num_heads: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+  """(rows per block, number of blocks) covering seqlen_q rows; the blocks are
+  as even as the multiple-of-8 row count allows, to pad the tail little."""
+  most = _SCORE_BUDGET // max(1, batch * num_heads * seqlen_k)
+  most = max(_MIN_ROWS, min(_MAX_ROWS, most // 8 * 8))
+  if seqlen_q <= most:
+    return seqlen_q, 1
+  count = -(-seqlen_q // most)
+  rows = -(-seqlen_q // count)
+  return -(-rows // 8) * 8, count
+
+
+def _block_plan(q, k):
+  batch, seqlen_q, num_heads, _ = q.shape
+  # A symbolic batch size (jax.export) cannot pick a block size: budget for
+  # one batch entry then.
+  return block_rows(batch if isinstance(batch, int) else 1, num_heads, seqlen_q, k.shape[1])
+
+
+def _to_blocks(x, axis: int, count: int, rows: int, fill=0):
+  """x with its query axis padded to count * rows, split into [count, rows],
+  the block axis moved first (for lax.map)."""
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, count * rows - x.shape[axis])
+  x = jnp.pad(x, widths, constant_values=fill)
+  x = x.reshape(x.shape[:axis] + (count, rows) + x.shape[axis + 1:])
+  return jnp.moveaxis(x, axis, 0)
+
+
+def _from_blocks(x, axis: int, length: int):
+  """The inverse of _to_blocks for a mapped result [count, ..., rows, ...]
+  whose query axis is `axis` (counted without the block axis)."""
+  x = jnp.moveaxis(x, 0, axis)
+  x = x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
+  return jax.lax.slice_in_dim(x, 0, length, axis=axis)
+
+
+def _grouped(x, num_kv_heads: int):  # [B, R, H, D] -> [B, R, K, G, D]
+  batch, rows, num_heads, head_dim = x.shape
+  return x.reshape(batch, rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
+
+
+def _tangent_block(q, tq, lse, q_segment_ids, rows, k, v, tk, tv, extras, config, seqlen_q):
+  """(t_out [B, R, H, D], t_lse [B, H, R]) for query rows `rows` (q, tq
+  [B, R, H, D], lse [B, H, R], q_segment_ids [B, R]) of a length-seqlen_q
+  query sequence.
+
+  With P = exp(s - lse) the forward's probabilities (recomputed from the saved
+  LSE, as the backward does) and t_s the tangent of the final scores s:
+    t_s   = scale (tq k^T + q tk^T), times the softcap's 1 - tanh^2
+    t_lse = rowsum(P * t_s)
+    t_out = P tv + (P * (t_s - t_lse)) v
+  ALiBi slopes are constants and the mask does not move, so neither has a
+  tangent.
+  """
+  compute = jnp.promote_types(q.dtype, jnp.float32)
+  batch, num_rows, num_heads, head_dim = q.shape
+  num_kv_heads = k.shape[2]
+  group = num_heads // num_kv_heads
+  extras = extras._replace(q_segment_ids=q_segment_ids)
+  scores, cap_slope = _scores.masked_scores(q, k, extras, config, seqlen_q=seqlen_q, rows=rows)
+  # P = exp(s - lse) from the forward's LSE. Rows that see no key (LSE -inf,
+  # and the padded tail) have P = 0: their tangents are 0, not NaN.
+  lse = lse.reshape(batch, num_kv_heads, group, num_rows)[..., None]
+  seen = jnp.isfinite(lse)
+  probs = jnp.where(seen, jnp.exp(scores - jnp.where(seen, lse, 0.0)), 0.0)
+
+  def scores_of(a, b):  # [B, R, K, G, D] x [B, S, K, D] -> [B, K, G, R, S]
+    return jnp.einsum("btkgd,bskd->bkgts", a.astype(compute), b.astype(compute),
+                      precision=jax.lax.Precision.HIGHEST)
+
+  def rows_of(p, b):  # [B, K, G, R, S] x [B, S, K, D] -> [B, R, K, G, D]
+    return jnp.einsum("bkgts,bskd->btkgd", p, b.astype(compute),
+                      precision=jax.lax.Precision.HIGHEST)
+
+  # t_s = scale (tq k^T + q tk^T) [* (1 - tanh^2)]; its value where P = 0 is
+  # finite and multiplied by 0.
+  t_scores = (scores_of(_grouped(tq, num_kv_heads), k)
+              + scores_of(_grouped(q, num_kv_heads), tk)) * config.softmax_scale
+  if cap_slope is not None:
+    t_scores = t_scores * cap_slope
+  t_lse = jnp.sum(probs * t_scores, axis=-1)  # [B, K, G, R]
+  t_out = rows_of(probs, tv) + rows_of(probs * (t_scores - t_lse[..., None]), v)
+  return (t_out.reshape(batch, num_rows, num_heads, head_dim).astype(q.dtype),
+          t_lse.reshape(batch, num_heads, num_rows))
+
+
+def tangents(q, k, v, lse, tq, tk, tv, extras: ExtraOperands, config):
+  """(t_out [B, T, H, D], t_lse [B, H, T]) for one batch axis, in query blocks.
+  Five T x S matmuls (the scores, two for t_s, two for t_out), in float32."""
+  seqlen_q = q.shape[1]
+  rows, count = _block_plan(q, k)
+  block = functools.partial(_tangent_block, k=k, v=v, tk=tk, tv=tv, extras=extras,
+                            config=config, seqlen_q=seqlen_q)
+  if count == 1:
+    return block(q, tq, lse, extras.q_segment_ids, jnp.arange(seqlen_q))
+  # Padded rows get LSE -inf, so P = 0 there.
+  xs = (_to_blocks(q, 1, count, rows), _to_blocks(tq, 1, count, rows),
+        _to_blocks(lse, 2, count, rows, -jnp.inf),
+        _to_blocks(extras.q_segment_ids, 1, count, rows),
+        jnp.arange(count * rows).reshape(count, rows))
+  t_out, t_lse = jax.lax.map(lambda x: block(*x), xs)  # [n, B, R, H, D], [n, B, H, R]
+  return _from_blocks(t_out, 1, seqlen_q), _from_blocks(t_lse, 2, seqlen_q)

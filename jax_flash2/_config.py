@@ -1,0 +1,280 @@
+"""The call's static config and its argument checks, and the extra operands.
+
+AttentionConfig holds everything about a call that is not an array, checked
+once here and hashable (the custom_jvp's static argument and the primitives'
+parameter). ExtraOperands is the named structure of the array operands beside
+q, k, v that every layer passes on as one value.
+
+Shape letters used throughout the package:
+  B batch, T query length, S key/value length, H query heads,
+  K key/value heads (H % K == 0: MHA K == H, GQA 1 < K < H, MQA K == 1),
+  D head dim (a multiple of 8, at most 256).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+MAX_HEAD_DIM = 256
+IMPLEMENTATIONS = ("kernel", "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """Everything about a call that is not an array; the custom_jvp's static argument.
+
+  The window is relative to the bottom-right-aligned diagonal: query i sees key j
+  iff i + S - T - window_left <= j <= i + S - T + window_right (-1 = unbounded).
+  causal is folded in as window_right = 0.
+
+  has_alibi / has_segment_ids say whether the alibi_slopes and segment-id
+  operands (always passed, see ExtraOperands) take part in the call; so does
+  dropout_rate > 0 for the dropout-seed operand. dropout_rate is a float32
+  value (the kernels' attribute), kept here as a Python float.
+  """
+
+  softmax_scale: float
+  window_left: int = -1
+  window_right: int = -1
+  softcap: float = 0.0
+  has_alibi: bool = False
+  has_segment_ids: bool = False
+  deterministic: bool = False
+  dropout_rate: float = 0.0
+  implementation: str = "kernel"
+
+
+class ExtraOperands(NamedTuple):
+  """The array operands beside q, k, v, in the order of the FFI signature.
+
+  Always passed, so that each primitive has one signature; which of them a
+  call reads is `ExtraOperands.used(config)`. Shapes, with B the batch axis
+  (leading batch axes [*L] where several are allowed), in the comments.
+  """
+
+  alibi_slopes: Any    # [B, H] float32
+  q_segment_ids: Any   # [B, T] int32
+  kv_segment_ids: Any  # [B, S] int32
+  dropout_seeds: Any   # [B, H, 2] uint32: one 64-bit Philox key per (batch, head)
+
+  @staticmethod
+  def trailing_ranks() -> "ExtraOperands":
+    """Rank of each operand after its batch axes."""
+    return ExtraOperands(alibi_slopes=1, q_segment_ids=1, kv_segment_ids=1, dropout_seeds=2)
+
+  @staticmethod
+  def used(config: "AttentionConfig") -> "ExtraOperands":
+    """Whether the call reads each operand (an unread one may be a stand-in)."""
+    return ExtraOperands(alibi_slopes=config.has_alibi, q_segment_ids=config.has_segment_ids,
+                         kv_segment_ids=config.has_segment_ids,
+                         dropout_seeds=config.dropout_rate > 0)
+
+  @classmethod
+  def split(cls, args) -> tuple[tuple, "ExtraOperands"]:
+    """(leading operands, ExtraOperands) of a primitive's flat operand list,
+    whose last entries are the extra operands."""
+    count = len(cls._fields)
+    return tuple(args[:-count]), cls(*args[-count:])
+
+
+def shape_error(name: str, value: Any, expected: str) -> ValueError:
+  return ValueError(f"flash_attention: {name} {expected}; got {value}")
+
+
+def _check_arrays(q, k, v, dtypes) -> None:
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"flash_attention: {name} must be an array; got {type(x).__name__}")
+    if x.ndim != 4:
+      raise shape_error(f"{name}.shape", x.shape, "must be rank 4 [B, T|S, H|K, D]")
+    if x.dtype not in dtypes:
+      names = ", ".join(jnp.dtype(d).name for d in dtypes)
+      raise TypeError(f"flash_attention: {name}.dtype must be one of {names}; got {x.dtype}")
+  if not (q.dtype == k.dtype == v.dtype):
+    raise TypeError(
+        "flash_attention: q, k, v must share one dtype; got "
+        f"q {q.dtype}, k {k.dtype}, v {v.dtype}"
+    )
+  if k.shape != v.shape:
+    raise shape_error("k.shape and v.shape", (k.shape, v.shape), "must be equal [B, S, K, D]")
+  if q.shape[0] != k.shape[0]:
+    raise shape_error("batch sizes (q.shape[0], k.shape[0])", (q.shape[0], k.shape[0]),
+                       "must be equal")
+  if q.shape[3] != k.shape[3]:
+    raise shape_error("head dims (q.shape[3], k.shape[3])", (q.shape[3], k.shape[3]),
+                       "must be equal")
+  if q.shape[1] < 1 or k.shape[1] < 1:
+    raise shape_error("sequence lengths (T, S)", (q.shape[1], k.shape[1]), "must be >= 1")
+  if k.shape[2] < 1 or q.shape[2] % k.shape[2] != 0:
+    raise shape_error("heads (H, K)", (q.shape[2], k.shape[2]),
+                       "must satisfy H % K == 0 (MHA, GQA or MQA)")
+  head_dim = q.shape[3]
+  if head_dim % 8 != 0 or not 8 <= head_dim <= MAX_HEAD_DIM:
+    raise shape_error("head_dim D", head_dim, f"must be a multiple of 8 in [8, {MAX_HEAD_DIM}]")
+
+
+def _static_number(name: str, value) -> float:
+  """A static Python number as float: traced values cannot become FFI attributes."""
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(f"flash_attention: {name} must be a static Python number, not a traced value")
+  try:
+    return float(value)
+  except (TypeError, ValueError):
+    raise TypeError(f"flash_attention: {name} must be a number; got {value!r}") from None
+
+
+def _check_scale(softmax_scale, head_dim: int) -> float:
+  if softmax_scale is None:
+    return 1.0 / math.sqrt(head_dim)
+  scale = _static_number("softmax_scale", softmax_scale)
+  if not math.isfinite(scale) or scale <= 0:
+    raise ValueError(f"flash_attention: softmax_scale must be finite and > 0; got {softmax_scale!r}")
+  return scale
+
+
+def _check_window(window_size, causal: bool) -> tuple[int, int]:
+  try:
+    left, right = window_size
+  except (TypeError, ValueError):
+    raise ValueError(
+        f"flash_attention: window_size must be a pair (left, right); got {window_size!r}"
+    ) from None
+  for name, value in (("left", left), ("right", right)):
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < -1:
+      raise ValueError(
+          f"flash_attention: window_size {name} must be an int >= -1 (-1 = unbounded); got {value!r}"
+      )
+  left, right = int(left), int(right)
+  if causal:
+    right = 0 if right < 0 else min(right, 0)
+  return left, right
+
+
+def _check_softcap(softcap) -> float:
+  value = _static_number("softcap", softcap)
+  if not math.isfinite(value) or value < 0:
+    raise ValueError(f"flash_attention: softcap must be finite and >= 0 (0 = off); got {softcap!r}")
+  return value
+
+
+def _check_dropout(dropout_rate, dropout_rng) -> float:
+  """The rate as the float32 value the kernels and the reference both use."""
+  rate = _static_number("dropout_rate", dropout_rate)
+  # The float32 rounding decides: 0.99999999 rounds to 1.0, which would drop all.
+  if not math.isfinite(rate) or not 0.0 <= rate or not np.float32(rate) < 1.0:
+    raise ValueError(f"flash_attention: dropout_rate must be in [0, 1) (0 = off); got "
+                     f"{dropout_rate!r}")
+  if dropout_rng is not None:
+    if not hasattr(dropout_rng, "dtype") or not hasattr(dropout_rng, "shape"):
+      raise TypeError("flash_attention: dropout_rng must be a jax PRNG key (jax.random.key) or a "
+                      f"raw uint32 key (jax.random.PRNGKey); got {type(dropout_rng).__name__}")
+    typed = jnp.issubdtype(dropout_rng.dtype, jax.dtypes.prng_key)
+    if not (typed and dropout_rng.shape == ()) and not (
+        dropout_rng.dtype == jnp.uint32 and dropout_rng.ndim == 1):
+      raise ValueError("flash_attention: dropout_rng must be one jax PRNG key (jax.random.key) "
+                       "or one raw uint32 key (jax.random.PRNGKey); got "
+                       f"{dropout_rng.dtype}{list(dropout_rng.shape)}")
+  elif rate > 0:
+    raise ValueError(f"flash_attention: dropout_rate={dropout_rate} needs dropout_rng, a jax PRNG "
+                     "key (jax.random.key); got None")
+  return float(np.float32(rate))
+
+
+def _check_alibi_slopes(alibi_slopes, batch: int, num_heads: int) -> None:
+  if alibi_slopes is None:
+    return
+  if not hasattr(alibi_slopes, "shape") or not hasattr(alibi_slopes, "dtype"):
+    raise TypeError("flash_attention: alibi_slopes must be an array (float32 [H] or [B, H]) or "
+                    f"None; got {type(alibi_slopes).__name__}")
+  if alibi_slopes.dtype != jnp.float32:
+    raise TypeError(f"flash_attention: alibi_slopes.dtype must be float32; got {alibi_slopes.dtype}")
+  if tuple(alibi_slopes.shape) not in ((num_heads,), (batch, num_heads)):
+    raise shape_error("alibi_slopes.shape", tuple(alibi_slopes.shape),
+                       f"must be [H] = ({num_heads},) or [B, H] = ({batch}, {num_heads})")
+
+
+def _check_segment_ids(segment_ids, batch: int, seqlen_q: int, seqlen_k: int) -> None:
+  if segment_ids is None:
+    return
+  if not isinstance(segment_ids, (tuple, list)) or len(segment_ids) != 2:
+    raise ValueError("flash_attention: segment_ids must be a pair (q_segment_ids, kv_segment_ids) "
+                     f"of int32 [B, T] and [B, S] arrays, or None; got {type(segment_ids).__name__}")
+  for name, ids, length, letter in (("q_segment_ids", segment_ids[0], seqlen_q, "T"),
+                                    ("kv_segment_ids", segment_ids[1], seqlen_k, "S")):
+    if not hasattr(ids, "shape") or not hasattr(ids, "dtype"):
+      raise TypeError(f"flash_attention: segment_ids {name} must be an integer array; "
+                      f"got {type(ids).__name__}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise TypeError(f"flash_attention: segment_ids {name}.dtype must be an integer type "
+                      f"(int32); got {ids.dtype}")
+    if tuple(ids.shape) != (batch, length):
+      raise shape_error(f"segment_ids {name}.shape", tuple(ids.shape),
+                         f"must be [B, {letter}] = ({batch}, {length})")
+
+
+def extra_operands(q, k, alibi_slopes=None, segment_ids=None, dropout_rng=None,
+                   dropout_rate=0.0) -> ExtraOperands:
+  """The ExtraOperands of a call, always present so that the primitives have
+  one signature. Absent options become zeros that the kernels never read (the
+  config's has_alibi / has_segment_ids are False, its dropout_rate is 0).
+
+  The seeds are drawn from dropout_rng, one 64-bit seed per (batch, head):
+  the dropout mask is a function of them and the position only, so it is the
+  same on every backend, and vmap and sharding slice the seeds with B.
+  """
+  batch, seqlen_q, num_heads = q.shape[:3]
+  seqlen_k = k.shape[1]
+  if alibi_slopes is None:
+    slopes = jnp.zeros((batch, num_heads), jnp.float32)
+  else:
+    slopes = jnp.broadcast_to(jnp.asarray(alibi_slopes, jnp.float32), (batch, num_heads))
+  if segment_ids is None:
+    q_ids = jnp.zeros((batch, seqlen_q), jnp.int32)
+    kv_ids = jnp.zeros((batch, seqlen_k), jnp.int32)
+  else:
+    q_ids, kv_ids = (jnp.asarray(x).astype(jnp.int32) for x in segment_ids)
+  if dropout_rate > 0:
+    seeds = jax.random.bits(dropout_rng, (batch, num_heads, 2), jnp.uint32)
+  else:
+    seeds = jnp.zeros((batch, num_heads, 2), jnp.uint32)
+  return ExtraOperands(alibi_slopes=slopes, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+                       dropout_seeds=seeds)
+
+
+def make_config(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                softcap=0.0, alibi_slopes=None, segment_ids=None, deterministic=False,
+                dropout_rate=0.0, dropout_rng=None, implementation=None,
+                dtypes=SUPPORTED_DTYPES) -> AttentionConfig:
+  """Checks the arguments of flash_attention and returns its static config."""
+  _check_arrays(q, k, v, dtypes)
+  _check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2])
+  _check_segment_ids(segment_ids, q.shape[0], q.shape[1], k.shape[1])
+  if not isinstance(causal, (bool, np.bool_)):
+    raise TypeError(f"flash_attention: causal must be a bool; got {causal!r}")
+  if not isinstance(deterministic, (bool, np.bool_)):
+    raise TypeError(f"flash_attention: deterministic must be a bool; got {deterministic!r}")
+  if implementation is None:
+    implementation = "kernel"
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+        f"flash_attention: implementation must be one of {IMPLEMENTATIONS} or None; got {implementation!r}"
+    )
+  left, right = _check_window(window_size, bool(causal))
+  return AttentionConfig(
+      softmax_scale=_check_scale(softmax_scale, q.shape[3]),
+      window_left=left,
+      window_right=right,
+      softcap=_check_softcap(softcap),
+      has_alibi=alibi_slopes is not None,
+      has_segment_ids=segment_ids is not None,
+      deterministic=bool(deterministic),
+      dropout_rate=_check_dropout(dropout_rate, dropout_rng),
+      implementation=implementation,
+  )
