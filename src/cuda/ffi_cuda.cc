@@ -16,16 +16,19 @@ ffi::Error CudaError(cudaError_t err, const char* what) {
   return ffi::Error::Internal(std::string("jax_flash2: ") + what + ": " + cudaGetErrorString(err));
 }
 
-// The device, the kernels' verdict on p, and the workspace they need. The
-// workspace is an extra output that XLA allocates with the call's other
-// buffers; the lowering sized it with the same function for `plan_sm_count`
-// multiprocessors, which the plan uses here too so that both agree.
+// The device, the plan's verdict on p (the one support check of the
+// direction: ForwardUnsupported or BackwardUnsupported, src/plan.h), and the
+// workspace the kernels need. The workspace is an extra output that XLA
+// allocates with the call's other buffers; the lowering sized it with the
+// same function for `plan_sm_count` multiprocessors, which the plan uses here
+// too so that both agree.
 ffi::Error Prepare(const FlashParams& p, ffi::AnyBuffer& workspace, int64_t plan_sm_count,
+                   std::string (*unsupported)(const FlashParams&, const DeviceInfo&),
                    size_t (*bytes_for)(const FlashParams&, const DeviceInfo&), DeviceInfo* dev) {
   if (cudaError_t err = GetCurrentDeviceInfo(dev); err != cudaSuccess) {
     return CudaError(err, "querying the device");
   }
-  if (std::string why = Unsupported(p, *dev); !why.empty()) {
+  if (std::string why = unsupported(p, *dev); !why.empty()) {
     return ffi::Error::InvalidArgument("jax_flash2: " + why);
   }
   if (plan_sm_count > 0) dev->sm_count = static_cast<int>(plan_sm_count);
@@ -52,7 +55,8 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
       {softmax_scale, window_left, window_right, softcap, has_alibi, has_segment_ids,
        dropout_rate}, &p));
   DeviceInfo dev;
-  if (ffi::Error err = Prepare(p, *workspace, sm_count, &ForwardScratchBytes, &dev);
+  if (ffi::Error err =
+          Prepare(p, *workspace, sm_count, &ForwardUnsupported, &ForwardScratchBytes, &dev);
       err.failure()) {
     return err;
   }
@@ -80,7 +84,8 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
       &p));
   p.deterministic = deterministic;
   DeviceInfo dev;
-  if (ffi::Error err = Prepare(p, *workspace, sm_count, &BackwardScratchBytes, &dev);
+  if (ffi::Error err =
+          Prepare(p, *workspace, sm_count, &BackwardUnsupported, &BackwardScratchBytes, &dev);
       err.failure()) {
     return err;
   }

@@ -51,21 +51,6 @@ NB_MODULE(_cuda_ext, m) {
     targets["jax_flash2_attention_bwd"] = Capsule(jax_flash2::cuda::JaxFlash2CudaBackward);
     return targets;
   });
-  m.def("forward_call_counts", [] {
-    const auto counts = jax_flash2::cuda::GetForwardCallCounts();
-    nb::dict d;
-    d["sm80"] = counts.sm80;
-    d["sm90"] = counts.sm90;
-    d["decode"] = counts.decode;
-    return d;
-  });
-  m.def("backward_call_counts", [] {
-    const auto counts = jax_flash2::cuda::GetBackwardCallCounts();
-    nb::dict d;
-    d["sm80"] = counts.sm80;
-    d["sm90"] = counts.sm90;
-    return d;
-  });
   m.def("has_sm90", [] { return jax_flash2::cuda::kHaveSm90; });
   m.def("workspace_bytes", &WorkspaceBytes, nb::arg("backward"), nb::arg("batch"),
         nb::arg("seqlen_q"), nb::arg("seqlen_k"), nb::arg("heads_q"), nb::arg("heads_kv"),

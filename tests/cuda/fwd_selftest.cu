@@ -6,6 +6,8 @@
 //   fwd_selftest --tiny     a few small cases (for compute-sanitizer racecheck)
 //   fwd_selftest --decode-time [substring]   the decode timings alone (those named so)
 //   fwd_selftest --probe    exits 0 at once: checks that a carried binary loads
+// JAX_FLASH2_MAX_SMEM_PER_BLOCK=101376 runs any of these with the plan of a
+// 99 KB GPU (cc 8.6 / 8.9; src/test_switches.h).
 //
 // Outputs and scratch are poisoned with NaN before each run, so an element the
 // kernels fail to write shows up as a NaN.
@@ -57,10 +59,15 @@ struct Tensors {
 // Returns true on PASS.
 bool RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
   const FlashParams p0 = CaseParams(c);
-  const std::string why = cuda::Unsupported(p0, dev);
+  const std::string why = ForwardUnsupported(p0, dev);
   if (!why.empty()) {
-    std::printf("FAIL %-34s unsupported: %s\n", c.name.c_str(), why.c_str());
-    return false;
+    // On a 99 KB device (or JAX_FLASH2_MAX_SMEM_PER_BLOCK=101376) the d256
+    // tile with dropout's keep bits does not fit: refused with its reason.
+    const bool expected = dev.max_smem_per_block_optin < 163 * 1024 &&
+                          why.find("shared memory") != std::string::npos;
+    std::printf("%s %-34s unsupported: %s\n", expected ? "REFUSED" : "FAIL", c.name.c_str(),
+                why.c_str());
+    return expected;
   }
   const int64_t nq = c.B * c.T * c.H * c.D, nk = c.B * c.S * c.K * c.D;
   std::mt19937_64 rng(seed);
@@ -269,12 +276,12 @@ int main(int argc, char** argv) {
   }
   {  // Unsupported messages (host only).
     Case c{"", DType::kFloat32, 1, 1, 1, 1, 1, 64, -1, -1};
-    const bool f32 = !cuda::Unsupported(CaseParams(c), dev).empty();
+    const bool f32 = !ForwardUnsupported(CaseParams(c), dev).empty();
     c.dtype = DType::kBFloat16;
     c.D = 264;
-    const bool d264 = !cuda::Unsupported(CaseParams(c), dev).empty();
+    const bool d264 = !ForwardUnsupported(CaseParams(c), dev).empty();
     c.D = 12;
-    const bool d12 = !cuda::Unsupported(CaseParams(c), dev).empty();
+    const bool d12 = !ForwardUnsupported(CaseParams(c), dev).empty();
     const bool ok = f32 && d264 && d12;
     std::printf("%s unsupported: float32, D=264, D=12 rejected\n", ok ? "PASS" : "FAIL");
     failures += !ok;

@@ -19,6 +19,11 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 rc=0
 echo "== selftest"
 $BIN 2>&1 | tee "$OUT/selftest.log"; rc=$((rc | PIPESTATUS[0]))
+# The plan of a 99 KB GPU (cc 8.6 / 8.9): same sm_80 kernels, other tiles and
+# stages (src/test_switches.h).
+echo "== selftest with 101376 B of shared memory per block (--small)"
+JAX_FLASH2_MAX_SMEM_PER_BLOCK=101376 $BIN --small 2>&1 | tee "$OUT/selftest_99kb.log"
+rc=$((rc | PIPESTATUS[0]))
 if [ "${SANITIZE:-1}" = 1 ]; then
   echo "== memcheck (--small)"
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 3 $BIN --small 2>&1 | tee "$OUT/memcheck.log" | tail -4

@@ -5,8 +5,8 @@
 namespace jax_flash2::cuda {
 
 template cudaError_t LaunchBwdMain<__half, 128>(const FlashParams&, const BwdScratchPtrs&,
-                                                const DeviceInfo&, cudaStream_t);
+                                              BwdTileRow, cudaStream_t);
 template cudaError_t LaunchBwdMain<__nv_bfloat16, 128>(const FlashParams&, const BwdScratchPtrs&,
-                                                       const DeviceInfo&, cudaStream_t);
+                                                     BwdTileRow, cudaStream_t);
 
 }  // namespace jax_flash2::cuda

@@ -582,23 +582,25 @@ cudaError_t LaunchBwdMainTiles(const FlashParams& p, const BwdScratchPtrs& s,
   return cudaGetLastError();
 }
 
-// Launches BwdMainKernel for one (dtype, head-dim bucket): the large-smem tiles
-// where the bucket has them and the device holds them, else the default ones.
-// Instantiated in bwd_hdim*.cu so the buckets compile in parallel.
+// Launches BwdMainKernel for one (dtype, head-dim bucket) with the tile of
+// `row` (the plan's choice for the device, plan.h ChooseSm80BwdTile); only the
+// rows a bucket has are compiled. Instantiated in bwd_hdim*.cu so the buckets
+// compile in parallel.
 template <typename Elem, int kHeadDim>
-cudaError_t LaunchBwdMain(const FlashParams& p, const BwdScratchPtrs& s, const DeviceInfo& dev,
+cudaError_t LaunchBwdMain(const FlashParams& p, const BwdScratchPtrs& s, BwdTileRow row,
                           cudaStream_t stream) {
-  if constexpr (BwdLargeSmemTileFor(kHeadDim).head_dim == kHeadDim) {
-    using TrLarge = BwdTraits<kHeadDim, true>;
-    if (static_cast<size_t>(TrLarge::kSmemBytes) <= dev.max_smem_per_block_optin) {
-      return LaunchBwdMainTiles<Elem, TrLarge>(p, s, stream);
+  if constexpr (BwdTileOfRow(kHeadDim, BwdTileRow::kLargeSmem).head_dim == kHeadDim) {
+    if (row == BwdTileRow::kLargeSmem) {
+      return LaunchBwdMainTiles<Elem, BwdTraits<kHeadDim, BwdTileRow::kLargeSmem>>(p, s, stream);
     }
   }
-  using Tr = BwdTraits<kHeadDim>;
-  if (static_cast<size_t>(Tr::kSmemBytes) > dev.max_smem_per_block_optin) {
-    return cudaErrorInvalidConfiguration;
+  if constexpr (BwdTileOfRow(kHeadDim, BwdTileRow::kSmallSmem).head_dim == kHeadDim) {
+    if (row == BwdTileRow::kSmallSmem) {
+      return LaunchBwdMainTiles<Elem, BwdTraits<kHeadDim, BwdTileRow::kSmallSmem>>(p, s, stream);
+    }
   }
-  return LaunchBwdMainTiles<Elem, Tr>(p, s, stream);
+  if (row != BwdTileRow::kDefault) return cudaErrorInvalidValue;
+  return LaunchBwdMainTiles<Elem, BwdTraits<kHeadDim>>(p, s, stream);
 }
 
 }  // namespace jax_flash2::cuda

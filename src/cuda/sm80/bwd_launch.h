@@ -5,15 +5,15 @@
 #include <cuda_runtime.h>
 
 #include "../../flash_params.h"
-#include "../flash_cuda.h"
+#include "bwd_traits.h"
 
 namespace jax_flash2::cuda {
 
 struct BwdScratchPtrs;
 
-// BwdMainKernel of p's dtype and head-dim bucket (bwd_hdim*.cu); a bucket's
-// large-smem tiles where the device holds them.
-cudaError_t LaunchSm80BwdMain(const FlashParams& p, const BwdScratchPtrs& s, const DeviceInfo& dev,
+// BwdMainKernel of p's dtype and head-dim bucket (bwd_hdim*.cu) with the
+// tile of `row` (the plan's, plan.h).
+cudaError_t LaunchSm80BwdMain(const FlashParams& p, const BwdScratchPtrs& s, BwdTileRow row,
                               cudaStream_t stream);
 
 }  // namespace jax_flash2::cuda

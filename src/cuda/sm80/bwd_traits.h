@@ -24,8 +24,8 @@ struct BwdTileSizes {
 // that S^T and dP^T (16 x block_m each) fit beside it under 255 registers;
 // d256 splits head_dim over 2 warps for the same reason. Shared memory (K, V,
 // double-buffered Q and dO, P^T and dS^T; rows padded by 16 bytes) stays
-// under 150 KB, which fits sm80's 163 KB opt-in limit (not sm86/89's 99 KB for
-// d128/d256, which RunBackward then refuses).
+// under 150 KB, which fits sm80's 163 KB opt-in limit (not the 99 KB of cc 8.6
+// / 8.9 above d32: kBwdTileTableSmallSmem).
 inline constexpr BwdTileSizes kBwdTileTable[] = {
     {32, 64, 8, 1},
     {64, 64, 8, 1},
@@ -45,6 +45,19 @@ inline constexpr BwdTileSizes kBwdTileTableLargeSmem[] = {
     {128, 64, 8, 2},
 };
 
+// Rows for GPUs with 99 KB (101,376 B) of opt-in shared memory per block (cc
+// 8.6 / 8.9), where the rows above need 111,616 B (d64) and 125,440 B (d128).
+// Each keeps its default row's per-warp shapes (16 keys x head_dim of dK, dV
+// per warp; 16 x block_m / warps_d of S^T, dP^T), so registers stay as they
+// are: d64 halves block_m (76,288 B), d128 halves the warps along the keys
+// (block_n 64: 80,384 B). d32 fits as it is (78,848 B). d256 has none: with
+// Q and dO double-buffered, even block_n = 32 needs 107,008 B, so the d256
+// backward (D > 128) is refused there with that reason.
+inline constexpr BwdTileSizes kBwdTileTableSmallSmem[] = {
+    {64, 32, 8, 1},
+    {128, 32, 4, 1},
+};
+
 // The largest block_m of the backward kernels (these tables' and the Hopper
 // kernel's, sm90/bwd_sm90.h): Dvec and LSE rows are padded to it so that
 // every tile of them is a whole, aligned, in-bounds 16-byte copy.
@@ -57,10 +70,23 @@ constexpr BwdTileSizes BwdTileFor(int64_t head_dim) {
   return BwdTileSizes{0, 0, 0, 0};
 }
 
-// The large-smem row of a bucket, or {0, ...} when it has none.
-constexpr BwdTileSizes BwdLargeSmemTileFor(int bucket) {
-  for (const BwdTileSizes& t : kBwdTileTableLargeSmem) {
-    if (t.head_dim == bucket) return t;
+// Which table a bucket's kernel takes its tile from.
+enum class BwdTileRow : int { kDefault = 0, kLargeSmem = 1, kSmallSmem = 2 };
+
+// The row of a bucket in that table, or {0, ...} when it has none there.
+constexpr BwdTileSizes BwdTileOfRow(int bucket, BwdTileRow row) {
+  if (row == BwdTileRow::kDefault) {
+    const BwdTileSizes t = BwdTileFor(bucket);
+    return t.head_dim == bucket ? t : BwdTileSizes{0, 0, 0, 0};
+  }
+  if (row == BwdTileRow::kLargeSmem) {
+    for (const BwdTileSizes& t : kBwdTileTableLargeSmem) {
+      if (t.head_dim == bucket) return t;
+    }
+  } else {
+    for (const BwdTileSizes& t : kBwdTileTableSmallSmem) {
+      if (t.head_dim == bucket) return t;
+    }
   }
   return BwdTileSizes{0, 0, 0, 0};
 }
@@ -70,11 +96,22 @@ constexpr BwdTileSizes BwdLargeSmemTileFor(int bucket) {
 // distinct bank groups.
 inline constexpr int kBwdSmemPad = 8;
 
-template <int kHeadDim_, bool kLargeSmem_ = false>
+// Shared memory of a tile: K, V, double-buffered Q and dO (padded rows of
+// 2-byte elements), P^T and dS^T, and double-buffered LSE and Dvec rows.
+constexpr int BwdSmemBytes(const BwdTileSizes& t) {
+  const int block_n = 16 * t.warps_n;
+  return (2 * block_n + 4 * t.block_m) * (t.head_dim + kBwdSmemPad) * 2 +
+         2 * block_n * (t.block_m + kBwdSmemPad) * 2 + 4 * t.block_m * 4;
+}
+static_assert(BwdSmemBytes(kBwdTileTableSmallSmem[0]) <= 101376 &&
+              BwdSmemBytes(kBwdTileTableSmallSmem[1]) <= 101376 &&
+              BwdSmemBytes(BwdTileFor(32)) <= 101376);
+
+template <int kHeadDim_, BwdTileRow kRow_ = BwdTileRow::kDefault>
 struct BwdTraits {
-  static constexpr bool kLargeSmem = kLargeSmem_;
-  static constexpr BwdTileSizes kTile =
-      kLargeSmem ? BwdLargeSmemTileFor(kHeadDim_) : BwdTileFor(kHeadDim_);
+  static constexpr BwdTileRow kRow = kRow_;
+  static constexpr bool kLargeSmem = kRow_ == BwdTileRow::kLargeSmem;
+  static constexpr BwdTileSizes kTile = BwdTileOfRow(kHeadDim_, kRow_);
   static_assert(kTile.head_dim == kHeadDim_, "not a head-dim bucket (of this table)");
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kTile.block_m;
@@ -94,9 +131,7 @@ struct BwdTraits {
   static constexpr int kStride = kHeadDim + kBwdSmemPad;  // Q, dO, K, V rows (elements)
   static constexpr int kPStride = kBlockM + kBwdSmemPad;  // P^T, dS^T rows (elements)
   static constexpr int kChunksPerRow = kHeadDim / 8;      // 16-byte cp.async chunks
-  static constexpr int kSmemBytes = (2 * kBlockN + 4 * kBlockM) * kStride * 2  // K V, 2x(Q dO)
-                                    + 2 * kBlockN * kPStride * 2              // P^T, dS^T
-                                    + 4 * kBlockM * 4;                        // 2x(LSE, Dvec)
+  static constexpr int kSmemBytes = BwdSmemBytes(kTile);
   static_assert(kMw % 16 == 0 && kDw % 16 == 0 && kDqDw % 16 == 0);
   static_assert(kBlockM % 16 == 0 && kDqWarpsM * kDqWarpsD == kWarps);
   static_assert(kBlockM <= kBwdRowPad && kBwdRowPad % kBlockM == 0);

@@ -5,11 +5,9 @@
 #include <cuda_runtime.h>
 
 #include "../../flash_params.h"
+#include "../../plan.h"  // kMaxSplits
 
 namespace jax_flash2::cuda {
-
-// Most key-range splits of a forward call (the combine kernel's LSE slots).
-inline constexpr int kMaxSplits = 128;
 
 struct FwdArgs {
   FlashParams p;

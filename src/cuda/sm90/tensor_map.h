@@ -10,6 +10,7 @@
 #include <initializer_list>
 
 #include "../../flash_params.h"
+#include "../../sm90_options.h"
 
 namespace jax_flash2::cuda::sm90 {
 
@@ -28,10 +29,7 @@ inline bool Aligned16(std::initializer_list<const void*> ptrs) {
 // 16 bytes, below 2^39) and 16-byte aligned bases; 32-bit row/key indices.
 inline bool Sm90CommonSupports(const FlashParams& p) {
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return false;
-  if (p.softcap != 0.f || p.alibi_slopes != nullptr || p.q_segment_ids != nullptr ||
-      p.kv_segment_ids != nullptr || p.dropout_seeds != nullptr) {
-    return false;
-  }
+  if (!Sm90ServesOptions(p)) return false;  // the served options: src/sm90_options.h
   if (p.num_heads_kv <= 0 || p.num_heads_q % p.num_heads_kv != 0 ||
       p.group_size != p.num_heads_q / p.num_heads_kv) {
     return false;

@@ -1,0 +1,207 @@
+"""jax_flash2.plan: the CUDA kernels' choices (src/plan.h, through the CPU
+extension) per compute capability, checked on CPU: the kernel and its reason,
+the tile, the split counts and the shared-memory budget."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_flash2
+from jax_flash2 import _ext
+from jax_flash2._plan import MAX_SMEM_PER_BLOCK
+
+CCS = [(8, 0), (8, 6), (8, 9), (9, 0)]
+# Opt-in shared memory per block: A100 163 KB, cc 8.6 / 8.9 99 KB, H100 / H200 227 KB.
+SMEM = {(8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 9): 99 * 1024, (9, 0): 227 * 1024}
+HEAD_DIMS = list(range(8, 257, 8))
+
+
+def _specs(b, t, s, h, kh, d, dtype=jnp.bfloat16):
+  return (jax.ShapeDtypeStruct((b, t, h, d), dtype), jax.ShapeDtypeStruct((b, s, kh, d), dtype),
+          jax.ShapeDtypeStruct((b, s, kh, d), dtype))
+
+
+def _plan(b, t, s, h, kh, d, cc=(9, 0), sm_count=132, dtype=jnp.bfloat16, **options):
+  return jax_flash2.plan(*_specs(b, t, s, h, kh, d, dtype), compute_capability=cc,
+                         sm_count=sm_count, **options)
+
+
+def test_default_shared_memory_per_compute_capability():
+  assert {cc: MAX_SMEM_PER_BLOCK[cc] for cc in CCS} == SMEM
+  assert SMEM[(8, 6)] == 101376
+
+
+@pytest.mark.parametrize("cc", CCS, ids=lambda cc: f"cc{cc[0]}{cc[1]}")
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm80_tiles_fit_the_shared_memory(cc, causal):
+  """Every head dim gets sm80 tiles within the device's shared memory, or a
+  clear refusal that names the bytes; never a tile that cannot launch."""
+  for d in HEAD_DIMS:
+    for shape in [(2, 1000, 1000, 8, 8), (1, 1, 4096, 8, 2), (1, 3, 3000, 16, 4)]:
+      b, t, s, h, kh = shape
+      for extra in [{}, {"softcap": 5.0}, {"dropout_rate": 0.1}]:
+        plans = _plan(b, t, s, h, kh, d, cc=cc, causal=causal, **extra)
+        for direction, p in plans.items():
+          if p.kernel.startswith("sm80"):
+            assert 0 < p.smem_bytes <= SMEM[cc], (d, shape, extra, direction, p)
+            assert p.head_dim_bucket >= d
+          elif p.kernel == "unsupported":
+            assert "shared memory" in p.reason and str(SMEM[cc]) in p.reason, p
+          else:
+            assert p.kernel == "sm90" and cc == (9, 0), p
+
+
+@pytest.mark.parametrize("cc", CCS, ids=lambda cc: f"cc{cc[0]}{cc[1]}")
+def test_what_each_compute_capability_serves(cc):
+  small = SMEM[cc] < 163 * 1024
+  for d in HEAD_DIMS:
+    plans = _plan(2, 1000, 1000, 8, 8, d, cc=cc, softcap=5.0)  # softcap: sm80 on every cc
+    fwd, bwd = plans["forward"], plans["backward"]
+    assert fwd.kernel == "sm80-prefill", (d, fwd)
+    # The 99 KB GPUs: no backward above the d128 bucket (the d256 tile needs
+    # 145,920 B, and no smaller one fits with Q and dO double-buffered).
+    if small and d > 128:
+      assert bwd.kernel == "unsupported" and "145920" in bwd.reason, (d, bwd)
+    else:
+      assert bwd.kernel == "sm80", (d, bwd)
+  # The forward's d256 prefill tile is exactly 99 KB; dropout's keep bits do not fit beside it.
+  drop = _plan(2, 1000, 1000, 8, 8, 256, cc=cc, dropout_rate=0.1)["forward"]
+  assert (drop.kernel == "unsupported") == small, drop
+  if small:
+    assert "dropout" in drop.reason and "102400" in drop.reason, drop
+
+
+@pytest.mark.parametrize("d,row,block_m,block_n", [
+    (32, "default", 64, 128), (64, "small_smem", 32, 128), (128, "small_smem", 32, 64)])
+@pytest.mark.parametrize("cc", [(8, 6), (8, 9)], ids=["cc86", "cc89"])
+def test_backward_tiles_on_99kb_gpus(cc, d, row, block_m, block_n):
+  bwd = _plan(2, 1000, 777, 8, 2, d, cc=cc)["backward"]
+  assert bwd.kernel == "sm80" and bwd.tile["row"] == row, bwd
+  assert (bwd.tile["block_m"], bwd.tile["block_n"]) == (block_m, block_n)
+  assert bwd.grid == (math.ceil(777 / block_n), 2, 2)
+  assert bwd.smem_bytes <= 101376
+
+
+@pytest.mark.parametrize("d,row,smem", [
+    (32, "default", 78848), (64, "default", 111616), (128, "default", 125440),
+    (256, "default", 145920)])
+def test_backward_tiles_on_a100(d, row, smem):
+  bwd = _plan(2, 1000, 1000, 8, 8, d, cc=(8, 0))["backward"]
+  assert bwd.kernel == "sm80" and bwd.tile["row"] == row and bwd.smem_bytes == smem, bwd
+  assert "compute capability 8.0" in bwd.reason
+
+
+def test_backward_tiles_on_hopper_when_sm80_runs():
+  # Deterministic: the Hopper backward does not serve it; d128 takes the
+  # large-smem row there.
+  bwd = _plan(2, 1000, 1000, 8, 8, 128, deterministic=True)["backward"]
+  assert bwd.kernel == "sm80" and bwd.tile["row"] == "large_smem", bwd
+  assert bwd.tile["block_m"] == 64 and bwd.smem_bytes <= SMEM[(9, 0)]
+  assert bwd.reason.startswith("deterministic")
+
+
+@pytest.mark.parametrize("d,bucket,block_m,block_n", [
+    (8, 32, 128, 128), (40, 64, 128, 64), (96, 96, 128, 64), (128, 128, 128, 64),
+    (136, 192, 64, 64), (200, 256, 64, 64)])
+def test_forward_tile_per_head_dim(d, bucket, block_m, block_n):
+  fwd = _plan(8, 1000, 1000, 8, 8, d, cc=(8, 0))["forward"]  # a grid that fills the GPU
+  assert fwd.kernel == "sm80-prefill" and fwd.head_dim_bucket == bucket
+  assert (fwd.tile["block_m"], fwd.tile["block_n"]) == (block_m, block_n)
+  assert fwd.grid == (math.ceil(1000 / block_m), 8, 8) and fwd.splits == 1
+
+
+def test_hopper_serves_plain_calls_and_says_why_not():
+  assert _plan(8, 1000, 1000, 16, 16, 128)["forward"].kernel == "sm90"
+  assert _plan(8, 1000, 1000, 16, 16, 128)["backward"].kernel == "sm90"
+  for option, value, name in [("softcap", 5.0, "softcap"), ("dropout_rate", 0.1, "dropout")]:
+    plans = _plan(8, 1000, 1000, 16, 16, 128, **{option: value})
+    assert plans["forward"].kernel == "sm80-prefill"
+    assert plans["forward"].reason == f"{name}: the Hopper forward does not serve it"
+    assert plans["backward"].reason == f"{name}: the Hopper backward does not serve it"
+  # A small grid: split-KV on the sm80 kernels.
+  fwd = _plan(2, 300, 300, 4, 4, 128)["forward"]
+  assert fwd.kernel == "sm80-prefill" and fwd.splits > 1 and "split-KV" in fwd.reason, fwd
+  # Other GPUs: the reason names the compute capability.
+  assert "compute capability 8.0" in _plan(8, 1000, 1000, 16, 16, 128, cc=(8, 0))["forward"].reason
+
+
+@pytest.mark.parametrize("cc", CCS, ids=lambda cc: f"cc{cc[0]}{cc[1]}")
+def test_decode_kernel_and_its_splits(cc):
+  # B1 T1 S32k, GQA 32:4 at D64: 8 packed rows per K/V head (the decode tile
+  # fits every GPU at D64: 68 KB).
+  fwd = _plan(1, 1, 32768, 32, 4, 64, cc=cc, sm_count=108)["forward"]
+  assert fwd.kernel == "sm80-decode", fwd
+  warp_keys, warps = fwd.tile["warp_keys"], fwd.tile["warps"]
+  block_steps = math.ceil(math.ceil(32768 / warp_keys) / warps)
+  splits = _ext.cpu_ext.choose_num_splits(4, block_steps, 108 * 2, 128, 0.95)
+  per_split = math.ceil(block_steps / splits) * warps
+  assert fwd.splits == math.ceil(math.ceil(32768 / warp_keys) / per_split) > 1
+  assert fwd.grid == (fwd.splits, 1, 4) and fwd.smem_bytes <= SMEM[cc]
+  # D128: the decode tile needs ~135 KB: the 99 KB GPUs run the prefill kernel.
+  fwd = _plan(1, 1, 32768, 32, 4, 128, cc=cc)["forward"]
+  if SMEM[cc] < 135424:
+    assert fwd.kernel == "sm80-prefill" and "decode kernel needs 135424" in fwd.reason, fwd
+    assert fwd.tile["pack"] == 8 and fwd.splits > 1
+  else:
+    assert fwd.kernel == "sm80-decode", fwd
+  # Score options: the decode kernel does not serve them.
+  fwd = _plan(1, 1, 32768, 32, 4, 64, cc=cc, softcap=3.0)["forward"]
+  assert fwd.kernel == "sm80-prefill" and "softcap: the decode kernel" in fwd.reason, fwd
+
+
+def test_prefill_split_count_matches_the_heuristic():
+  for (b, t, s, h, kh, d) in [(1, 100, 8000, 8, 8, 128), (2, 300, 300, 4, 4, 64),
+                              (4, 4096, 4096, 16, 16, 128), (1, 7, 5000, 16, 2, 256)]:
+    fwd = _plan(b, t, s, h, kh, d, cc=(8, 0), sm_count=108)["forward"]
+    block_m, block_n, pack = fwd.tile["block_m"], fwd.tile["block_n"], fwd.tile["pack"]
+    assert pack == (h // kh if h > kh and t < block_m else 1)
+    m_blocks = math.ceil(t * pack / block_m)
+    n_blocks = math.ceil(s / block_n)
+    splits = _ext.cpu_ext.choose_num_splits(b * (h // pack) * m_blocks, n_blocks, 108 * 2, 128)
+    expected = math.ceil(n_blocks / math.ceil(n_blocks / splits)) if splits > 1 else 1
+    assert fwd.splits == expected and fwd.grid == (m_blocks * expected, b, h // pack), fwd
+    # A second K/V stage for split or packed grids, where it fits (not d256 on 163 KB).
+    two = (expected > 1 or pack > 1) and (block_m + 4 * block_n) * (d + 8) * 2 <= SMEM[(8, 0)]
+    assert fwd.tile["kv_stages"] == (2 if two else 1) and fwd.smem_bytes <= SMEM[(8, 0)]
+
+
+def test_unsupported_calls_say_why():
+  f32 = _plan(1, 10, 10, 2, 2, 64, dtype=jnp.float32)["forward"]
+  assert f32.kernel == "unsupported" and "float32" in f32.reason
+  d12 = jax_flash2.plan(*_specs(1, 10, 10, 2, 2, 64), compute_capability=(7, 5),
+                        max_smem_per_block=65536)["forward"]
+  assert d12.kernel == "unsupported" and "compute capability 7.5" in d12.reason
+  with pytest.raises(ValueError, match="max_smem_per_block"):
+    jax_flash2.plan(*_specs(1, 10, 10, 2, 2, 64), compute_capability=(12, 0))
+
+
+def test_cpu_and_bad_arguments():
+  plans = jax_flash2.plan(*_specs(1, 10, 10, 2, 2, 64), compute_capability=None)
+  assert plans["forward"].kernel == plans["backward"].kernel == "cpu"
+  q, k, v = _specs(1, 10, 10, 3, 2, 64)  # H % K != 0: flash_attention's own check
+  with pytest.raises(ValueError):
+    jax_flash2.plan(q, k, v)
+
+
+def test_max_smem_switch_runs_the_small_tiles():
+  """JAX_FLASH2_MAX_SMEM_PER_BLOCK (read once per process) caps the shared
+  memory the plan sees: on cc 9.0 the sm80 kernels then run, with the tiles of
+  the 99 KB GPUs."""
+  code = textwrap.dedent("""
+      import jax, jax.numpy as jnp, jax_flash2
+      q = jax.ShapeDtypeStruct((2, 1000, 8, 128), jnp.bfloat16)
+      p = jax_flash2.plan(q, q, q)
+      print(p["forward"].kernel, p["backward"].kernel, p["backward"].tile["row"])
+  """)
+  env = dict(os.environ, JAX_FLASH2_MAX_SMEM_PER_BLOCK="101376", JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300, check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+  assert out.stdout.split() == ["sm80-prefill", "sm80", "small_smem"], out
