@@ -100,7 +100,8 @@ def _cuda_rule(target: str, backward: bool):
     # output, so XLA allocates it with the call's other buffers.
     nbytes = _ext.cuda_ext.workspace_bytes(
         backward, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim,
-        config.window_left, config.window_right, sm_count, deterministic, cc_major)
+        config.window_left, config.window_right, sm_count, deterministic, cc_major,
+        has_segment_ids=bool(config.has_segment_ids))
     workspace = jax.core.ShapedArray((max(int(nbytes), 1),), np.uint8)
     ctx = ctx.replace(avals_out=[*ctx.avals_out, workspace])
     extra = dict(deterministic=np.bool_(deterministic)) if backward else {}

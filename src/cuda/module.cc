@@ -17,7 +17,8 @@ nb::capsule Capsule(XLA_FFI_Error* (*handler)(XLA_FFI_CallFrame*)) {
 // Bytes of workspace a call needs, for the lowering to allocate as an output.
 size_t WorkspaceBytes(bool backward, int64_t batch, int64_t seqlen_q, int64_t seqlen_k,
                       int64_t heads_q, int64_t heads_kv, int64_t head_dim, int64_t window_left,
-                      int64_t window_right, int sm_count, bool deterministic, int cc_major) {
+                      int64_t window_right, int sm_count, bool deterministic, int cc_major,
+                      bool has_segment_ids) {
   jax_flash2::FlashParams p;
   p.batch = batch;
   p.seqlen_q = seqlen_q;
@@ -29,6 +30,10 @@ size_t WorkspaceBytes(bool backward, int64_t batch, int64_t seqlen_q, int64_t se
   p.window_left = window_left;
   p.window_right = window_right;
   p.deterministic = deterministic;
+  // The Hopper kernels' segment-id summaries take scratch; only whether the
+  // ids are there matters for its size.
+  alignas(16) static const int32_t ids_stand_in[4] = {};
+  if (has_segment_ids) p.q_segment_ids = p.kv_segment_ids = ids_stand_in;
   p.dtype = jax_flash2::DType::kBFloat16;
   jax_flash2::SetDenseStrides(p);
   jax_flash2::cuda::DeviceInfo dev;
@@ -55,5 +60,6 @@ NB_MODULE(_cuda_ext, m) {
   m.def("workspace_bytes", &WorkspaceBytes, nb::arg("backward"), nb::arg("batch"),
         nb::arg("seqlen_q"), nb::arg("seqlen_k"), nb::arg("heads_q"), nb::arg("heads_kv"),
         nb::arg("head_dim"), nb::arg("window_left"), nb::arg("window_right"),
-        nb::arg("sm_count"), nb::arg("deterministic") = false, nb::arg("cc_major") = 9);
+        nb::arg("sm_count"), nb::arg("deterministic") = false, nb::arg("cc_major") = 9,
+        nb::arg("has_segment_ids") = false);
 }
