@@ -41,6 +41,7 @@
 #include "src/flash_mask.h"
 #include "src/flash_params.h"
 #include "tests/cuda/selftest_util.h"
+#include "tests/cuda/sm90_segments_test.h"
 
 using namespace jax_flash2;
 using namespace jax_flash2::selftest;
@@ -61,6 +62,8 @@ struct Case {
   // several tiles, and an unmasked call whose tiles do not fill whole rounds
   // of them runs stream-K pieces (at either head dim).
   int sm_count = 0;
+  SegKind seg = SegKind::kNone;  // segment ids (sm90_segments_test.h)
+  int docs = 0;
 };
 
 
@@ -160,6 +163,12 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
   auto li = [&](int64_t b, int64_t h, int64_t t) { return (b * H + h) * T + t; };
 
   std::mt19937_64 rng(seed);
+  std::vector<int32_t> q_ids, kv_ids;
+  if (c.seg != SegKind::kNone) MakeSegmentIds(c.seg, c.docs, B, T, S, rng, &q_ids, &kv_ids);
+  // The window and, with segment ids, equal ids.
+  auto allowed = [&](int64_t b, int64_t t, int64_t s) {
+    return mask.Allowed(t, s) && (q_ids.empty() || q_ids[b * T + t] == kv_ids[b * S + s]);
+  };
   std::normal_distribution<float> normal(0.f, 1.f);
   auto random = [&](int64_t n, std::vector<uint16_t>& bits, std::vector<double>& val) {
     bits.resize(n);
@@ -192,7 +201,7 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
       double m = -INFINITY;
       for (int64_t s = 0; s < S; ++s) {
         sc[s] = -INFINITY;
-        if (!mask.Allowed(t, s)) continue;
+        if (!allowed(b, t, s)) continue;
         double dot = 0;
         for (int64_t d = 0; d < D; ++d) dot += q[qi(b, t, h) + d] * k[ki(b, s, kh) + d];
         sc[s] = dot * scale;
@@ -232,7 +241,7 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
         for (int64_t d = 0; d < D; ++d) Di += dor[d] * o[qi(b, t, h) + d];
         for (int64_t s = 0; s < S; ++s) {
           pr[s] = ds[s] = 0;
-          if (!mask.Allowed(t, s)) continue;
+          if (!allowed(b, t, s)) continue;
           double dot = 0, dp = 0;
           for (int64_t d = 0; d < D; ++d) {
             dot += qr[d] * k[ki(b, s, kh) + d];
@@ -259,6 +268,15 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
     }
   });
 
+  void* d_ids = nullptr;
+  if (!q_ids.empty()) {
+    CHECK_CUDA(cudaMalloc(&d_ids, (q_ids.size() + kv_ids.size()) * 4));
+    CHECK_CUDA(cudaMemcpy(d_ids, q_ids.data(), q_ids.size() * 4, cudaMemcpyHostToDevice));
+    int32_t* kv = static_cast<int32_t*>(d_ids) + q_ids.size();
+    CHECK_CUDA(cudaMemcpy(kv, kv_ids.data(), kv_ids.size() * 4, cudaMemcpyHostToDevice));
+    p.q_segment_ids = static_cast<const int32_t*>(d_ids);
+    p.kv_segment_ids = kv;
+  }
   if (!cuda::Sm90BackwardSupports(p)) {
     std::printf("FAIL %-57s Sm90BackwardSupports is false\n", c.name.c_str());
     return 1;
@@ -298,8 +316,8 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
   CHECK_CUDA(cudaMalloc(&d_scratch, scratch_bytes));
   auto free_all = [&] {
     for (void* ptr : {d_q, d_k, d_v, d_out, d_dout, d_dq, d_dk, d_dv, d_scratch,
-                      static_cast<void*>(d_lse_buf), static_cast<void*>(d_dlse_buf)}) {
-      CHECK_CUDA(cudaFree(ptr));
+                      static_cast<void*>(d_lse_buf), static_cast<void*>(d_dlse_buf), d_ids}) {
+      if (ptr) CHECK_CUDA(cudaFree(ptr));
     }
   };
   // Poison: 0xffff is NaN in fp16 and bf16; 0xffffffff is NaN in fp32.
@@ -444,6 +462,12 @@ int main(int argc, char** argv) {
         // The D-split kernel (D = 256 and its bucket).
         {"tiny bf16 d256 T70 S130 causal gqa2", bf, 1, 70, 130, 2, 1, 256, -1, 0},
         {"tiny fp16 d200 T150 S100 full dlse bhtd", fp, 1, 150, 100, 1, 1, 200, -1, -1, true, true},
+        {"tiny seg 7 docs bf16 d64 T300 causal", bf, 1, 300, 300, 2, 2, 64, -1, 0, false, false,
+         0, SegKind::kPacked, 7},
+        {"tiny seg random fp16 d128 T200 S130 gqa2 dlse", fp, 1, 200, 130, 2, 1, 128, -1, -1,
+         true, false, 0, SegKind::kRandom, 0},
+        {"tiny seg short docs bf16 d256 T150 causal", bf, 1, 150, 150, 2, 2, 256, -1, 0, false,
+         false, 0, SegKind::kShort, 0},
     };
   } else if (!time_only) {
     cases = {
@@ -513,6 +537,38 @@ int main(int argc, char** argv) {
         {"bf16 d256 T512 S512 B2 H8 causal gqa2 dlse", bf, 2, 512, 512, 8, 4, 256, -1, 0, true},
         {"fp16 d200 T257 S700 causal gqa2 bhtd", fp, 1, 257, 700, 4, 2, 200, -1, 0, false, true},
         {"bf16 d136 T300 S257 full dlse", bf, 1, 300, 257, 2, 2, 136, -1, -1, true},
+        // Segment ids (packed rows): 1, 2, 7 and 64 documents, empty ones,
+        // documents shorter than a block, padding, unsorted ids, T != S
+        // (some documents without keys or without queries), GQA, windows,
+        // every tile.
+        {"seg 1 doc bf16 d128 T1000 causal", bf, 1, 1000, 1000, 2, 2, 128, -1, 0, false, false,
+         0, SegKind::kPacked, 1},
+        {"seg 2 docs fp16 d64 T1000 B2 causal dlse", fp, 2, 1000, 1000, 2, 2, 64, -1, 0, true,
+         false, 0, SegKind::kPacked, 2},
+        {"seg 7 docs bf16 d128 T2000 causal gqa4", bf, 1, 2000, 2000, 8, 2, 128, -1, 0, false,
+         false, 0, SegKind::kPacked, 7},
+        {"seg 64 docs bf16 d64 T4096 causal", bf, 1, 4096, 4096, 2, 2, 64, -1, 0, false, false,
+         0, SegKind::kPacked, 64},
+        {"seg 64 docs fp16 d128 T4096 full", fp, 1, 4096, 4096, 2, 2, 128, -1, -1, false, false,
+         0, SegKind::kPacked, 64},
+        {"seg 7 docs bf16 d256 T1000 causal gqa2", bf, 1, 1000, 1000, 2, 1, 256, -1, 0, false,
+         false, 0, SegKind::kPacked, 7},
+        {"seg short docs bf16 d64 T777 causal", bf, 1, 777, 777, 2, 2, 64, -1, 0, false, false,
+         0, SegKind::kShort, 0},
+        {"seg short docs fp16 d128 T500 full bhtd", fp, 1, 500, 500, 2, 2, 128, -1, -1, false,
+         true, 0, SegKind::kShort, 0},
+        {"seg padded 5 docs bf16 d128 T1500 B2 causal", bf, 2, 1500, 1500, 2, 2, 128, -1, 0,
+         false, false, 0, SegKind::kPadded, 5},
+        {"seg random ids bf16 d64 T300 full dlse", bf, 1, 300, 300, 2, 2, 64, -1, -1, true, false,
+         0, SegKind::kRandom, 0},
+        {"seg cross 7 docs bf16 d128 T700 S1500 gqa2", bf, 1, 700, 1500, 4, 2, 128, -1, -1,
+         false, false, 0, SegKind::kPacked, 7},
+        {"seg cross missing docs fp16 d64 T900 S400 B2 gqa2", fp, 2, 900, 400, 4, 2, 64, -1, -1,
+         false, false, 0, SegKind::kMissing, 6},
+        {"seg 7 docs bf16 d128 T2000 window(200,0)", bf, 1, 2000, 2000, 2, 2, 128, 200, 0, false,
+         false, 0, SegKind::kPacked, 7},
+        {"seg 7 docs fp16 d200 T700 window(64,16) bhtd", fp, 1, 700, 700, 2, 2, 200, 64, 16,
+         false, true, 0, SegKind::kPacked, 7},
     };
   }
   int failed = 0, run = 0;

@@ -26,8 +26,6 @@
 //                                   or stream-K pieces (default: the package's rule)
 //   sm90_fwd_selftest --grid        time the benchmark grid's shapes instead (B T = 16k,
 //                                   H D = 2048), sm90 only; --filter picks among them
-// Built with -DJF2_FWD90_TRACE (and the kernels with it), each timing also
-// prints the last launch's per-item clock64 stamps of the first two blocks.
 //
 // Outputs are poisoned with NaN before each run, so an element the kernel
 // fails to write shows up as a NaN. Each launch is watched (SyncWithWatchdog,
@@ -56,6 +54,7 @@
 #include "src/flash_mask.h"
 #include "src/flash_params.h"
 #include "tests/cuda/selftest_util.h"
+#include "tests/cuda/sm90_segments_test.h"
 
 using namespace jax_flash2;
 using namespace jax_flash2::selftest;
@@ -71,6 +70,8 @@ struct Case {
   int64_t B, T, S, H, K, D;
   int64_t wl, wr;     // window; causal = (-1, 0)
   bool bhtd = false;  // [B, H, T, D] layout through strides
+  SegKind seg = SegKind::kNone;  // segment ids (sm90_segments_test.h)
+  int docs = 0;
 };
 
 
@@ -114,14 +115,27 @@ std::vector<Sm90Schedule> g_schedules = {Sm90Schedule::kSerial, Sm90Schedule::kO
 // Runs every schedule on one set of inputs, checks each against the float64
 // oracle; one PASS/FAIL line per schedule. Returns the number of failures.
 int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
-  const FlashParams p0 = CaseParams(c);
+  FlashParams p0 = CaseParams(c);
+  std::mt19937_64 rng(seed);
+  // Segment ids: host copies for the oracle, device copies for the kernel.
+  HostVariants var;
+  void* d_ids = nullptr;
+  if (c.seg != SegKind::kNone) {
+    MakeSegmentIds(c.seg, c.docs, c.B, c.T, c.S, rng, &var.q_ids, &var.kv_ids);
+    const size_t nq_ids = var.q_ids.size(), nkv_ids = var.kv_ids.size();
+    CHECK_CUDA(cudaMalloc(&d_ids, (nq_ids + nkv_ids) * 4 + 16));
+    CHECK_CUDA(cudaMemcpy(d_ids, var.q_ids.data(), nq_ids * 4, cudaMemcpyHostToDevice));
+    int32_t* kv = static_cast<int32_t*>(d_ids) + nq_ids;
+    CHECK_CUDA(cudaMemcpy(kv, var.kv_ids.data(), nkv_ids * 4, cudaMemcpyHostToDevice));
+    p0.q_segment_ids = static_cast<const int32_t*>(d_ids);
+    p0.kv_segment_ids = kv;
+  }
   if (!cuda::Sm90ForwardSupports(p0)) {
     std::printf("FAIL %-44s Sm90ForwardSupports is false\n", c.name.c_str());
     return 1;
   }
   const int64_t nq = c.B * c.T * c.H * c.D, nk = c.B * c.S * c.K * c.D;
   const int64_t nlse = c.B * c.H * c.T;
-  std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.f, 1.f);
   std::vector<uint16_t> hq(nq), hk(nk), hv(nk);
   std::vector<float> fq(nq), fk(nk), fv(nk);
@@ -187,6 +201,7 @@ int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
   CHECK_CUDA(cudaFree(d_o));
   CHECK_CUDA(cudaFree(dlse));
   if (scratch) CHECK_CUDA(cudaFree(scratch));
+  if (d_ids) CHECK_CUDA(cudaFree(d_ids));
 
   // Oracle (float64) and naive same-dtype attention (S and P rounded to the
   // dtype, fp32 accumulation, as a framework's plain attention computes it).
@@ -196,7 +211,8 @@ int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
     const int64_t b = bh / c.H, h = bh % c.H;
     ReferenceRowScratch row;
     for (int64_t t = 0; t < c.T; ++t) {
-      const double row_lse = ReferenceRow(p, c.dtype, fq.data(), fk.data(), fv.data(), b, t, h, row);
+      const double row_lse = ReferenceRow(p, c.dtype, fq.data(), fk.data(), fv.data(), b, t, h, row,
+                                          var);
       const std::vector<double>& o = row.o;
       const std::vector<float>& of = row.of;
       ref_lse[bh * c.T + t] = row_lse;
@@ -292,40 +308,6 @@ int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
   return failures;
 }
 
-#ifdef JF2_FWD90_TRACE
-// The last launch's stamps (cycles from the block's first), per item: the
-// producer's (before / after its q_empty wait, first K/V issued, last
-// issued), then each consumer warpgroup's (item start, Q landed, first S
-// done, last PV done, past the closing barrier where a tile has one,
-// epilogue done).
-void PrintTrace(const std::string& what) {
-  namespace s9 = cuda::sm90;
-  std::vector<long long> t(s9::kFwd90TraceBlocks * s9::kFwd90TraceRoles * s9::kFwd90TraceItems *
-                           s9::kFwd90TraceStamps);
-  s9::ReadFwdSm90Trace(t.data());
-  auto at = [&](int b, int r, int i, int k) {
-    return t[((b * s9::kFwd90TraceRoles + r) * s9::kFwd90TraceItems + i) * s9::kFwd90TraceStamps +
-             k];
-  };
-  for (int b = 0; b < 2; ++b) {
-    long long base = at(b, 1, 0, 0);
-    std::printf("TRACE %s block %d (cycles from its first item)\n", what.c_str(), b);
-    for (int i = 0; i < s9::kFwd90TraceItems; ++i) {
-      if (at(b, 1, i, 0) == 0) break;
-      std::printf("TRACE b%d i%2d P", b, i);
-      for (int k = 0; k < 4; ++k) std::printf(" %8lld", at(b, 0, i, k) - base);
-      for (int r = 1; r < 3; ++r) {
-        std::printf(" | C%d", r - 1);
-        for (int k = 0; k < s9::kFwd90TraceStamps; ++k) {
-          std::printf(" %8lld", at(b, r, i, k) - base);
-        }
-      }
-      std::printf("\n");
-    }
-  }
-  std::fflush(stdout);
-}
-#endif
 
 // Times the sm80 forward and each sm90 schedule on the same inputs (median
 // of `reps`, L2 cold only in the sense that the working set exceeds it) and
@@ -365,9 +347,6 @@ void TimeCase(const Case& c, const cuda::DeviceInfo& dev, int reps, bool with_sm
     time(impl.c_str(), [&](int) {
       return cuda::sm90::RunForwardSm90Schedule(p, scratch, dev, 0, sch, ChoiceFor(c.D));
     });
-#ifdef JF2_FWD90_TRACE
-    PrintTrace(c.name + " [" + impl + "]");
-#endif
   }
   for (void* ptr : {q, k, v, o, static_cast<void*>(lse)}) CHECK_CUDA(cudaFree(ptr));
   if (scratch) CHECK_CUDA(cudaFree(scratch));
@@ -516,6 +495,31 @@ int main(int argc, char** argv) {
       {"T600 S400 D8 GQA4 fp16 B4 H16 (persistent)", fp, 4, 600, 400, 16, 4, 8, -1, -1},
   };
   cases.insert(cases.end(), special.begin(), special.end());
+  // Segment ids (packed rows): 1, 2, 7 and 64 documents, empty ones,
+  // documents shorter than a block, padding, unsorted ids, T != S (cross
+  // attention between packed rows, some documents without keys), GQA,
+  // windows, every head-dim tile, both dtypes.
+  using SK = SegKind;
+  const std::vector<Case> segmented = {
+      {"seg 1 doc T1000 D128 causal bf16", bf, 1, 1000, 1000, 2, 2, 128, -1, 0, false, SK::kPacked, 1},
+      {"seg 2 docs T1000 D64 causal fp16 B2", fp, 2, 1000, 1000, 2, 2, 64, -1, 0, false, SK::kPacked, 2},
+      {"seg 7 docs T2000 D128 causal GQA4 bf16", bf, 1, 2000, 2000, 8, 2, 128, -1, 0, false, SK::kPacked, 7},
+      {"seg 64 docs T4096 D64 causal bf16", bf, 1, 4096, 4096, 4, 4, 64, -1, 0, false, SK::kPacked, 64},
+      {"seg 64 docs T4096 D128 bf16", bf, 1, 4096, 4096, 2, 2, 128, -1, -1, false, SK::kPacked, 64},
+      {"seg 7 docs T1000 D256 causal fp16", fp, 1, 1000, 1000, 2, 1, 256, -1, 0, false, SK::kPacked, 7},
+      {"seg short docs T777 D64 causal bf16", bf, 1, 777, 777, 2, 2, 64, -1, 0, false, SK::kShort, 0},
+      {"seg short docs T500 D128 fp16 bhtd", fp, 1, 500, 500, 2, 2, 128, -1, -1, true, SK::kShort, 0},
+      {"seg padded 5 docs T1500 D128 causal bf16 B2", bf, 2, 1500, 1500, 2, 2, 128, -1, 0, false, SK::kPadded, 5},
+      {"seg random ids T300 D64 bf16", bf, 1, 300, 300, 2, 2, 64, -1, -1, false, SK::kRandom, 0},
+      {"seg random ids T300 S500 D128 causal fp16", fp, 1, 300, 500, 2, 2, 128, -1, 0, false, SK::kRandom, 0},
+      {"seg cross 7 docs T700 S1500 D128 bf16", bf, 1, 700, 1500, 4, 2, 128, -1, -1, false, SK::kPacked, 7},
+      {"seg cross missing docs T900 S400 D64 GQA2 fp16", fp, 2, 900, 400, 4, 2, 64, -1, -1, false, SK::kMissing, 6},
+      {"seg 7 docs T2000 D128 window(200,0) bf16", bf, 1, 2000, 2000, 2, 2, 128, 200, 0, false, SK::kPacked, 7},
+      {"seg 7 docs T1000 D64 window(64,16) fp16", fp, 1, 1000, 1000, 2, 2, 64, 64, 16, false, SK::kPacked, 7},
+      {"seg 7 docs T600 D96 causal H16 bf16 B3 (persistent)", bf, 3, 600, 600, 16, 16, 96, -1, 0, false, SK::kPacked, 7},
+      {"seg 64 docs T9000 D128 causal bf16 (one tile per block)", bf, 1, 9000, 9000, 2, 2, 128, -1, 0, false, SK::kPacked, 64},
+  };
+  cases.insert(cases.end(), segmented.begin(), segmented.end());
   if (tiny) {
     cases = {
         {"tiny T128 S128 D128 bf16", bf, 1, 128, 128, 1, 1, 128, -1, -1},
@@ -526,6 +530,12 @@ int main(int argc, char** argv) {
         {"tiny T150 S170 D256 causal GQA2 fp16", fp, 1, 150, 170, 2, 1, 256, -1, 0},
         {"tiny T100 S300 D200 bf16 bhtd", bf, 1, 100, 300, 2, 2, 200, -1, -1, true},
         {"tiny T130 S200 D96 H140 fp16 (persistent)", fp, 1, 130, 200, 140, 140, 96, -1, -1},
+        {"tiny seg 7 docs T300 D64 causal bf16", bf, 1, 300, 300, 2, 2, 64, -1, 0, false,
+         SegKind::kPacked, 7},
+        {"tiny seg random T200 S130 D128 fp16", fp, 1, 200, 130, 2, 1, 128, -1, -1, false,
+         SegKind::kRandom, 0},
+        {"tiny seg short docs T150 D256 causal bf16", bf, 1, 150, 150, 2, 2, 256, -1, 0, false,
+         SegKind::kShort, 0},
     };
   } else if (small) {
     std::vector<Case> keep;

@@ -12,6 +12,7 @@
 #include "../../flash_params.h"
 #include "../flash_cuda.h"
 #include "head_dim.h"
+#include "segments.h"
 
 namespace jax_flash2::cuda {
 
@@ -66,11 +67,13 @@ namespace sm90 {
 // each): about 230 at the peak (S^T, dP^T beside dK, dV).
 // persistent: unmasked calls run one CTA per SM, each walking tiles (key
 // blocks) in rounds, so that a tile's K, V and first Q, dO load under the
-// previous tile's dK, dV epilogue. Measured (NOTES.md, thirteenth session):
-// +4-5% at D = 64; at D = 128, whose tiles are as long with half as many
-// query rows per iteration, nothing, and 2-3% less at T = 16k (a static
-// walk cannot even out tiles that happen to run slow), so D = 128 keeps one
-// CTA per tile.
+// previous tile's dK, dV epilogue: +4-5% at D = 64. At D = 128, whose tiles
+// are as long with half as many query rows per iteration, it gained nothing
+// and lost 2-3% at T = 16k (a static walk cannot even out tiles that happen
+// to run slow), so D = 128 keeps one CTA per tile. Masked calls (segment ids
+// included) keep one CTA per tile: their tiles differ in length, and the
+// hardware starts them in order, longest (key block 0 under a causal mask)
+// first.
 // Stream-K (unmasked calls whose tiles do not fill whole rounds of the SMs):
 // 2048 tiles of equal length on 132 SMs take 16 rounds for 15.5 rounds of
 // work. The last two rounds' tiles are then shared out as iterations (query
@@ -78,10 +81,7 @@ namespace sm90 {
 // (each cut once at most: every range covers a tile or more). The piece that
 // finishes first parks its fp32 dK, dV in a slot of the scratch; the other
 // adds them and writes dK, dV. dQ needs nothing: it is a sum in dq_acc anyway.
-// Self-test (device call 2, one run each, whole backward, TFLOP/s, whole
-// tiles -> stream-K tail): B8 T 2048 D 128 505.9 -> 511.0, D 64 434.3 ->
-// 440.5; B4 T 4096 D 128 559.4 -> 569.8, D 64 483.1 -> 495.0; B1 T 16k D 128
-// 563.3 -> 562.7.
+// Whole backward at B4 T 4096 D 128: 559 -> 570 TFLOP/s.
 struct BwdSm90Tile {
   int head_dim;
   int block_m;
@@ -207,6 +207,10 @@ struct BwdSm90Args {
   bool k_heads_inner = true;
   bool v_heads_inner = true;
   bool kv_grad_heads_inner = true;
+  // Segment ids: the pre-pass's summaries in chunks of block_m query rows
+  // and 64 keys (one consumer warpgroup's; the D-split tile's 64);
+  // segments.cuh. Empty without.
+  SegmentBlocks seg;
 };
 
 }  // namespace sm90

@@ -9,6 +9,7 @@
 #include "../../flash_mask.h"
 #include "bwd_sm90.h"
 #include "primitives.cuh"
+#include "segments.cuh"
 
 namespace jax_flash2::cuda::sm90 {
 
@@ -94,6 +95,38 @@ __device__ __forceinline__ void ZeroMaskedScores(float (&p)[kAcc], int m_begin, 
     const int rh = (i / 2) % 2;
     if (query < window.q_lo[rh] || query >= window.q_hi[rh]) p[i] = 0.f;
   }
+}
+
+// Segment ids: narrows the window's fully visible query blocks
+// ([full_lo, full_hi), in queries) to those whose ids all equal the one id
+// of the 64 keys from key0 (a multiple of 64, the pre-pass's key chunk) of
+// batch entry b; the blocks outside take ZeroUnequalIds after the window's
+// mask. block_m: the kernel's query block (the pre-pass's query chunk).
+__device__ __forceinline__ void NarrowToUniformIds(const SegmentBlocks& seg, int b, int key0,
+                                                   int block_m, KeyRowWindow* window) {
+  if (seg.kv_span == nullptr) return;
+  int lo = 0, hi = 0;  // a chunk past the last one: keys past S only (masked)
+  if (key0 / 64 < seg.num_kv_chunks) {
+    const int4 span = seg.kv_span[b * seg.num_kv_chunks + key0 / 64];
+    lo = span.z * block_m;
+    hi = span.w * block_m;
+  }
+  window->full_lo = max(window->full_lo, lo);
+  window->full_hi = min(window->full_hi, hi);
+}
+
+// Zeroes the elements of a P^T tile (the 64 keys from key0 of batch entry b
+// x the queries from m_begin, MaskUnequalIds' layout) whose key and query ids
+// differ. A key chunk past the last one holds keys past S only (masked,
+// never written): it tests against the last chunk's ids.
+template <int kAcc>
+__device__ __forceinline__ void ZeroUnequalIds(float (&pt)[kAcc], const SegmentBlocks& seg, int b,
+                                               int key0, int m_begin, int warp, int g, int t4) {
+  const int chunk = b * seg.num_kv_chunks + min(key0 / 64, seg.num_kv_chunks - 1);
+  const int32_t* key_ids = seg.kv_ids + chunk * 64 + 16 * warp + g;
+  const int row_id[2] = {key_ids[0], key_ids[8]};
+  MaskUnequalIds(pt, seg.q_ids + b * seg.num_q_chunks * seg.q_chunk + m_begin + 2 * t4, row_id,
+                 0.f);
 }
 
 }  // namespace jax_flash2::cuda::sm90

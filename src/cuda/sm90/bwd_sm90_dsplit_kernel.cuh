@@ -26,7 +26,7 @@
 // stage back to the TMA thread once the copy engine has read it. The dQ
 // reduction sets the speed: 64 keys per CTA add twice the dQ bytes per
 // product of BwdSm90Kernel's 128, and a build without it (wrong dQ, timing
-// only) ran 580-600 TFLOP/s (NOTES.md).
+// only) ran 580-600 TFLOP/s.
 //
 // The consumers hand tiles to each other through mbarriers (128 arrivals,
 // one per thread of the signalling consumer; the waits acquire what the
@@ -65,6 +65,7 @@
 #include "bwd_sm90.h"
 #include "bwd_sm90_common.cuh"
 #include "primitives.cuh"
+#include "segments.cuh"
 #include "wgmma.cuh"
 
 namespace jax_flash2::cuda::sm90 {
@@ -161,12 +162,20 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     m_block_begin = static_cast<int>(q_begin / kBlockM);
     num_m_blocks =
         q_end > q_begin ? static_cast<int>((q_end + kBlockM - 1) / kBlockM) - m_block_begin : 0;
+    if (args.seg.kv_span != nullptr) {
+      // Segment ids: only the query blocks whose ids may match one of the
+      // tile's (its 64 keys are one pre-pass chunk).
+      int m_end = m_block_begin + num_m_blocks;
+      NarrowToTileSpan(args.seg.kv_tiles[b * args.seg.num_kv_tiles + n_begin / kBlockN],
+                       &m_block_begin, &m_end);
+      num_m_blocks = m_end - m_block_begin;
+    }
   }
   const int num_iters = num_m_blocks * group;
   // Iteration it visits block (it + rotation) mod num_iters: CTAs of
   // neighbouring key blocks, which run at the same time, start one block
   // apart, so that their dQ reductions do not all land on the same rows at
-  // once (+2-3% unmasked with the earlier dQ atomics, NOTES.md; not
+  // once (+2-3% unmasked with the earlier dQ atomics; not
   // re-measured since).
   const int rotation = num_iters > 0 ? tile % args.num_n_blocks % num_iters : 0;
   const auto visit = [&](int it) {
@@ -291,7 +300,10 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
 
   // The queries that see this thread's key rows; fully visible blocks skip
   // the mask.
-  const KeyRowWindow window = KeyRowWindowFor(mask, n_begin, warp, g, p.seqlen_q, seqlen_k);
+  // With segment ids, only the query blocks of the keys' one id skip the id
+  // test (NarrowToUniformIds).
+  KeyRowWindow window = KeyRowWindowFor(mask, n_begin, warp, g, p.seqlen_q, seqlen_k);
+  NarrowToUniformIds(args.seg, b, n_begin, kBlockM, &window);
 
   // P^T and dS^T tiles: fragment r of slice kk (key row 16 warp + g + 8 (r %
   // 2), queries 16 kk + 8 (r / 2) + 2 t4, + 1) at chunk 2 kk + r / 2 of the
@@ -370,7 +382,12 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
         const float2 l = rows[i / 4];
         acc[i] = FastExp2(fmaf(acc[i], scale_log2, -((i & 1) ? l.y : l.x)));
       }
-      if (!window.FullyVisible(m_begin, kBlockM)) ZeroMaskedScores(acc, m_begin, t4, window);
+      if (!window.FullyVisible(m_begin, kBlockM)) {
+        ZeroMaskedScores(acc, m_begin, t4, window);
+        if (args.seg.kv_span != nullptr) {
+          ZeroUnequalIds(acc, args.seg, b, n_begin, m_begin, warp, g, t4);
+        }
+      }
       // As A fragments (rounded to Elem, as in FlashAttention-2): n8 tiles 2
       // kk and 2 kk + 1 form k16 slice kk; and into the P^T tile for
       // consumer 1 (read from registers before the dV wgmmas are issued:

@@ -42,9 +42,9 @@
 // block's while the other still reads this one's. The warpgroups split dQ
 // into 64 x 64 tiles: by columns at D = 128, by queries at D = 64. (Splitting
 // it by keys, each warpgroup over its own 64, needs no barrier but reduces
-// twice the bytes into dq_acc; it measured slower, NOTES.md.)
+// twice the bytes into dq_acc; it measured slower.)
 //
-// What made it fast (NOTES.md has the numbers): no branch per exponential
+// What made it fast (docs/design.md has the numbers): no branch per exponential
 // (the mask compares 32-bit query bounds, only on blocks that need it); dQ
 // reduced by the copy engine from shared memory, one instruction per 32
 // columns, where float2 atomics from every thread took a third of the time;
@@ -53,7 +53,7 @@
 // what racecheck flagged once; plain stores published by per-thread mbarrier
 // arrivals are clean. Shared memory reached as shared memory (STS/LDS; see
 // AlignedDynamicSmem), with conflict-free dQ staging stores, and the lse2 /
-// Dvec loads issued ahead of the wgmmas: +8-13% together (NOTES.md).
+// Dvec loads issued ahead of the wgmmas: +8-13% together.
 //
 // Masking as in the sm80 backward: query blocks outside the key block's
 // window are skipped (QueryRange), and only blocks not fully visible to a
@@ -73,6 +73,7 @@
 #include "bwd_sm90.h"
 #include "bwd_sm90_common.cuh"
 #include "primitives.cuh"
+#include "segments.cuh"
 #include "wgmma.cuh"
 
 namespace jax_flash2::cuda::sm90 {
@@ -197,6 +198,15 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     tile.num_m_blocks = q_end > q_begin
                             ? static_cast<int>((q_end + kBlockM - 1) / kBlockM) - tile.m_block_begin
                             : 0;
+    if (args.seg.kv_span != nullptr) {
+      // Segment ids: only the query blocks whose ids may match an id of the
+      // tile's keys.
+      int m_end = tile.m_block_begin + tile.num_m_blocks;
+      NarrowToTileSpan(
+          args.seg.kv_tiles[tile.b * args.seg.num_kv_tiles + tile.n_begin / kBlockN],
+          &tile.m_block_begin, &m_end);
+      tile.num_m_blocks = m_end - tile.m_block_begin;
+    }
     tile.num_iters = tile.num_m_blocks * static_cast<int>(p.group_size);
     return tile;
   };
@@ -371,7 +381,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // copy engine and free again (this warp arrives, the consumers wait).
       // Issued by a consumer thread instead, behind a barrier of its
       // warpgroup and a wait for the previous reduction's read, they cost
-      // the consumers 4-7% at D = 128 (NOTES.md).
+      // the consumers 4-7% at D = 128.
       const int lane = threadIdx.x % 32;
       for (int c = 0; c < kBwdConsumerWarpgroups; ++c) NamedBarrierArrive(5 + c, 160);
       bool first = true;
@@ -459,7 +469,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   // into its staging tile (StageDqTile); the producer's dQ warp then adds it
   // into dq_acc [B, T, H, D] at rows m_begin + dq_row0, columns dq_col0 by
   // the copy engine. Float2 atomics from every thread, the earlier way, took
-  // a third of the kernel's time (NOTES.md). Rows past T fall outside the
+  // a third of the kernel's time. Rows past T fall outside the
   // map and are dropped.
   const auto stage_dq = [&](const float (&dq)[32]) {
     unsigned char* tile = s_dq + cg * Tr::kDqTileBytes;
@@ -502,7 +512,11 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     const int key0 = tile.n_begin + 64 * cg;
     // The queries that see this thread's key rows; fully visible blocks skip
     // the mask, without branches per element.
-    const KeyRowWindow window = KeyRowWindowFor(mask, key0, warp, g, p.seqlen_q, seqlen_k);
+    // With segment ids, the fully visible query blocks are narrowed to those
+    // that hold only the one id of this warpgroup's keys; the others take
+    // the id test after the window's (NarrowToUniformIds).
+    KeyRowWindow window = KeyRowWindowFor(mask, key0, warp, g, p.seqlen_q, seqlen_k);
+    NarrowToUniformIds(args.seg, tile.b, key0, kBlockM, &window);
     float acc_dk[Tr::kAcc], acc_dv[Tr::kAcc];
 #pragma unroll
     for (int i = 0; i < Tr::kAcc; ++i) acc_dk[i] = acc_dv[i] = 0.f;
@@ -547,7 +561,12 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
           s[i] = FastExp2(fmaf(s[i], scale_log2, -((r & 1) ? l.y : l.x)));
         }
       }
-      if (!full) ZeroMaskedScores(s, m_begin, t4, window);
+      if (!full) {
+        ZeroMaskedScores(s, m_begin, t4, window);
+        if (args.seg.kv_span != nullptr) {
+          ZeroUnequalIds(s, args.seg, tile.b, key0, m_begin, warp, g, t4);
+        }
+      }
       // dV += P^T dO (wgmma RS: P^T from registers, dO MN-major). At block_m =
       // 64 it is issued before dS^T is computed, to run under that math; at
       // 128, S^T in fp32 (for dS^T), P^T, dP^T, dK and dV do not all fit in

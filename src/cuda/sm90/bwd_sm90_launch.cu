@@ -18,6 +18,7 @@
 #include "bwd_sm90.h"
 #include "bwd_sm90_dsplit_kernel.cuh"
 #include "bwd_sm90_kernel.cuh"
+#include "segments.cuh"
 #include "tensor_map.h"
 
 namespace jax_flash2::cuda {
@@ -74,7 +75,7 @@ BwdSm90Grid PlanGrid(const FlashParams& p, const DeviceInfo& dev, int num_tiles,
   // A persistent grid (BwdSm90Tile::persistent) only without a mask: masked
   // tiles differ in length, and one CTA per tile lets the hardware balance
   // them.
-  const bool masked = HasWindow(p);
+  const bool masked = HasWindow(p) || sm90::HasSegmentIds(p);  // segment ids: uneven tiles too
   const int sms = dev.sm_count;
   BwdSm90Grid grid{tile.persistent && !masked ? std::min(num_tiles, sms) : num_tiles, num_tiles,
                    0};
@@ -102,10 +103,23 @@ int64_t NumNBlocks(const FlashParams& p) {
 // Tiles (key blocks x B x K); Sm90BackwardSupports keeps them within an int.
 int64_t NumTiles(const FlashParams& p) { return NumNBlocks(p) * p.batch * p.num_heads_kv; }
 
+// The segment-id summaries (segments.cuh): chunks of block_m query rows and
+// 64 keys (a consumer warpgroup's, the D-split tile's).
+sm90::SegmentScratch SegmentLayout(const FlashParams& p) {
+  const BwdSm90Tile tile = sm90::BwdSm90TileFor(p.head_dim);
+  return sm90::SegmentScratchLayout(p, tile.block_m, 64, 1, tile.block_n / 64);
+}
+
 }  // namespace
 
 int64_t Sm90BackwardStreamKSlots(const FlashParams& p, const DeviceInfo& dev) {
   if (!Sm90BackwardSupports(p)) return 0;
+  if (sm90::HasSegmentIds(p)) {
+    // No stream-K with segment ids (their tiles differ in length): the
+    // slots' fp32 area holds the segment summaries instead.
+    const size_t slot_bytes = sm90::BwdSm90SlotFloats(p.head_dim) * sizeof(float);
+    return static_cast<int64_t>((SegmentLayout(p).bytes + slot_bytes - 1) / slot_bytes);
+  }
   return PlanGrid(p, dev, static_cast<int>(NumTiles(p)), true).sk_ctas;
 }
 
@@ -115,6 +129,7 @@ bool Sm90BackwardSupports(const FlashParams& p) {
   // order. d_o, dq, dk, dv: 16-byte aligned like q, k, v, o. Tiles (key
   // blocks x B x K) counted in an int.
   const BwdSm90Tile tile = sm90::BwdSm90TileFor(p.head_dim);
+  if ((p.q_segment_ids == nullptr) != (p.kv_segment_ids == nullptr)) return false;
   return tile.head_dim != 0 && !p.deterministic && sm90::Sm90CommonSupports(p) &&
          sm90::Aligned16({p.d_o, p.dq, p.dk, p.dv}) && NumTiles(p) <= INT32_MAX;
 }
@@ -197,6 +212,15 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
     err = sm90::EncodeTensorMap(&args.tma_dv, encode, p.dtype, p.dv, p.batch, p.seqlen_k,
                                 p.num_heads_kv, p.head_dim, p.k_batch_stride, p.k_row_stride,
                                 p.k_head_stride, 64, &args.kv_grad_heads_inner);
+  }
+  if (err == cudaSuccess && sm90::HasSegmentIds(p)) {
+    const size_t slot_bytes = sm90::BwdSm90SlotFloats(p.head_dim) * sizeof(float);
+    if (s.sk_partial == nullptr ||
+        static_cast<size_t>(s.sk_slots) * slot_bytes < SegmentLayout(p).bytes) {
+      return cudaErrorInvalidValue;
+    }
+    err = sm90::RunSegmentPrepass(p, tile.block_m, 64, 1, tile.block_n / 64, s.sk_partial,
+                                  dev.sm_count, &args.seg, stream);
   }
   if (err != cudaSuccess) return err;
   switch (p.dtype) {

@@ -13,6 +13,7 @@
 #include "../../flash_params.h"
 #include "../flash_cuda.h"
 #include "head_dim.h"
+#include "segments.h"
 
 namespace jax_flash2::cuda {
 
@@ -90,46 +91,33 @@ namespace sm90 {
 // (block_n / 4 b32): 88 + 64 + 44 at D 128 x 176, within 240; 64 + 32 + 32
 // at D 64, within the 160 that three consumer warpgroups leave; 40 + 128 +
 // 20 at D 256 x 80.
-// Why these (NOTES.md has the timings): at D 64 the softmax per key costs
-// as much as the products, and a third consumer warpgroup gives the
+// Why these (docs/design.md has the timings): at D 64 the softmax per key
+// costs as much as the products, and a third consumer warpgroup gives the
 // scheduler more independent work to hide it; at D 128 a longer key block
 // spreads each block's fixed costs (barrier waits, the row max and sum
 // reductions, the O rescale) over more keys, but only from S > 4096: below,
-// the last, partial 176-key block wastes about as much as that saves, or
-// more (S = 2048: 12 x 176 = 2112 keys; 128 keys measured +3-5% at T = S =
-// 1024 and 2048, even at 4096, -3 to -4% at 8k and 16k). Masked calls keep
-// 128 keys: their diagonal blocks pay the per-element mask over the whole
-// block.
+// the last, partial 176-key block wastes about as much as that saves (128
+// keys measured +3-5% at T = S = 2048). Masked calls (segment ids included)
+// keep 128 keys: their diagonal blocks pay the per-element mask over the
+// whole block.
 //
 // `schedule` is the consumer schedule the package builds the tile with, and
 // `persistent_keys_*` the largest S (with / without a mask) at which it runs
 // the persistent grid (one block per SM walking tiles; 0: never), whose
 // blocks start each tile's loads under the previous tile's end. A row whose
 // persistent range covers all it serves is built only in the persistent
-// form, which also runs grids of one tile per block. Measured
-// (sm90_fwd_selftest --grid, NOTES.md):
+// form, which also runs grids of one tile per block. Chosen with
+// sm90_fwd_selftest --grid:
 // - D 128, 128 keys: pingpong, persistent up to S = 8192 masked and 4096
-//   unmasked: +2-6% at T = S = 2048-4096 and +3-8% causal at 2048-8192 over
-//   the previous choice (overlap, persistent only at S <= 1024, 2048
-//   masked), within 3% below. Under a causal mask at 16k the persistent
-//   grid lost 25-30% (its fixed walk against the hardware's longest-first
-//   order); the 176-key tile (S > 4096, no mask) measured the same either
-//   way. Since O leaves through TMA stores (ninth session), masked calls
+//   unmasked (+3-8% causal at T = S = 2048-8192). Above that, the persistent
+//   grid's fixed walk loses to the hardware's longest-first order of one
+//   tile per block under a causal mask (25-30% at 16k), so masked calls
 //   above S = 8192 run overlap in one tile per block (T 16k causal 645 vs
-//   615 pingpong; at 8192 persistent pingpong still leads, 625 vs 593), and
-//   the 176-key tile pingpong (T 8192 670-677 vs 666, 16k 656-681 vs
-//   649-668 overlap; at 4096 the 128-key persistent grid still leads, 643
-//   vs 630-634).
-// - D 64: pingpong (+1-5% over overlap from S = 2048; with the TMA stores
-//   also at S = 1024, 391-392 vs 360-367 and causal 261-263 vs 236-245, and
-//   level at 512).
+//   615 TFLOP/s pingpong), and unmasked ones the 176-key tile, pingpong.
+// - D 64: pingpong (+1-5% over overlap from S = 1024).
 // - D 256: 80-key blocks (the most that fit two stages beside Q), pingpong,
-//   one tile per block (O staged in Q), masked or not: sm90_fwd_selftest
-//   --grid (fifteenth session, device call 1), T 2048 / 16k 689 / 711
-//   TFLOP/s against 636 / 653 overlap and 620-622 / 650-652 with 64-key
-//   blocks (either schedule); causal 525 / 762 against 510 / 710 and
-//   496-501 / 669-682. Only at T 512 causal were 64-key blocks ahead (303
-//   vs 283).
+//   one tile per block (O staged in Q), masked or not: T 2048 689 TFLOP/s
+//   against 636 overlap and 620 with 64-key blocks.
 inline constexpr int64_t kAnyKeys = INT64_MAX;
 
 struct FwdSm90Tile {
@@ -276,16 +264,10 @@ struct FwdSm90Args {
   bool k_heads_inner = true;
   bool v_heads_inner = true;
   bool o_heads_inner = true;
+  // Segment ids: the pre-pass's summaries in chunks of 64 query rows (one
+  // consumer warpgroup's) and block_n keys (segments.cuh); empty without.
+  SegmentBlocks seg;
 };
-
-#ifdef JF2_FWD90_TRACE
-// Timing experiments only: the kernel's clock64 stamps (fwd_sm90_kernel.cuh).
-inline constexpr int kFwd90TraceBlocks = 4;
-inline constexpr int kFwd90TraceRoles = 4;   // producer, consumer warpgroups 0..2
-inline constexpr int kFwd90TraceItems = 40;
-inline constexpr int kFwd90TraceStamps = 6;
-void ReadFwdSm90Trace(long long* out);  // kFwd90TraceBlocks x Roles x Items x Stamps
-#endif
 
 }  // namespace sm90
 }  // namespace jax_flash2::cuda

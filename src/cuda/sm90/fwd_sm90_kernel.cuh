@@ -60,6 +60,7 @@
 
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
 
@@ -67,26 +68,10 @@
 #include "../sm80/primitives.cuh"
 #include "fwd_sm90.h"
 #include "primitives.cuh"
+#include "segments.cuh"
 #include "wgmma.cuh"
 
 namespace jax_flash2::cuda::sm90 {
-
-#ifdef JF2_FWD90_TRACE
-// Timing experiments only (-DJF2_FWD90_TRACE): clock64 stamps of the first
-// blocks' items, per role (producer, consumer warpgroups), read back by
-// ReadFwdSm90Trace.
-__device__ long long g_fwd90_trace[kFwd90TraceBlocks][kFwd90TraceRoles][kFwd90TraceItems]
-                                  [kFwd90TraceStamps];
-#define JF2_FWD90_STAMP(role, item, k)                                                  \
-  do {                                                                                  \
-    if (blockIdx.x < kFwd90TraceBlocks && (item) < kFwd90TraceItems)                    \
-      g_fwd90_trace[blockIdx.x][role][item][k] = clock64();                             \
-  } while (0)
-#else
-#define JF2_FWD90_STAMP(role, item, k) \
-  do {                                 \
-  } while (0)
-#endif
 
 template <int kTileIndex>
 struct FwdSm90Traits {
@@ -183,6 +168,12 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
     t.n_first = static_cast<int>(key_begin / kBlockN);
     t.n_end =
         key_end > key_begin ? static_cast<int>((key_end + kBlockN - 1) / kBlockN) : t.n_first;
+    if (args.seg.q_span != nullptr) {
+      // Segment ids: only the key blocks whose ids may match an id of the
+      // tile's rows.
+      NarrowToTileSpan(args.seg.q_tiles[t.b * args.seg.num_q_tiles + t.row_begin / kBlockM],
+                       &t.n_first, &t.n_end);
+    }
     return t;
   };
 
@@ -299,13 +290,11 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
         if (t.n_first >= t.n_end) continue;  // the consumers write O = 0 alone
         const int kv_head = t.head / static_cast<int>(p.group_size);  // GQA by index
         const int b = t.b;
-        JF2_FWD90_STAMP(0, i, 0);
         if constexpr (kPersistent) {
           // The consumers are done with the previous tile's Q (first tile: free).
           MbarWait(q_empty, q_phase ^ 1);
           q_phase ^= 1;
         }
-        JF2_FWD90_STAMP(0, i, 1);
         // Rows [row, + panel_bytes / 128) of `head` into dst, one panel of
         // 64 columns at a time, completing on `full`.
         const auto load_tile = [&](Elem* dst, int panel_bytes, const CUtensorMap* map,
@@ -330,10 +319,8 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
           MbarWait(&v_empty[ring.stage], ring.phase ^ 1);
           load_tile(s_v + kv_elems, Tr::kKvPanelBytes, &args.tma_v, args.v_heads_inner,
                     &v_full[ring.stage], key0, kv_head);
-          if (n == t.n_end - 1) JF2_FWD90_STAMP(0, i, 2);
           ring.Advance();
         }
-        JF2_FWD90_STAMP(0, i, 3);
       }
     }
     return;
@@ -356,6 +343,10 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
   // holds.
   int full_begin, full_end;
   int key_lo[2], key_hi[2];
+  // With segment ids, [full_begin, full_end) is narrowed to the key blocks
+  // that hold only the one id of this warpgroup's rows, and a block outside
+  // takes the id test (MaskUnequalIds) after the window's: no register more
+  // through the loop (one more spilled the D 256 consumers, 28-44 bytes).
   float o[Tr::kOAcc];
   float row_max[2];
   float row_sum[2];  // this lane's columns only; quad-reduced at the end
@@ -387,7 +378,9 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
 
   // Mask, then the online softmax in place (S becomes unnormalised P in
   // fp32); returns in correction[] the factor the caller applies to O.
-  auto softmax = [&](float (&s)[Tr::kSAcc], int n, float (&correction)[2]) {
+  // seg_chunk(): the warpgroup's query chunk of the pre-pass (b * chunks +
+  // row chunk), evaluated only for the id test.
+  auto softmax = [&](float (&s)[Tr::kSAcc], int n, float (&correction)[2], auto&& seg_chunk) {
     // Per-element mask only where some (row, key) pair of the warpgroup's
     // block is hidden: the diagonal band, window edges, the ragged last block.
     const int key0 = n * kBlockN;
@@ -397,6 +390,13 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
         const int key = key0 + (i / 4) * 8 + 2 * t4 + (i & 1);
         const int h = (i / 2) % 2;
         if (key < key_lo[h] || key >= key_hi[h]) s[i] = -INFINITY;
+      }
+      if (args.seg.q_span != nullptr) {
+        const int chunk = seg_chunk();
+        const int32_t* row_ids = args.seg.q_ids + chunk * 64 + warp * 16 + g;
+        const int row_id[2] = {row_ids[0], row_ids[8]};
+        const int kv_row = chunk / args.seg.num_q_chunks * args.seg.num_kv_chunks * kBlockN;
+        MaskUnequalIds(s, args.seg.kv_ids + kv_row + key0 + 2 * t4, row_id, -INFINITY);
       }
     }
 #pragma unroll
@@ -463,7 +463,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
   // round robin runs on from tile to tile: a warpgroup that has written its O
   // takes its turn for the next tile's first S while the other finishes its
   // last PV and its epilogue (D 128 T 1024-4096 +0-7% over a barrier
-  // between tiles in the self-test, two device calls). With three (D 64,
+  // between tiles in the self-test). With three (D 64,
   // persistent) the turns start and end with each tile, and named barrier
   // 1 + kConsumerWarpgroups closes it: running on measured 2-6% slower there.
   constexpr bool kPingpong = kSchedule == Sm90Schedule::kPingpong;
@@ -493,7 +493,6 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
   for (int item = 0; item < num_items; ++item) {
     const Item it = item_at(item);
     if (it.tile >= args.num_tiles) continue;
-    if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 0);
     const Tile tl = locate_item(it);
     const int wg_row0 = tl.row_begin + 64 * cg;
     int64_t lo, hi;
@@ -528,13 +527,27 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
     }
 #pragma unroll
     for (int i = 0; i < Tr::kOAcc; ++i) o[i] = 0.f;
+    // A chunk past the last one holds rows past T only (never written): it
+    // tests against the last chunk's ids.
+    const auto seg_chunk = [&] {
+      return tl.b * args.seg.num_q_chunks + min(wg_row0 / 64, args.seg.num_q_chunks - 1);
+    };
+    if (args.seg.q_span != nullptr) {
+      int seg_begin = 0, seg_end = 0;  // keys of the blocks that skip the id test
+      if (wg_row0 / 64 < args.seg.num_q_chunks) {
+        const int4 span = args.seg.q_span[seg_chunk()];
+        seg_begin = span.z * kBlockN;
+        seg_end = span.w * kBlockN;
+      }
+      full_begin = max(full_begin, seg_begin);
+      full_end = min(full_end, seg_end);
+    }
 
     if (tl.n_first < tl.n_end) {
       const int n_first = tl.n_first;
       if (kTurnsPerTile && cg == kLastGroup) NamedBarrierArrive(1, 256);
       MbarWait(q_full, q_phase);
       q_phase ^= 1;
-      if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 1);
       // The skipped blocks: wait until they land (the ring's phases stay in
       // step), release them, and take their pingpong turns empty (every
       // warpgroup takes the same number of turns per tile).
@@ -561,7 +574,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
           issue_s(s, ring.stage);
           WgmmaWaitFenced<0>(s);
           release(&k_empty[ring.stage]);
-          softmax(s, n, correction);
+          softmax(s, n, correction, seg_chunk);
           convert_p(s, pa);
           rescale_o(correction);
           MbarWait(&v_full[ring.stage], ring.phase);
@@ -588,13 +601,12 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
         issue_s(s, ring.stage);
         pass_turn();
         WgmmaWaitFenced<0>(s);
-        if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 2);
         release(&k_empty[ring.stage]);
         // After the tile's last S the next tile's Q may land: released as
         // soon as that S is done, its load starts a softmax and a PV earlier
         // than at the end of the tile.
         if (kPersistent && n == n_first) release(q_empty);
-        softmax(s, n, correction);  // correction is 0 here and O is still 0
+        softmax(s, n, correction, seg_chunk);  // correction is 0 here and O is still 0
         convert_p(s, pa);
         RingPos<kStages> v_ring = ring;  // the V tile of the block whose P is in pa
         ring.Advance();
@@ -613,7 +625,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
           WgmmaWaitFenced<1>(s);  // S_n done; the PV group may still run
           release(&k_empty[ring.stage]);
           if (kPersistent && n == n_first) release(q_empty);
-          softmax(s, n, correction);
+          softmax(s, n, correction, seg_chunk);
           WgmmaWaitFenced<0>(o, pa);
           release(&v_empty[v_ring.stage]);
           rescale_o(correction);
@@ -629,7 +641,6 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
         issue_pv(pa, v_ring.stage);
         pass_turn();
         WgmmaWaitFenced<0>(o);
-        if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 3);
         release(&v_empty[v_ring.stage]);
         if constexpr (kTurnsPerTile) {
           if (cg == 0) NamedBarrierSync(1, 256);
@@ -637,7 +648,6 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
           // first hand-over of the next tile could join this tile's last turn.
           NamedBarrierSync(1 + Tr::kConsumerWarpgroups, 128 * Tr::kConsumerWarpgroups);
         }
-        if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 4);
       }
     }
 
@@ -706,9 +716,11 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
       // l == 0 exactly when the row saw no key (its max key contributes
       // exp2(0) = 1 otherwise): output 0 and LSE -inf rather than 0 / 0.
       // Otherwise l >= 1, where the MUFU reciprocal and logarithm are
-      // within a few ulp, without the IEEE forms' special-case paths.
-      inv_l[h] = l > 0.f ? __fdividef(1.f, l) : 0.f;
-      lse[h] = l > 0.f ? row_max[h] * p.softmax_scale + __logf(l) : -INFINITY;
+      // within a few ulp, without the IEEE forms' special-case paths. A NaN
+      // score makes l NaN (fmaxf skips it in the row max, exp2 does not), and
+      // the != test lets it through to O and the LSE.
+      inv_l[h] = l != 0.f ? __fdividef(1.f, l) : 0.f;
+      lse[h] = l != 0.f ? row_max[h] * p.softmax_scale + __logf(l) : -INFINITY;
       if constexpr (!kTmaStoreO) {
         const int t = wg_row0 + warp * 16 + g + 8 * h;
         if (t >= tl.row_end) continue;
@@ -744,7 +756,6 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
       const int t = wg_row0 + warp * 16 + g + 8 * h;
       if (t4 == 0 && t < tl.row_end) p.lse[(b * num_heads + head) * seqlen_q + t] = lse[h];
     }
-    if (wg_tid == 0) JF2_FWD90_STAMP(1 + cg, item, 5);
   }
   if (kTurnsAcrossTiles && cg == 0) NamedBarrierSync(1, 256);
   // The staging must stay valid until the last store has read it (the

@@ -14,6 +14,7 @@
 #include "../smem_optin.h"
 #include "fwd_sm90.h"
 #include "fwd_sm90_kernel.cuh"
+#include "segments.cuh"
 #include "tensor_map.h"
 
 #ifndef JF2_SM90_ALL_SCHEDULES
@@ -103,8 +104,13 @@ cudaError_t LaunchForSchedule(const FwdSm90Args& args, int tile_index, int grid_
 }
 
 // The package's tile for p (a row of kFwdSm90TileTable), or -1.
+// Segment ids count as a mask: their tiles differ in length, and their
+// diagonal-like blocks (document edges) pay a per-element test, as the
+// masked rows' 128-key blocks are chosen for.
+bool Masked(const FlashParams& p) { return HasWindow(p) || sm90::HasSegmentIds(p); }
+
 int PackageTileIndex(const FlashParams& p) {
-  return sm90::FwdSm90TileIndex(p.head_dim, HasWindow(p), p.seqlen_k);
+  return sm90::FwdSm90TileIndex(p.head_dim, Masked(p), p.seqlen_k);
 }
 
 // The grid of a call, shared by the scratch size and the launch so that they
@@ -131,12 +137,12 @@ FwdSm90Plan MakePlan(const FlashParams& p, const DeviceInfo& dev, sm90::FwdSm90C
   // Persistent (one block per SM, each walking tiles in rounds; see the
   // kernel) when the tiles are short, so that the start of one (Q and the
   // first K/V loads) hides under the end of the previous one: up to the
-  // tile's persistent_keys_* (fwd_sm90.h). Measured on the H200 (NOTES.md):
+  // tile's persistent_keys_* (fwd_sm90.h). Measured on the H200:
   // +14-19% at T = S = 512, causal or not; D 64 at S = 2048 without a mask
   // 1-3% slower than a block per tile.
   const bool persistent = choice.persistent >= 0
                               ? choice.persistent == 1
-                              : sm90::FwdSm90Persistent(tile, HasWindow(p), p.seqlen_k);
+                              : sm90::FwdSm90Persistent(tile, Masked(p), p.seqlen_k);
   plan.grid_blocks =
       persistent ? static_cast<int>(std::min<int64_t>(plan.num_tiles, dev.sm_count))
                  : plan.num_tiles;
@@ -144,10 +150,10 @@ FwdSm90Plan MakePlan(const FlashParams& p, const DeviceInfo& dev, sm90::FwdSm90C
   // Stream-K for the last two rounds when the tiles do not fill whole rounds
   // (without a mask, where every tile has the same key blocks). Two rounds
   // give each block at least a tile's worth of key blocks, so a tile is cut
-  // at most once. Measured on the H200 (sm90_fwd_selftest --grid, NOTES.md):
+  // at most once. Measured on the H200 (sm90_fwd_selftest --grid):
   // B8 T=S=2048 H16 D128 575 -> 581 TFLOP/s, B4 T 4096 611 -> 616-626.
   const int grid = plan.grid_blocks;
-  if (persistent && choice.stream_k != 0 && !HasWindow(p) && p.seqlen_k > 0 &&
+  if (persistent && choice.stream_k != 0 && !Masked(p) && p.seqlen_k > 0 &&
       plan.num_tiles > grid && plan.num_tiles % grid != 0) {
     plan.sk_first_tile = (plan.num_tiles / grid - 1) * grid;
     plan.sk_blocks_per_tile = static_cast<int>(CeilDiv(p.seqlen_k, tile.block_n));
@@ -167,11 +173,29 @@ size_t FlagBytes(const FwdSm90Plan& plan) {
   return (PieceSlots(plan) * 2 * sizeof(int) + 255) / 256 * 256;
 }
 
-size_t PlanScratchBytes(const FwdSm90Plan& plan) {
+size_t StreamKScratchBytes(const FwdSm90Plan& plan) {
   if (plan.tile_index < 0 || plan.sk_first_tile >= plan.num_tiles) return 0;
   const int head_dim = sm90::kFwdSm90TileTable[plan.tile_index].head_dim;
   const size_t partial_floats = sm90::FwdSm90PiecePartialRegs(head_dim) * 128;  // per thread
   return FlagBytes(plan) + PieceSlots(plan) * partial_floats * sizeof(float);
+}
+
+// The segment-id summaries (segments.cuh): chunks of 64 query rows (a
+// consumer warpgroup's) and of the tile's block_n keys.
+sm90::SegmentScratch SegmentLayout(const FlashParams& p, const FwdSm90Plan& plan) {
+  if (plan.tile_index < 0) return {};
+  const FwdSm90Tile tile = sm90::kFwdSm90TileTable[plan.tile_index];
+  return sm90::SegmentScratchLayout(p, 64, tile.block_n, tile.block_m / 64, 1);
+}
+
+// The stream-K part, then (256-byte aligned) the segment part.
+size_t SegmentScratchOffset(const FwdSm90Plan& plan) {
+  return (StreamKScratchBytes(plan) + 255) / 256 * 256;
+}
+
+size_t PlanScratchBytes(const FlashParams& p, const FwdSm90Plan& plan) {
+  const size_t seg = SegmentLayout(p, plan).bytes;
+  return seg > 0 ? SegmentScratchOffset(plan) + seg : StreamKScratchBytes(plan);
 }
 
 }  // namespace
@@ -179,14 +203,8 @@ size_t PlanScratchBytes(const FwdSm90Plan& plan) {
 size_t sm90::Sm90ForwardScratchBytesFor(const FlashParams& p, const DeviceInfo& dev,
                                         sm90::FwdSm90Choice choice) {
   if (!Sm90ForwardSupports(p) || p.batch * p.seqlen_q * p.num_heads_q == 0) return 0;
-  return PlanScratchBytes(MakePlan(p, dev, choice));
+  return PlanScratchBytes(p, MakePlan(p, dev, choice));
 }
-
-#ifdef JF2_FWD90_TRACE
-void sm90::ReadFwdSm90Trace(long long* out) {
-  cudaMemcpyFromSymbol(out, sm90::g_fwd90_trace, sizeof(sm90::g_fwd90_trace));
-}
-#endif
 
 size_t Sm90ForwardScratchBytes(const FlashParams& p, const DeviceInfo& dev) {
   return sm90::Sm90ForwardScratchBytesFor(p, dev, {});
@@ -195,6 +213,8 @@ size_t Sm90ForwardScratchBytes(const FlashParams& p, const DeviceInfo& dev) {
 bool Sm90ForwardSupports(const FlashParams& p) {
   // One grid dimension of tiles (m-blocks x H x B; 128 rows bounds every tile).
   const int64_t tiles = CeilDiv(p.seqlen_q, 128) * p.num_heads_q * p.batch;
+  // Segment ids come in pairs (q and kv), or not at all.
+  if ((p.q_segment_ids == nullptr) != (p.kv_segment_ids == nullptr)) return false;
   return PackageTileIndex(p) >= 0 && sm90::Sm90CommonSupports(p) &&
          tiles < (int64_t{1} << 31);
 }
@@ -261,6 +281,12 @@ cudaError_t sm90::RunForwardSm90Schedule(const FlashParams& p, void* scratch,
   }
   if (err == cudaSuccess && args.sk_flags != nullptr) {
     err = cudaMemsetAsync(args.sk_flags, 0, FlagBytes(plan), stream);  // the pieces' flags
+  }
+  if (err == cudaSuccess && sm90::HasSegmentIds(p)) {
+    if (scratch == nullptr) return cudaErrorInvalidValue;
+    err = sm90::RunSegmentPrepass(p, 64, tile.block_n, tile.block_m / 64, 1,
+                                  static_cast<char*>(scratch) + SegmentScratchOffset(plan),
+                                  dev.sm_count, &args.seg, stream);
   }
   if (err != cudaSuccess) return err;
   switch (p.dtype) {

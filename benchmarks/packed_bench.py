@@ -1,0 +1,246 @@
+"""Packed sequences on the GPU: documents packed into rows of 16k tokens with
+segment ids, beside the same documents run as a batch, ours and cuDNN's
+(cuDNN's packed layout: per-row document lengths and offsets), forward and
+forward+backward, bf16, causal.
+
+TFLOP/s count useful work only: the visible (query, key) pairs of each
+document, 4 D H per pair forward (two products of 2 D H), 2.5 times that for
+forward+backward. Printed as a markdown table.
+
+  python3 benchmarks/packed_bench.py                 # 8x2048, 64x256, mixed; D 64, 128
+  python3 benchmarks/packed_bench.py --cases 8x2048 --head-dims 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flash2
+
+ROW = 16384
+
+
+def warm_up(call, seconds):
+  jax.block_until_ready(call())
+  t0 = time.perf_counter()
+  while time.perf_counter() - t0 < seconds:
+    out = None
+    for _ in range(5):
+      out = call()
+    jax.block_until_ready(out)
+
+
+def time_call(fn, args, warmup_s, iters=10, reps=5):
+  warm_up(lambda: fn(*args), warmup_s)
+  samples = []
+  for _ in range(reps):
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(iters):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) / iters)
+  return statistics.median(samples)
+
+
+def mixed_lengths(rng, rows, lo=32, hi=8192):
+  """Rows of ROW tokens filled with document lengths from a long-tailed
+  (log-uniform) distribution in [lo, hi]; the last document of a row is cut
+  to fit. Returns one list of lengths per row."""
+  out = []
+  for _ in range(rows):
+    lengths, used = [], 0
+    while used < ROW:
+      n = int(np.exp(rng.uniform(np.log(lo), np.log(hi))))
+      n = min(n, ROW - used)
+      lengths.append(n)
+      used += n
+    out.append(lengths)
+  return out
+
+
+def useful_pairs(rows, causal=True):
+  return sum(n * (n + 1) // 2 if causal else n * n for row in rows for n in row)
+
+
+def segment_ids(rows):
+  ids = np.zeros((len(rows), ROW), np.int32)
+  for b, row in enumerate(rows):
+    ids[b] = np.repeat(np.arange(len(row), dtype=np.int32), row)
+  return jnp.asarray(ids)
+
+
+def cudnn_packed_fn():
+  """cuDNN's packed (THD) attention, or (None, why) when this jax's
+  fused_attention_stablehlo.dot_product_attention does not take the arguments
+  used here."""
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+  except ImportError as e:
+    return None, f"no cuDNN fused attention module ({e})"
+  params = inspect.signature(fa.dot_product_attention).parameters
+  need = ("q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "mask_type", "scale")
+  missing = [n for n in need if n not in params]
+  if missing or not hasattr(fa, "MaskType") or not hasattr(fa.MaskType, "PADDING_CAUSAL"):
+    return None, f"dot_product_attention lacks {missing or 'MaskType.PADDING_CAUSAL'}"
+
+  def run(q, k, v, seqlen, offsets):
+    return fa.dot_product_attention(q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets,
+                                    kv_offsets=offsets, scale=q.shape[-1]**-0.5,
+                                    mask_type=fa.MaskType.PADDING_CAUSAL)
+  return run, ""
+
+
+def seqlen_offsets(rows):
+  """cuDNN's [B, M] lengths and [B, M + 1] offsets, -1 past each row's documents."""
+  m = max(len(r) for r in rows)
+  seqlen = -np.ones((len(rows), m), np.int32)
+  offsets = -np.ones((len(rows), m + 1), np.int32)
+  for b, row in enumerate(rows):
+    seqlen[b, :len(row)] = row
+    offsets[b, :len(row) + 1] = np.concatenate([[0], np.cumsum(row)])
+  return jnp.asarray(seqlen), jnp.asarray(offsets)
+
+
+def fwd_bwd(fn):
+  def loss(*args):
+    return jnp.sum(fn(*args).astype(jnp.float32))
+  return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def bench_case(name, rows, heads, head_dim, warmup_s, rng):
+  """Times of one case: {impl: (fwd_s, fwd_bwd_s)}; None where not run."""
+  dtype = jnp.bfloat16
+  b = len(rows)
+
+  def rand(shape):
+    return jnp.asarray(rng.standard_normal(shape), dtype)
+
+  q, k, v = (rand((b, ROW, heads, head_dim)) for _ in range(3))
+  ids = segment_ids(rows)
+  results, notes = {}, []
+
+  def both(fn, args):
+    out = []
+    for f in (jax.jit(fn), jax.jit(fwd_bwd(fn))):
+      try:
+        out.append(time_call(f, args, warmup_s))
+      except Exception as e:  # a backend that cannot run this shape
+        notes.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+        out.append(None)
+    return tuple(out)
+
+  def ours_packed(q, k, v, ids):
+    return jax_flash2.flash_attention(q, k, v, causal=True, segment_ids=(ids, ids))
+  results["ours packed"] = both(ours_packed, (q, k, v, ids))
+  plan = jax_flash2.plan(q, k, v, causal=True, segment_ids=(ids, ids),
+                         compute_capability=(9, 0), sm_count=jax.devices()[0].core_count)
+  notes.append(f"{name}: packed plan forward {plan['forward'].kernel}, "
+               f"backward {plan['backward'].kernel}")
+
+  # The same documents as a batch: one batch per document length (uniform
+  # cases are a single batch of B * ROW / n documents). Mixed lengths: one
+  # batch per power of two, each document padded up to it (the padding's
+  # work is not counted as useful).
+  docs = [n for row in rows for n in row]
+  bucket = (lambda n: n) if len(set(docs)) <= 4 else (lambda n: 1 << (n - 1).bit_length())
+  groups = {}
+  for n in docs:
+    groups[bucket(n)] = groups.get(bucket(n), 0) + 1
+  if len(set(docs)) > 4:
+    notes.append(f"{name}: batch figures pad each document to a power of two "
+                 f"({len(groups)} batches)")
+
+  def batched_times(fn):
+    total = [0.0, 0.0]
+    for n, count in groups.items():
+      qb, kb, vb = (rand((count, n, heads, head_dim)) for _ in range(3))
+      t = both(fn, (qb, kb, vb))
+      for i in range(2):
+        total[i] = None if total[i] is None or t[i] is None else total[i] + t[i]
+    return tuple(total)
+
+  results["ours batch"] = batched_times(
+      lambda q, k, v: jax_flash2.flash_attention(q, k, v, causal=True))
+  results["cuDNN batch"] = batched_times(
+      lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                   implementation="cudnn"))
+
+  cudnn_packed, why = cudnn_packed_fn()
+  if cudnn_packed is None:
+    notes.append(f"cuDNN packed not run: {why}")
+  else:
+    seqlen, offsets = seqlen_offsets(rows)
+    results["cuDNN packed"] = both(cudnn_packed, (q, k, v, seqlen, offsets))
+  return results, notes
+
+
+CASES = {
+    "8x2048": lambda rng: [[2048] * 8],
+    "64x256": lambda rng: [[256] * 64],
+    "mixed": lambda rng: mixed_lengths(rng, 4),
+}
+IMPLS = ["ours packed", "ours batch", "cuDNN packed", "cuDNN batch"]
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--cases", default="8x2048,64x256,mixed")
+  ap.add_argument("--head-dims", default="64,128")
+  ap.add_argument("--heads", type=int, default=16)
+  ap.add_argument("--warmup-s", type=float, default=0.5)
+  args = ap.parse_args()
+  rng = np.random.default_rng(0)
+  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+        f"jax_flash2 {jax_flash2.kernel_info()}", flush=True)
+  lines = ["| case | D | " + " | ".join(f"{i} fwd / fwd+bwd" for i in IMPLS)
+           + " | packed / batch (ours) | ours / cuDNN packed |",
+           "|---|---|" + "---|" * (len(IMPLS) + 2)]
+  all_notes = []
+  for case in args.cases.split(","):
+    rows = CASES[case](rng)
+    pairs = useful_pairs(rows)
+    for d in (int(x) for x in args.head_dims.split(",")):
+      flops = 4 * pairs * d * args.heads
+      res, notes = bench_case(f"{case} D{d}", rows, args.heads, d, args.warmup_s, rng)
+      all_notes += notes
+
+      def tf(impl, i):
+        t = res.get(impl, (None, None))[i]
+        return None if t is None else flops * (2.5 if i else 1.0) / t / 1e12
+
+      def cell(impl):
+        f, fb = tf(impl, 0), tf(impl, 1)
+        return " / ".join("-" if x is None else f"{x:.0f}" for x in (f, fb))
+
+      def ratio(a, b):
+        out = []
+        for i in range(2):
+          x, y = tf(a, i), tf(b, i)
+          out.append("-" if x is None or y is None else f"{x / y:.2f}")
+        return " / ".join(out)
+
+      lines.append(f"| {case} | {d} | " + " | ".join(cell(i) for i in IMPLS)
+                   + f" | {ratio('ours packed', 'ours batch')} | "
+                   f"{ratio('ours packed', 'cuDNN packed')} |")
+      print(lines[-1], flush=True)
+  print()
+  print(f"`{' '.join([sys.executable.split('/')[-1]] + sys.argv)}`, bf16, H {args.heads}, causal, "
+        "TFLOP/s of useful work (visible pairs only):")
+  print()
+  print("\n".join(lines))
+  for n in all_notes:
+    print(f"- {n}")
+
+
+if __name__ == "__main__":
+  main()

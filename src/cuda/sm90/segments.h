@@ -1,0 +1,65 @@
+// The summaries of a call's segment ids that the Hopper kernels read
+// (segments.cuh computes them): types and scratch layout only, so the
+// kernels' argument blocks can hold them.
+#pragma once
+
+#include <cuda_runtime.h>  // int4
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../../flash_params.h"
+
+namespace jax_flash2::cuda::sm90 {
+
+// What the kernels read (FwdSm90Args::seg, BwdSm90Args::seg); q_span == null
+// when the call has no segment ids.
+struct SegmentBlocks {
+  const int4* q_span = nullptr;   // [B, num_q_chunks]: key chunks {first, end, full_first, full_end}
+  const int4* kv_span = nullptr;  // [B, num_kv_chunks]: query chunks, likewise
+  const int32_t* q_ids = nullptr;   // [B, num_q_chunks * q_chunk], padded copy
+  const int32_t* kv_ids = nullptr;  // [B, num_kv_chunks * kv_chunk], padded copy
+  int q_chunk = 0, kv_chunk = 0;
+  int num_q_chunks = 0, num_kv_chunks = 0;  // per batch entry
+  // The spans' unions per kernel tile of q_tile_chunks query chunks (the
+  // forward's tiles) and kv_tile_chunks key chunks (the backward's), as
+  // {first, end}: one load where a tile starts, for roles with few registers.
+  const int2* q_tiles = nullptr;   // [B, num_q_tiles]
+  const int2* kv_tiles = nullptr;  // [B, num_kv_tiles]
+  int q_tile_chunks = 1, kv_tile_chunks = 1;
+  int num_q_tiles = 0, num_kv_tiles = 0;  // per batch entry
+};
+
+inline bool HasSegmentIds(const FlashParams& p) { return p.q_segment_ids != nullptr; }
+
+// Scratch of the pre-pass, laid out from `base` (256-byte aligned parts).
+struct SegmentScratch {
+  size_t q_mm = 0, kv_mm = 0, q_span = 0, kv_span = 0, q_ids = 0, kv_ids = 0;
+  size_t q_tiles = 0, kv_tiles = 0, bytes = 0;
+};
+
+// Chunks of q_chunk query rows / kv_chunk keys; kernel tiles of
+// q_tile_chunks / kv_tile_chunks chunks.
+inline SegmentScratch SegmentScratchLayout(const FlashParams& p, int q_chunk, int kv_chunk,
+                                           int q_tile_chunks, int kv_tile_chunks) {
+  SegmentScratch s;
+  if (!HasSegmentIds(p)) return s;
+  const size_t per_q = static_cast<size_t>((p.seqlen_q + q_chunk - 1) / q_chunk);
+  const size_t per_kv = static_cast<size_t>((p.seqlen_k + kv_chunk - 1) / kv_chunk);
+  const size_t nq = per_q * p.batch, nk = per_kv * p.batch;
+  const size_t tq = (per_q + q_tile_chunks - 1) / q_tile_chunks * p.batch;
+  const size_t tk = (per_kv + kv_tile_chunks - 1) / kv_tile_chunks * p.batch;
+  auto align = [](size_t x) { return (x + 255) / 256 * 256; };
+  s.q_mm = 0;
+  s.kv_mm = s.q_mm + align(nq * 8);
+  s.q_span = s.kv_mm + align(nk * 8);
+  s.kv_span = s.q_span + align(nq * 16);
+  s.q_ids = s.kv_span + align(nk * 16);
+  s.kv_ids = s.q_ids + align(nq * q_chunk * 4);
+  s.q_tiles = s.kv_ids + align(nk * kv_chunk * 4);
+  s.kv_tiles = s.q_tiles + align(tq * 8);
+  s.bytes = s.kv_tiles + align(tk * 8);
+  return s;
+}
+
+}  // namespace jax_flash2::cuda::sm90

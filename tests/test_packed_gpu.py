@@ -1,0 +1,156 @@
+"""Packed sequences (segment ids) on the GPU: the Hopper forward and backward
+against the float64 oracle (tests/oracle.py) for packed rows of 1, 2, 7 and
+64 documents, empty documents, documents shorter than a block, padding,
+unsorted ids, T != S (cross attention between packed rows), GQA and windows,
+with the plan asserting that the Hopper kernels serve them on cc 9.0. Runs
+only on a GPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flash2
+
+from conftest import ON_GPU, random_inputs
+from oracle import assert_close_to_oracle, naive_same_dtype, oracle
+
+pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+
+
+def _is_hopper() -> bool:
+  return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
+
+
+def _device_plan(q, k, v, **options):
+  device = jax.devices()[0]
+  cc = tuple(int(x) for x in str(device.compute_capability).split("."))
+  return jax_flash2.plan(q, k, v, compute_capability=cc, sm_count=device.core_count, **options)
+
+
+def _packed_ids(rng, batch, length, docs, *, empty=False):
+  """[batch, length] int32: `docs` sorted runs of random lengths (ids 0..docs-1);
+  with `empty`, one document of length 0."""
+  ids = np.zeros((batch, length), np.int32)
+  for b in range(batch):
+    cuts = np.sort(rng.integers(0, length + 1, docs - 1))
+    if empty and docs > 2:
+      cuts[1] = cuts[0]
+    ids[b] = np.searchsorted(cuts, np.arange(length), side="right")
+  return ids
+
+
+def _short_ids(rng, batch, length):
+  """Documents of 1..40 tokens: every block holds several."""
+  ids = np.zeros((batch, length), np.int32)
+  for b in range(batch):
+    lengths = rng.integers(1, 41, length)
+    ids[b] = np.repeat(np.arange(length), lengths)[:length]
+  return ids
+
+
+def _ids(rng, kind, batch, seqlen_q, seqlen_k, docs):
+  if kind == "packed":
+    q_ids = _packed_ids(rng, batch, seqlen_q, docs, empty=True)
+    kv_ids = q_ids if seqlen_q == seqlen_k else _packed_ids(rng, batch, seqlen_k, docs)
+  elif kind == "padded":  # documents 1..docs, then padding id 0 (MaxText's packing)
+    q_ids = _packed_ids(rng, batch, seqlen_q, docs) + 1
+    q_ids[:, seqlen_q * 9 // 10:] = 0
+    kv_ids = q_ids
+  elif kind == "short":
+    q_ids = _short_ids(rng, batch, seqlen_q)
+    kv_ids = q_ids if seqlen_q == seqlen_k else _short_ids(rng, batch, seqlen_k)
+  elif kind == "missing":  # the kv side holds only the even documents
+    q_ids = _packed_ids(rng, batch, seqlen_q, docs)
+    kv_ids = _packed_ids(rng, batch, seqlen_k, docs) // 2 * 2
+  elif kind == "random":  # unsorted; queries with id 3 see no key
+    q_ids = rng.integers(0, 4, (batch, seqlen_q)).astype(np.int32)
+    kv_ids = rng.integers(0, 3, (batch, seqlen_k)).astype(np.int32)
+  else:
+    raise ValueError(kind)
+  return jnp.asarray(q_ids), jnp.asarray(kv_ids)
+
+
+# (B, T, S, H, K, D, causal, window, ids kind, documents, dtype). Grids large
+# enough that the plan does not split keys (the Hopper forward does not).
+CASES = [
+    (2, 2048, 2048, 16, 16, 128, True, None, "packed", 1, jnp.bfloat16),
+    (2, 2048, 2048, 16, 4, 64, True, None, "packed", 2, jnp.float16),
+    (2, 2048, 2048, 16, 4, 128, True, None, "packed", 7, jnp.bfloat16),
+    (1, 4096, 4096, 16, 16, 64, True, None, "packed", 64, jnp.bfloat16),
+    (1, 4096, 4096, 16, 8, 128, False, None, "packed", 64, jnp.bfloat16),
+    (2, 2048, 2048, 8, 2, 256, True, None, "packed", 7, jnp.bfloat16),
+    (2, 2000, 2000, 16, 16, 64, True, None, "short", 0, jnp.bfloat16),
+    (2, 2048, 2048, 16, 16, 128, True, None, "padded", 5, jnp.float16),
+    (2, 1500, 1500, 16, 4, 128, False, None, "random", 0, jnp.bfloat16),
+    (2, 1500, 3000, 16, 4, 128, False, None, "packed", 7, jnp.bfloat16),  # T != S
+    (2, 3000, 1200, 16, 8, 64, False, None, "missing", 6, jnp.float16),
+    (2, 2048, 2048, 16, 16, 128, False, (256, 0), "packed", 7, jnp.bfloat16),
+]
+
+
+def _case_id(c):
+  batch, t, s, h, kh, d, causal, window, kind, docs, dtype = c
+  w = f"-w{window[0]}_{window[1]}" if window else ""
+  return (f"B{batch}T{t}S{s}H{h}K{kh}D{d}{'-causal' if causal else ''}{w}-{kind}{docs}-"
+          f"{jnp.dtype(dtype).name}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_packed(rng, case):
+  batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, window, kind, docs, dtype = case
+  q, k, v = random_inputs(rng, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype)
+  segment_ids = _ids(rng, kind, batch, seqlen_q, seqlen_k, docs)
+  options = dict(causal=causal, segment_ids=segment_ids)
+  if window is not None:
+    options["window_size"] = window
+  plan = _device_plan(q, k, v, **options)
+  if _is_hopper():
+    assert plan["forward"].kernel == "sm90", plan["forward"]
+    assert plan["backward"].kernel == "sm90", plan["backward"]
+
+  d_out = jnp.asarray(rng.standard_normal((batch, seqlen_q, heads_q, head_dim)), dtype)
+  d_lse = jnp.asarray(rng.standard_normal((batch, heads_q, seqlen_q)), jnp.float32)
+
+  def run(q, k, v, d_out, d_lse):
+    (out, lse), vjp = jax.vjp(
+        lambda q, k, v: jax_flash2.flash_attention(q, k, v, return_lse=True, **options), q, k, v)
+    return out, lse, vjp((d_out, d_lse))
+
+  out, lse, grads = jax.jit(run)(q, k, v, d_out, d_lse)
+  oracle_opts = dict(causal=causal, segment_ids=segment_ids)
+  naive_opts = dict(causal=causal, segment_ids=segment_ids)
+  if window is not None:
+    oracle_opts["window_size"] = naive_opts["window_size"] = window
+  (ref_out, ref_lse), ref_grads = oracle(q, k, v, d_out, d_lse, **oracle_opts)
+  (base_out, base_lse), naive_vjp = jax.vjp(
+      lambda q, k, v: naive_same_dtype(q, k, v, **naive_opts), q, k, v)
+  base_grads = naive_vjp((d_out, d_lse.astype(dtype)))
+  # Rows that see no key: out 0, LSE -inf, no gradient through them.
+  empty_rows = ~np.isfinite(np.asarray(ref_lse))
+  if empty_rows.any():
+    assert np.all(np.asarray(lse)[empty_rows] == -np.inf)
+  assert_close_to_oracle("out", out, ref_out, base_out, dtype)
+  assert_close_to_oracle("lse", lse, ref_lse, base_lse, dtype)
+  for name, g, r, bg in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads):
+    assert_close_to_oracle(name, g, r, bg, dtype)
+
+
+def test_nan_propagates_with_segments(rng):
+  """A NaN in q reaches out and the LSE of its row only; a row that sees no
+  key stays 0 / -inf."""
+  batch, seqlen, heads, head_dim = 1, 2048, 16, 128
+  q, k, v = random_inputs(rng, batch, seqlen, seqlen, heads, heads, head_dim, jnp.bfloat16)
+  q = q.at[0, 700, 3, 5].set(jnp.nan)
+  q_ids = np.repeat(np.arange(4, dtype=np.int32), seqlen // 4)[None]
+  kv_ids = q_ids.copy()
+  kv_ids[0, : seqlen // 4] = 9  # document 0's queries see no key
+  out, lse = jax.jit(lambda q, k, v: jax_flash2.flash_attention(
+      q, k, v, causal=True, segment_ids=(jnp.asarray(q_ids), jnp.asarray(kv_ids)),
+      return_lse=True))(q, k, v)
+  out, lse = np.asarray(out, np.float32), np.asarray(lse)
+  assert np.isnan(out[0, 700, 3]).all() and np.isnan(lse[0, 3, 700])
+  assert np.isfinite(np.delete(out[0, :, 3], 700, axis=0)).all()
+  assert (out[0, : seqlen // 4] == 0).all() and (lse[0, :, : seqlen // 4] == -np.inf).all()
