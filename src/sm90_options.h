@@ -13,7 +13,8 @@ namespace jax_flash2 {
 inline const char* Sm90UnservedOption(const FlashParams& p) {
   if (p.softcap != 0.f) return "softcap";
   if (p.alibi_slopes != nullptr) return "alibi_slopes";
-  if (p.q_segment_ids != nullptr || p.kv_segment_ids != nullptr) return "segment_ids";
+  // Segment ids: served (sm90/segments.cuh), when given in pairs.
+  if ((p.q_segment_ids == nullptr) != (p.kv_segment_ids == nullptr)) return "segment_ids";
   if (p.dropout_seeds != nullptr) return "dropout";
   return nullptr;
 }

@@ -23,8 +23,8 @@ inline bool Aligned16(std::initializer_list<const void*> ptrs) {
 }
 
 // What both Hopper kernels ask of a call, beside a tile for its head dim and
-// their grid limits: fp16/bf16; none of the score options (softcap, ALiBi,
-// segment ids, dropout: the sm80 kernels run those); a consistent GQA group;
+// their grid limits: fp16/bf16; only the score options src/sm90_options.h
+// lists as served (the sm80 kernels run the others); a consistent GQA group;
 // q, k, v, o strides the tensor maps can encode (multiples of 8 elements =
 // 16 bytes, below 2^39) and 16-byte aligned bases; 32-bit row/key indices.
 inline bool Sm90CommonSupports(const FlashParams& p) {
