@@ -47,12 +47,13 @@ inline constexpr BwdTileSizes kBwdTileTableLargeSmem[] = {
 
 // Rows for GPUs with 99 KB (101,376 B) of opt-in shared memory per block (cc
 // 8.6 / 8.9), where the rows above need 111,616 B (d64) and 125,440 B (d128).
-// Each keeps its default row's per-warp shapes (16 keys x head_dim of dK, dV
-// per warp; 16 x block_m / warps_d of S^T, dP^T), so registers stay as they
-// are: d64 halves block_m (76,288 B), d128 halves the warps along the keys
-// (block_n 64: 80,384 B). d32 fits as it is (78,848 B). d256 has none: with
-// Q and dO double-buffered, even block_n = 32 needs 107,008 B, so the d256
-// backward (D > 128) is refused there with that reason.
+// Each keeps its default row's dK, dV per warp (16 keys x head_dim): d64
+// halves block_m (76,288 B; 206-215 registers, no spill on sm_80), d128
+// halves the warps along the keys (block_n 64: 80,384 B; 255 registers, no
+// spill; with dropout 64 bytes, its dQ share per warp being twice the
+// default row's). d32 fits as it is (78,848 B). d256 has none: with Q and dO
+// double-buffered even block_n = 32 needs 107,008 B, so the backward at
+// D > 128 is refused there, with that reason.
 inline constexpr BwdTileSizes kBwdTileTableSmallSmem[] = {
     {64, 32, 8, 1},
     {128, 32, 4, 1},
