@@ -7,7 +7,8 @@
 # $OUT/packed_logs.tgz.
 #   bash tests/cuda/run_sm90_packed.sh
 # STEPS picks the steps (default "selftest sanitize pytest bench");
-# BENCH_ARGS are passed to packed_bench.py.
+# BENCH_ARGS are passed to packed_bench.py, PYTEST_FILES (default
+# test_packed_gpu.py test_gpu_paths.py) to pytest.
 #
 # The forward self-test is built with the package's schedules only (the
 # build with every schedule takes minutes more): runs under one schedule
@@ -68,9 +69,8 @@ echo "== package installed (rc $p_rc) at ${SECONDS}s"; tail -n 3 "$LOGS/pkg/inst
 
 if [[ $STEPS == *pytest* ]] && [ $p_rc = 0 ]; then
   echo "== pytest tests/test_packed_gpu.py"
-  (cd tests && timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider --tb=short \
-     test_packed_gpu.py test_gpu_paths.py -k "packed or nan_propagates or path") \
-    > "$LOGS/pytest.txt" 2>&1 &
+  (cd tests && timeout "${PYTEST_TIMEOUT:-200}" python3 -m pytest -q -rfE -p no:cacheprovider \
+     --tb=short ${PYTEST_FILES:-test_packed_gpu.py test_gpu_paths.py}) > "$LOGS/pytest.txt" 2>&1 &
   py_run=$!
 fi
 for pid_name in bwd_run fwd_run py_run; do
@@ -89,7 +89,10 @@ for sch in pingpong overlap; do
   grep -A3 "^FAIL seg" "$f" | head -20
   tail -n 2 "$f"
 done
-if [ -f "$LOGS/pytest.txt" ]; then echo "-- pytest:"; tail -n 15 "$LOGS/pytest.txt"; fi
+if [ -f "$LOGS/pytest.txt" ]; then
+  echo "-- pytest:"; grep -E "^(FAILED|ERROR)|passed|failed|Error" "$LOGS/pytest.txt" | head -30
+  tail -n 3 "$LOGS/pytest.txt"
+fi
 
 if [[ $STEPS == *sanitize* ]]; then
   for t in memcheck racecheck; do

@@ -130,6 +130,11 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
   // O goes out through shared memory and TMA (see the top) unless there is
   // no room: the persistent grid's Q buffer holds the next tile's Q by then.
   constexpr bool kTmaStoreO = Tr::kStagesO || !kPersistent;
+  // Segment ids run on the rows that serve masked calls only (the launch
+  // checks): elsewhere their code is compiled out (the 176-key D 128 tile
+  // spilled 44 bytes with it).
+  constexpr bool kServesSegments = Tr::kTile.masked;
+  const bool segments = kServesSegments && args.seg.q_span != nullptr;
 
   unsigned char* smem = AlignedDynamicSmem();
   Elem* s_q = reinterpret_cast<Elem*>(smem + Smem::kQ);
@@ -168,7 +173,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
     t.n_first = static_cast<int>(key_begin / kBlockN);
     t.n_end =
         key_end > key_begin ? static_cast<int>((key_end + kBlockN - 1) / kBlockN) : t.n_first;
-    if (args.seg.q_span != nullptr) {
+    if (segments) {
       // Segment ids: only the key blocks whose ids may match an id of the
       // tile's rows.
       NarrowToTileSpan(args.seg.q_tiles[t.b * args.seg.num_q_tiles + t.row_begin / kBlockM],
@@ -391,7 +396,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
         const int h = (i / 2) % 2;
         if (key < key_lo[h] || key >= key_hi[h]) s[i] = -INFINITY;
       }
-      if (args.seg.q_span != nullptr) {
+      if (segments) {
         const int chunk = seg_chunk();
         const int32_t* row_ids = args.seg.q_ids + chunk * 64 + warp * 16 + g;
         const int row_id[2] = {row_ids[0], row_ids[8]};
@@ -532,7 +537,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
     const auto seg_chunk = [&] {
       return tl.b * args.seg.num_q_chunks + min(wg_row0 / 64, args.seg.num_q_chunks - 1);
     };
-    if (args.seg.q_span != nullptr) {
+    if (segments) {
       int seg_begin = 0, seg_end = 0;  // keys of the blocks that skip the id test
       if (wg_row0 / 64 < args.seg.num_q_chunks) {
         const int4 span = args.seg.q_span[seg_chunk()];

@@ -237,6 +237,7 @@ cudaError_t sm90::RunForwardSm90Schedule(const FlashParams& p, void* scratch,
   if (tile_index < 0) return cudaErrorInvalidValue;
   const FwdSm90Tile tile = sm90::kFwdSm90TileTable[tile_index];
   if (tile.head_dim != sm90::Sm90HeadDimBucket(p.head_dim)) return cudaErrorInvalidValue;
+  if (sm90::HasSegmentIds(p) && !tile.masked) return cudaErrorInvalidValue;  // no segment code
   if (static_cast<size_t>(sm90::FwdSm90SmemBytes(tile)) > dev.max_smem_per_block_optin) {
     return cudaErrorInvalidValue;
   }
