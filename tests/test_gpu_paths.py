@@ -269,3 +269,38 @@ def test_small_shared_memory_tiles():
   assert out.stdout.count("ok ") == 4, out.stdout
   last = out.stdout.strip().splitlines()[-1]
   assert "d256 backward:" in last and "145920 bytes of shared memory" in last, out.stdout
+
+
+# (B, T, S, H, K, D, options, the sm80 path, the NaN's (b, t, h))
+NAN_CASES = [
+    (1, 1, 4097, 8, 2, 128, {}, "decode", (0, 0, 3)),
+    (2, 300, 300, 4, 4, 128, {}, "split prefill", (1, 17, 2)),
+    (8, 1000, 1000, 16, 16, 128, {"softcap": 5.0}, "prefill", (5, 999, 7)),
+    (2, 300, 257, 4, 4, 64, {"causal": True, "softcap": 5.0}, "prefill, empty rows", (0, 299, 1)),
+]
+
+
+@pytest.mark.parametrize("case", NAN_CASES, ids=lambda c: c[7])
+def test_sm80_nan_row_propagates(rng, case):
+  """A NaN in one query row gives that row NaN output and LSE (and NaN
+  gradients), not the 0 / -inf of a row that sees no key; the other rows stay
+  finite, and rows that see no key (causal, T > S) stay 0 / -inf."""
+  batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, options, _, (b, t, h) = case
+  q, k, v = random_inputs(rng, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim,
+                          jnp.bfloat16)
+  plan = _device_plan(q, k, v, **options)
+  assert plan["forward"].kernel.startswith("sm80"), plan  # the backward: either kernel
+  q = q.at[b, t, h, 5].set(jnp.nan)
+  fn = lambda q, k, v: jax_flash2.flash_attention(q, k, v, return_lse=True, **options)
+  (out, lse), vjp = jax.vjp(fn, q, k, v)
+  out, lse = np.asarray(out, np.float32), np.asarray(lse)
+  assert np.isnan(out[b, t, h]).all() and np.isnan(lse[b, h, t]), (out[b, t, h], lse[b, h, t])
+  bad = np.zeros(out.shape[:3], bool)
+  bad[b, t, h] = True
+  empty = np.isneginf(lse).transpose(0, 2, 1)  # [B, T, H]
+  if options.get("causal") and seqlen_q > seqlen_k:
+    assert empty[:, :seqlen_q - seqlen_k].all() and (out[:, :seqlen_q - seqlen_k] == 0).all()
+  assert np.isfinite(out[~bad]).all() and np.isfinite(lse.transpose(0, 2, 1)[~bad & ~empty]).all()
+  dq, dk, dv = vjp((jnp.ones(q.shape, q.dtype), jnp.zeros(lse.shape, jnp.float32)))
+  assert np.isnan(np.asarray(dq, np.float32)[b, t, h]).any()
+  assert np.isnan(np.asarray(dv, np.float32)[b, :, h // (heads_q // heads_kv)]).any()

@@ -659,11 +659,13 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, 1)
       const int t = row / pack;
       const int head = z * pack + row % pack;
       // l == 0 exactly when the row saw no key (the max key contributes
-      // exp2(0) = 1 otherwise): output 0 and LSE -inf rather than 0 / 0.
-      // Dropout's 1 / (1 - rate) goes here too; the LSE is of the undropped
-      // softmax.
-      const float inv_l = l > 0.f ? (kDropout ? p.dropout_scale : 1.f) / l : 0.f;
-      const float lse = l > 0.f ? row_max[mt][h] * p.softmax_scale + logf(l) : -INFINITY;
+      // exp2(0) = 1 otherwise): output 0 and LSE -inf rather than 0 / 0. A
+      // NaN score makes l NaN (fmaxf skips it in the max, exp2 does not), and
+      // l != 0 lets it through to O and the LSE (l > 0 would turn a row of
+      // NaN scores into one that saw no key). Dropout's 1 / (1 - rate) goes
+      // here too; the LSE is of the undropped softmax.
+      const float inv_l = l != 0.f ? (kDropout ? p.dropout_scale : 1.f) / l : 0.f;
+      const float lse = l != 0.f ? row_max[mt][h] * p.softmax_scale + logf(l) : -INFINITY;
       const int64_t lse_index = (b * num_heads + head) * seqlen_q + t;
       if (!write_partial) {
         Elem* o_row = static_cast<Elem*>(p.o) + b * p.o_batch_stride + t * p.o_row_stride +
