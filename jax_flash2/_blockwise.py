@@ -86,9 +86,10 @@ def _tangent_block(q, tq, lse, q_segment_ids, rows, k, v, tk, tv, extras, config
   extras = extras._replace(q_segment_ids=q_segment_ids)
   scores, cap_slope = _scores.masked_scores(q, k, extras, config, seqlen_q=seqlen_q, rows=rows)
   # P = exp(s - lse) from the forward's LSE. Rows that see no key (LSE -inf,
-  # and the padded tail) have P = 0: their tangents are 0, not NaN.
+  # and the padded tail) have P = 0: their tangents are 0, not NaN. A NaN LSE
+  # (a NaN score) gives NaN tangents.
   lse = lse.reshape(batch, num_kv_heads, group, num_rows)[..., None]
-  seen = jnp.isfinite(lse)
+  seen = lse != -jnp.inf
   probs = jnp.where(seen, jnp.exp(scores - jnp.where(seen, lse, 0.0)), 0.0)
 
   def scores_of(a, b):  # [B, R, K, G, D] x [B, S, K, D] -> [B, K, G, R, S]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -112,22 +113,42 @@ def _check_arrays(q, k, v, dtypes) -> None:
                        "must be equal")
   if q.shape[1] < 1 or k.shape[1] < 1:
     raise shape_error("sequence lengths (T, S)", (q.shape[1], k.shape[1]), "must be >= 1")
-  if k.shape[2] < 1 or q.shape[2] % k.shape[2] != 0:
+  if q.shape[2] < 1 or k.shape[2] < 1 or q.shape[2] % k.shape[2] != 0:
     raise shape_error("heads (H, K)", (q.shape[2], k.shape[2]),
-                       "must satisfy H % K == 0 (MHA, GQA or MQA)")
+                      "must be >= 1 and satisfy H % K == 0 (MHA, GQA or MQA)")
   head_dim = q.shape[3]
   if head_dim % 8 != 0 or not 8 <= head_dim <= MAX_HEAD_DIM:
     raise shape_error("head_dim D", head_dim, f"must be a multiple of 8 in [8, {MAX_HEAD_DIM}]")
 
 
+def check_bool(name: str, value) -> None:
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"flash_attention: {name} must be a bool; got {value!r}")
+
+
 def _static_number(name: str, value) -> float:
-  """A static Python number as float: traced values cannot become FFI attributes."""
+  """A static real number (int, float, numpy scalar or concrete 0-d array) as
+  float: traced values cannot become FFI attributes, and strings or bools are
+  a mistake, not a number."""
   if isinstance(value, jax.core.Tracer):
     raise TypeError(f"flash_attention: {name} must be a static Python number, not a traced value")
-  try:
-    return float(value)
-  except (TypeError, ValueError):
-    raise TypeError(f"flash_attention: {name} must be a number; got {value!r}") from None
+  is_real = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+  if not is_real and getattr(value, "shape", None) == () and hasattr(value, "dtype"):
+    is_real = jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(value.dtype, jnp.floating)
+  if not is_real:
+    raise TypeError(f"flash_attention: {name} must be a number; got {value!r}")
+  return float(value)
+
+
+def _float32_positive(name: str, value: float, original) -> None:
+  """The kernels read the value as a float32 attribute: it must stay finite
+  and > 0 there (1e-50 rounds to 0, 1e39 to inf)."""
+  with np.errstate(over="ignore", under="ignore"):
+    value32 = np.float32(value)
+  if not np.isfinite(value32) or value32 <= 0:
+    raise ValueError(f"flash_attention: {name} must be finite and > 0 as a float32 (from "
+                     f"{np.finfo(np.float32).tiny:.3g} to {np.finfo(np.float32).max:.3g}); got "
+                     f"{original!r}, which is {value32} in float32")
 
 
 def _check_scale(softmax_scale, head_dim: int) -> float:
@@ -136,22 +157,38 @@ def _check_scale(softmax_scale, head_dim: int) -> float:
   scale = _static_number("softmax_scale", softmax_scale)
   if not math.isfinite(scale) or scale <= 0:
     raise ValueError(f"flash_attention: softmax_scale must be finite and > 0; got {softmax_scale!r}")
+  _float32_positive("softmax_scale", scale, softmax_scale)
   return scale
 
 
-def _check_window(window_size, causal: bool) -> tuple[int, int]:
+_INT64_MAX = 2**63 - 1
+
+
+def _check_window(window_size, causal: bool, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+  """(left, right) as the kernels take them. A bound that reaches past the
+  sequence (>= max(T, S): every query already sees every key on that side) is
+  unbounded, -1, so that no range arithmetic meets a huge value; one that does
+  not fit the kernels' int64 attribute is an error."""
   try:
     left, right = window_size
   except (TypeError, ValueError):
     raise ValueError(
         f"flash_attention: window_size must be a pair (left, right); got {window_size!r}"
     ) from None
+  bounds = []
   for name, value in (("left", left), ("right", right)):
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < -1:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < -1:
       raise ValueError(
           f"flash_attention: window_size {name} must be an int >= -1 (-1 = unbounded); got {value!r}"
       )
-  left, right = int(left), int(right)
+    if int(value) > _INT64_MAX:
+      raise ValueError(f"flash_attention: window_size {name} must fit in int64 (use -1 for "
+                       f"unbounded); got {value!r}")
+    # A symbolic length (jax.export) cannot be compared: keep the bound.
+    concrete = isinstance(seqlen_q, int) and isinstance(seqlen_k, int)
+    bounded = not concrete or int(value) < max(seqlen_q, seqlen_k)
+    bounds.append(int(value) if bounded else -1)
+  left, right = bounds
   if causal:
     right = 0 if right < 0 else min(right, 0)
   return left, right
@@ -161,6 +198,8 @@ def _check_softcap(softcap) -> float:
   value = _static_number("softcap", softcap)
   if not math.isfinite(value) or value < 0:
     raise ValueError(f"flash_attention: softcap must be finite and >= 0 (0 = off); got {softcap!r}")
+  if value > 0:  # a cap that rounds to 0 in float32 would silently switch it off
+    _float32_positive("softcap", value, softcap)
   return value
 
 
@@ -176,10 +215,13 @@ def _check_dropout(dropout_rate, dropout_rng) -> float:
       raise TypeError("flash_attention: dropout_rng must be a jax PRNG key (jax.random.key) or a "
                       f"raw uint32 key (jax.random.PRNGKey); got {type(dropout_rng).__name__}")
     typed = jnp.issubdtype(dropout_rng.dtype, jax.dtypes.prng_key)
+    # A raw key must have the default PRNG implementation's key shape ((2,) for
+    # threefry), or jax.random fails later without naming the argument.
+    raw_shape = jax.random.key_data(jax.random.key(0)).shape
     if not (typed and dropout_rng.shape == ()) and not (
-        dropout_rng.dtype == jnp.uint32 and dropout_rng.ndim == 1):
+        dropout_rng.dtype == jnp.uint32 and tuple(dropout_rng.shape) == raw_shape):
       raise ValueError("flash_attention: dropout_rng must be one jax PRNG key (jax.random.key) "
-                       "or one raw uint32 key (jax.random.PRNGKey); got "
+                       f"or one raw uint32{list(raw_shape)} key (jax.random.PRNGKey); got "
                        f"{dropout_rng.dtype}{list(dropout_rng.shape)}")
   elif rate > 0:
     raise ValueError(f"flash_attention: dropout_rate={dropout_rate} needs dropout_rng, a jax PRNG "
@@ -198,6 +240,13 @@ def _check_alibi_slopes(alibi_slopes, batch: int, num_heads: int) -> None:
   if tuple(alibi_slopes.shape) not in ((num_heads,), (batch, num_heads)):
     raise shape_error("alibi_slopes.shape", tuple(alibi_slopes.shape),
                        f"must be [H] = ({num_heads},) or [B, H] = ({batch}, {num_heads})")
+  # Concrete slopes are checked (a NaN or inf slope would silently zero the
+  # head); traced ones are trusted.
+  if not isinstance(alibi_slopes, jax.core.Tracer):
+    values = np.asarray(alibi_slopes)
+    if not np.all(np.isfinite(values)):
+      raise ValueError("flash_attention: alibi_slopes must be finite; got "
+                       f"{values.tolist() if values.size <= 16 else 'non-finite values'}")
 
 
 def _check_segment_ids(segment_ids, batch: int, seqlen_q: int, seqlen_k: int) -> None:
@@ -217,6 +266,16 @@ def _check_segment_ids(segment_ids, batch: int, seqlen_q: int, seqlen_k: int) ->
     if tuple(ids.shape) != (batch, length):
       raise shape_error(f"segment_ids {name}.shape", tuple(ids.shape),
                          f"must be [B, {letter}] = ({batch}, {length})")
+    # The ids are cast to int32. Concrete ids must fit (2**32 would become 0
+    # and match id 0); traced ids of a wider type wrap unchecked.
+    info = np.iinfo(np.int32)
+    if (not isinstance(ids, jax.core.Tracer) and np.dtype(ids.dtype).itemsize >= 4
+        and np.dtype(ids.dtype) != np.int32 and ids.size):
+      values = np.asarray(ids)
+      if values.min() < info.min or values.max() > info.max:
+        raise ValueError(f"flash_attention: segment_ids {name} must fit in int32 "
+                         f"([{info.min}, {info.max}]); got values in "
+                         f"[{values.min()}, {values.max()}]")
 
 
 def extra_operands(q, k, alibi_slopes=None, segment_ids=None, dropout_rng=None,
@@ -256,17 +315,15 @@ def make_config(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -
   _check_arrays(q, k, v, dtypes)
   _check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2])
   _check_segment_ids(segment_ids, q.shape[0], q.shape[1], k.shape[1])
-  if not isinstance(causal, (bool, np.bool_)):
-    raise TypeError(f"flash_attention: causal must be a bool; got {causal!r}")
-  if not isinstance(deterministic, (bool, np.bool_)):
-    raise TypeError(f"flash_attention: deterministic must be a bool; got {deterministic!r}")
+  check_bool("causal", causal)
+  check_bool("deterministic", deterministic)
   if implementation is None:
     implementation = "kernel"
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(
         f"flash_attention: implementation must be one of {IMPLEMENTATIONS} or None; got {implementation!r}"
     )
-  left, right = _check_window(window_size, bool(causal))
+  left, right = _check_window(window_size, bool(causal), q.shape[1], k.shape[1])
   return AttentionConfig(
       softmax_scale=_check_scale(softmax_scale, q.shape[3]),
       window_left=left,

@@ -139,18 +139,20 @@ def normalize(scores):
   """(probs, lse [..., R]) of masked scores [..., R, S] (-inf where not visible).
 
   The softmax and the LSE do not depend on the shift, so the row max needs no
-  gradient. Rows that see no key: shift 0, probs 0, LSE -inf.
+  gradient. Rows that see no key: shift 0, probs 0, LSE -inf. A NaN score is
+  visible (it is not -inf): its row gets NaN probs and a NaN LSE, as in the
+  kernels, so that a diverging run shows NaN instead of a silent 0.
   """
-  visible_ = scores > -jnp.inf
+  visible_ = scores != -jnp.inf
   row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
-  safe_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  safe_max = jnp.where(row_max == -jnp.inf, 0.0, row_max)
   # exp only of visible scores, selected on both sides: no -inf enters exp or
   # its derivative. (With exp(scores - max) over the -inf entries, XLA's GPU
   # backend gave NaN dq in float32 at D = 256 causal T = 257; this form
   # passes that test there.)
   weights = jnp.where(visible_, jnp.exp(jnp.where(visible_, scores - safe_max, 0.0)), 0.0)
   row_sum = jnp.sum(weights, axis=-1, keepdims=True)
-  seen = row_sum > 0
+  seen = row_sum != 0  # NaN sums (NaN rows) count as seen
   probs = weights / jnp.where(seen, row_sum, 1.0)
   # -inf for empty rows, set by a select rather than log(0) so that their LSE
   # tangent is 0, not 0 / 0.

@@ -61,6 +61,13 @@ def _slot_of_token(cu_seqlens, max_seqlen: int, total: int):
 def varlen_attention(attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      return_lse, **options):
   """out [total_q, H, D] (and lse [H, total_q]) through `attention` on a padded batch."""
+  if q.shape[0] == 0 or k.shape[0] == 0:
+    # No query, or no key for any query: nothing to gather from (jnp.take
+    # of an empty axis fails). Every query sees no key: out 0, LSE -inf (and
+    # zero gradients).
+    out = jnp.zeros(q.shape, q.dtype)
+    lse = jnp.full((q.shape[1], q.shape[0]), -jnp.inf, jnp.float32)
+    return (out, lse) if return_lse else out
   cu_q = cu_seqlens_q.astype(jnp.int32)
   cu_k = cu_seqlens_k.astype(jnp.int32)
   q_index, q_real = _padded_index(cu_q, max_seqlen_q)

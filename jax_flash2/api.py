@@ -16,11 +16,12 @@ import jax
 import numpy as np
 
 from jax_flash2 import _autodiff, _ext, _varlen, reference
-from jax_flash2._config import (AttentionConfig, ExtraOperands, SUPPORTED_DTYPES, extra_operands,
-                                make_config, shape_error)
+from jax_flash2._config import (AttentionConfig, ExtraOperands, SUPPORTED_DTYPES, check_bool,
+                                extra_operands, make_config, shape_error)
 
 __all__ = ["AttentionConfig", "ExtraOperands", "SUPPORTED_DTYPES", "extra_operands",
            "flash_attention", "flash_attention_varlen", "kernel_info", "make_config"]
+
 
 def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                     return_lse: bool = False, window_size: tuple[int, int] = (-1, -1),
@@ -37,13 +38,15 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     causal: query i sees keys j <= i + S - T (aligned bottom-right, as in
       FlashAttention-2, so with T < S the last query sees every key). A query
       that sees no key (T > S) returns 0 and LSE -inf.
-    softmax_scale: defaults to 1 / sqrt(D).
+    softmax_scale: defaults to 1 / sqrt(D). A static real number, finite and
+      > 0 also as a float32 (the kernels' attribute type).
     return_lse: also return the logsumexp of the scaled, masked scores.
     window_size: (left, right) local attention around the bottom-right-aligned
       diagonal: query i sees keys i + S - T - left <= j <= i + S - T + right;
-      -1 = unbounded. Combined with causal, right is at most 0.
+      -1 = unbounded. Combined with causal, right is at most 0. Ints >= -1; a
+      bound >= max(T, S) is unbounded, one beyond int64 an error.
     softcap: if > 0, scaled scores s become softcap * tanh(s / softcap)
-      (Gemma-2); 0 = off.
+      (Gemma-2); 0 = off. When > 0 it must stay finite and > 0 as a float32.
     alibi_slopes: None, or float32 [H] or [B, H]: adds
       -slope[b, h] * |i + S - T - j| to the score of query i and key j, after
       the softmax scale and after softcap (FlashAttention-2's order: its
@@ -52,9 +55,11 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
       instead, which gives the same output but an LSE shifted by
       slope * (i + S - T) per row; here the LSE always includes the distance
       form. The slopes are treated as constants: their cotangent is zero.
+      Concrete slopes must be finite (checked); traced ones are trusted.
     segment_ids: None, or a pair (q_segment_ids [B, T], kv_segment_ids
-      [B, S]) of integer arrays: packed sequences (other integer dtypes
-      are cast to int32, so ids must fit in int32). Query i sees key j
+      [B, S]) of integer arrays: packed sequences. Other integer dtypes are
+      cast to int32: concrete ids must fit in int32 (checked); traced ids of a
+      wider dtype wrap modulo 2**32 unchecked (2**32 then matches 0). Query i sees key j
       only if their ids are equal, in addition to causal and window_size
       (which stay positional: with packed self-attention, T == S, causal is
       causal within each segment). A query with no same-id key returns 0 and
@@ -72,9 +77,11 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
       undropped softmax. The mask is never stored: it is a pure function of
       a per-(batch, head) seed drawn from dropout_rng and the position (query
       i, key j), regenerated in the backward (see src/flash_dropout.h).
-      CPU kernels and reference (CUDA: not yet).
-    dropout_rng: a jax PRNG key (jax.random.key, or a raw uint32 key);
-      required when dropout_rate > 0. The same key gives the same mask on
+      Served by every backend (CPU and CUDA kernels, reference); forward-mode
+      AD with dropout raises NotImplementedError.
+    dropout_rng: a jax PRNG key (jax.random.key, or a raw uint32 key of the
+      default implementation's shape, (2,) for threefry); required when
+      dropout_rate > 0. The same key gives the same mask on
       every backend; it gets no gradient.
     implementation: None or "kernel" (the compiled kernels of the platform),
       or "reference" (plain JAX, materializes the T x S scores).
@@ -82,7 +89,21 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
   Returns:
     out [B, T, H, D] in q's dtype; with return_lse, (out, lse) with lse
     [B, H, T] float32. Both are differentiable in q, k, v.
+
+  NaN: a NaN among the scores a query row sees (a NaN in its q row, or in a
+  visible key) gives that row NaN out and LSE, and NaN gradients; a NaN in a
+  visible value row gives NaN out with a finite LSE. A row that sees no key
+  still returns 0 and LSE -inf. Every backend agrees on this.
+
+  Errors: bad arguments raise at trace time, naming the argument: TypeError
+  for a wrong type (arrays, dtypes, non-bool flags, non-number scalars,
+  traced scalars), ValueError for a wrong value (shapes, H or K = 0,
+  H % K != 0, non-finite or float32-unrepresentable scalars, window bounds
+  < -1 or beyond int64, non-finite concrete ALiBi slopes, concrete segment
+  ids outside int32, a dropout key of the wrong shape, dropout without a
+  key); NotImplementedError for a valid request a backend cannot serve.
   """
+  check_bool("return_lse", return_lse)
   config = make_config(q, k, v, causal=causal, softmax_scale=softmax_scale,
                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                        segment_ids=segment_ids, deterministic=deterministic,
@@ -127,6 +148,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
   Built on segment ids over a padded [n, max_seqlen] batch (see _varlen.py),
   so it runs where segment ids do (CPU kernels, reference).
   """
+  check_bool("return_lse", return_lse)
   for name, x, expected in (("q", q, "[total_q, H, D]"), ("k", k, "[total_k, K, D]"),
                             ("v", v, "[total_k, K, D]")):
     if not hasattr(x, "ndim") or x.ndim != 3:

@@ -43,6 +43,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
               implementation: str | None = None):
   """Same arguments and results as jax_flash2.flash_attention (see there); also
   takes float64 inputs (with x64 enabled), which makes it the tests' oracle."""
+  _config.check_bool("return_lse", return_lse)
   config = _config.make_config(q, k, v, causal=causal, softmax_scale=softmax_scale,
                            window_size=window_size, softcap=softcap,
                            alibi_slopes=alibi_slopes, segment_ids=segment_ids,

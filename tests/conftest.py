@@ -20,6 +20,10 @@ ON_GPU = jax.default_backend() == "gpu"
 MODEL_DTYPE = jnp.dtype(
     os.environ.get("JAX_FLASH2_TEST_MODEL_DTYPE") or ("bfloat16" if ON_GPU else "float32"))
 
+# The dtype the compiled kernels (FFI custom calls) take on the default device,
+# for tests that look for those calls.
+KERNEL_DTYPE = jnp.dtype("bfloat16" if ON_GPU else "float32")
+
 # backend name -> dtypes it serves on the default device.
 BACKENDS = {
     "kernel": (jnp.float16, jnp.bfloat16) + (() if ON_GPU else (jnp.float32,)),

@@ -13,6 +13,8 @@ the flash layer's error is at most 2x the plain bfloat16 layer's plus a slack.
 
 from __future__ import annotations
 
+import functools
+import re
 import subprocess
 import sys
 
@@ -497,3 +499,43 @@ def test_modules_dropout():
   no_dropout = jfl.MultiHeadAttention(num_heads=4, num_kv_heads=2, causal=True, dtype=DTYPE)
   np.testing.assert_array_equal(np.asarray(still), np.asarray(no_dropout.apply(params, x)))
   assert not np.allclose(np.asarray(run(jax.random.key(2))), np.asarray(still), atol=1e-3)
+
+
+@pytest.mark.parametrize("seqlens", [(5, 9), (9, 5), (7, 7), (1, 6), (6, 1)])
+def test_drop_in_is_causal_is_top_left(seqlens):
+  """Flax's is_causal is jnp.tril(ones(T, S)), query i sees keys j <= i, also
+  when T != S: the drop-in gives Flax's outputs and gradients there."""
+  seqlen_q, seqlen_k = seqlens
+  rng = np.random.default_rng(seqlen_q * 100 + seqlen_k)
+  q = jnp.asarray(rng.standard_normal((2, seqlen_q, HEADS, 8)), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal((2, seqlen_k, HEADS, 8)), jnp.float32) for _ in "kv")
+
+  def run(fn, dtype):
+    f = lambda q, k, v: fn(q.astype(dtype), k.astype(dtype), v.astype(dtype),  # noqa: E731
+                           is_causal=True).astype(jnp.float32)
+    out, vjp = jax.vjp(f, q, k, v)
+    return out, vjp(jnp.cos(out))
+
+  agree(run(jf.dot_product_attention, DTYPE), run(nnx.dot_product_attention, DTYPE),
+        lambda: run(nnx.dot_product_attention, jnp.float32), atol=1e-5, rtol=1e-5)
+
+
+def test_deterministic_backward_reaches_the_kernel():
+  """Flax's `deterministic` means no dropout; the kernels' bit-identical
+  backward is asked for by deterministic_backward, in the modules and the
+  drop-in, and reaches the backward's config."""
+  x = inputs((2, 16, FEATURES))
+
+  def configs(f, *args):
+    return set(re.findall(r"deterministic=(True|False)", str(jax.make_jaxpr(f)(*args))))
+
+  for flag in (False, True):
+    layer = jf.MultiHeadAttention(HEADS, FEATURES, deterministic_backward=flag, rngs=nnx.Rngs(0))
+    grad = lambda x: jax.grad(lambda x: jnp.sum(layer(x, deterministic=True)))(x)  # noqa: E731
+    assert configs(grad, x) == {str(flag)}
+    linen = jfl.MultiHeadAttention(HEADS, deterministic_backward=flag)
+    params = linen.init(jax.random.key(0), x)
+    assert configs(jax.grad(lambda p: jnp.sum(linen.apply(p, x))), params) == {str(flag)}
+    y = inputs((2, 16, HEADS, 8))
+    drop_in = functools.partial(jf.dot_product_attention, deterministic_backward=flag)
+    assert configs(jax.grad(lambda y: jnp.sum(drop_in(y, y, y))), y) == {str(flag)}

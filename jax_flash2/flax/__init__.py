@@ -50,8 +50,10 @@ class MultiHeadAttention(nnx.Module):
     dropout_rate: dropout on the attention weights, as in flash_attention
       (0 = off), active unless `deterministic`; the masks come from the
       `dropout` stream of the rngs passed to the call.
-    deterministic: default for the call's `deterministic` (needed when
-      dropout_rate > 0: one of the two must be given).
+    deterministic: default for the call's `deterministic`, Flax's meaning:
+      no dropout (needed when dropout_rate > 0: one of the two must be given).
+    deterministic_backward: a bit-identical backward (flash_attention's
+      `deterministic`; named apart from Flax's `deterministic`).
     dtype: computation dtype (default: inferred from inputs and params).
     param_dtype: parameter dtype.
     kernel_init, bias_init, use_bias: as in flax.nnx.LinearGeneral.
@@ -73,6 +75,7 @@ class MultiHeadAttention(nnx.Module):
       softcap: float = 0.0,
       dropout_rate: float = 0.0,
       deterministic: bool | None = None,
+      deterministic_backward: bool = False,
       dtype=None,
       param_dtype=jnp.float32,
       kernel_init=nnx.initializers.lecun_normal(),
@@ -94,6 +97,7 @@ class MultiHeadAttention(nnx.Module):
     self.softcap = softcap
     self.dropout_rate = dropout_rate
     self.deterministic = deterministic
+    self.deterministic_backward = deterministic_backward
     self.dtype = dtype
 
     def linear(in_features, out_features, **kw):
@@ -131,7 +135,8 @@ class MultiHeadAttention(nnx.Module):
     x = attend(
         self.query(inputs_q), self.key(inputs_kv), self.value(inputs_kv),
         causal=self.causal, softmax_scale=self.softmax_scale, window_size=self.window_size,
-        softcap=self.softcap, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+        softcap=self.softcap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+        deterministic_backward=self.deterministic_backward)
     return self.out(x)
 
 

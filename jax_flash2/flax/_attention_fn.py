@@ -15,12 +15,21 @@ from jax_flash2 import api
 
 def attend(query, key, value, *, causal: bool, softmax_scale=None, dtype=None,
            window_size=(-1, -1), softcap: float = 0.0, dropout_rate: float = 0.0,
-           dropout_rng=None):
+           dropout_rng=None, deterministic_backward: bool = False,
+           causal_top_left: bool = False):
   """flash_attention on Flax's layout: query [..., T, H, D], key, value [..., S, K, D].
 
   dtype, when given, is the computation dtype (as in Flax); otherwise the three
   are promoted to a common dtype. dropout_rate > 0 drops attention weights with
-  masks drawn from dropout_rng (see flash_attention).
+  masks drawn from dropout_rng (see flash_attention). deterministic_backward is
+  flash_attention's `deterministic` (a bit-identical backward).
+
+  causal is bottom-right aligned (query i sees keys j <= i + S - T), unless
+  causal_top_left: then query i sees keys j <= i, as Flax's and jax.nn's
+  is_causal (jnp.tril(ones(T, S))). On the bottom-right diagonal that is a
+  right window of T - S: for T > S the window (-1, T - S) without causal; for
+  T < S the keys past T are seen by no query, so they are dropped and the
+  rest is causal on T x T (their gradients are zero).
   """
   dtype = jnp.dtype(dtype) if dtype is not None else jnp.result_type(query, key, value)
   query, key, value = (x.astype(dtype) for x in (query, key, value))
@@ -33,10 +42,19 @@ def attend(query, key, value, *, causal: bool, softmax_scale=None, dtype=None,
   def merged(x):
     return x.reshape((math.prod(batch),) + x.shape[-3:])
 
+  seqlen_q, seqlen_k = query.shape[-3], key.shape[-3]
+  if causal and causal_top_left and seqlen_q != seqlen_k:
+    if tuple(window_size) != (-1, -1):
+      raise ValueError("dot_product_attention: top-left causal takes no window_size; got "
+                       f"{window_size}")
+    if seqlen_q > seqlen_k:
+      causal, window_size = False, (-1, seqlen_q - seqlen_k)
+    else:
+      key, value = key[..., :seqlen_q, :, :], value[..., :seqlen_q, :, :]
   out = api.flash_attention(
       merged(query), merged(key), merged(value), causal=causal, softmax_scale=softmax_scale,
       window_size=window_size, softcap=softcap, dropout_rate=dropout_rate,
-      dropout_rng=dropout_rng)
+      dropout_rng=dropout_rng, deterministic=deterministic_backward)
   return out.reshape(batch + out.shape[1:])
 
 
@@ -56,6 +74,8 @@ def dot_product_attention(
     promote_dtype=None,
     is_causal: bool = False,
     force_fp32_for_softmax: bool = False,
+    *,
+    deterministic_backward: bool = False,
 ):
   """A drop-in `attention_fn` for `flax.nnx.MultiHeadAttention` and
   `flax.linen.MultiHeadDotProductAttention`, running the flash kernels.
@@ -70,6 +90,13 @@ def dot_product_attention(
   and head whatever `broadcast_dropout` says (Flax's default True shares one
   mask across them): each weight is still kept with probability
   1 - dropout_rate, but the masks are not Flax's.
+  `is_causal` means what it means there: query i sees keys j <= i, aligned
+  top-left (Flax builds jnp.tril(ones(T, S))), also when T != S. (The
+  `causal` of flash_attention and of jax_flash2.flax.MultiHeadAttention is
+  aligned bottom-right, as FlashAttention-2's; the two agree when T == S.)
+  `deterministic` is Flax's: no dropout. `deterministic_backward` (a keyword
+  of this function only, e.g. through functools.partial) asks the kernels for
+  a bit-identical backward, flash_attention's `deterministic`.
   `precision` is accepted and ignored: the kernels multiply in the input dtype
   and accumulate in float32. `force_fp32_for_softmax` holds by construction.
   """
@@ -99,4 +126,5 @@ def dot_product_attention(
         "supported, the attention weights are never materialized; call with "
         "sow_weights=False or use flax's own dot_product_attention")
   return attend(query, key, value, causal=is_causal, dtype=dtype, dropout_rate=dropout_rate,
-                dropout_rng=dropout_rng)
+                dropout_rng=dropout_rng, deterministic_backward=deterministic_backward,
+                causal_top_left=True)

@@ -33,6 +33,7 @@ class MultiHeadAttention(nn.Module):
   softcap: float = 0.0
   dropout_rate: float = 0.0
   deterministic: bool | None = None
+  deterministic_backward: bool = False
   dtype: Any = None
   param_dtype: Any = jnp.float32
   kernel_init: Callable = nn.initializers.lecun_normal()
@@ -66,5 +67,6 @@ class MultiHeadAttention(nn.Module):
         dense((num_kv_heads, head_dim), "key")(inputs_kv),
         dense((num_kv_heads, head_dim), "value")(inputs_kv),
         causal=self.causal, softmax_scale=self.softmax_scale, window_size=self.window_size,
-        softcap=self.softcap, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+        softcap=self.softcap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+        deterministic_backward=self.deterministic_backward)
     return dense(out_features, "out", axis=(-2, -1))(x)

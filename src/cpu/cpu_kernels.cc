@@ -46,6 +46,13 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kLog2e = 1.4426950408889634f;
 
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// max(a, b) that returns NaN when either is NaN. std::max(-inf, NaN) is -inf,
+// which would make a row whose scores are NaN look like a row that sees no key
+// (out 0, LSE -inf): the NaN must reach out and LSE instead.
+inline float MaxOrNaN(float a, float b) { return (b > a || b != b) ? b : a; }
+
 inline Vec Load(const float* p) {
   Vec v;
   std::memcpy(&v, p, sizeof(v));
@@ -248,10 +255,19 @@ void ForwardBlock(const FlashParams& p, float* ws, int64_t b, int64_t h, int64_t
     for (int64_t r = 0; r < rows; ++r) {
       float* s_row = s + r * kBlockN;
       float block_max = kNegInf;
-      for (int64_t j = 0; j < kBlockN; ++j) block_max = std::max(block_max, s_row[j]);
-      const float new_max = std::max(row_max[r], block_max);
+      for (int64_t j = 0; j < kBlockN; ++j) block_max = MaxOrNaN(block_max, s_row[j]);
+      const float new_max = MaxOrNaN(row_max[r], block_max);
       if (new_max == kNegInf) {  // nothing visible yet: P = 0, avoid -inf - -inf
         std::fill(s_row, s_row + kBlockN, 0.0f);
+        continue;
+      }
+      if (new_max != new_max) {
+        // A NaN score: the row's O, sum and max become NaN (and stay NaN) so
+        // that out and LSE are NaN. Not through Exp2, whose range reduction
+        // converts NaN to an integer.
+        std::fill(s_row, s_row + kBlockN, kNaN);
+        row_sum[r] = kNaN;
+        row_max[r] = kNaN;
         continue;
       }
       const float alpha = std::exp2(row_max[r] - new_max);  // 0 on the first visible block
@@ -281,12 +297,12 @@ void ForwardBlock(const FlashParams& p, float* ws, int64_t b, int64_t h, int64_t
   }
 
   // O *= 1 / (l (1 - rate)) once; LSE = m ln 2 + ln l. A row that saw no key
-  // keeps O = 0, LSE = -inf.
+  // keeps O = 0, LSE = -inf; a row with a NaN score has l = NaN: out, LSE NaN.
   const int64_t o_offset = b * p.o_batch_stride + m0 * p.o_row_stride + h * p.o_head_stride;
   float* lse = p.lse + (b * p.num_heads_q + h) * p.seqlen_q + m0;
   for (int64_t r = 0; r < rows; ++r) {
     float* o_row = o + r * dp;
-    if (row_sum[r] > 0.0f) {
+    if (row_sum[r] > 0.0f || row_sum[r] != row_sum[r]) {
       const float inv = p.dropout_scale / row_sum[r];
       for (int64_t c = 0; c < d; ++c) o_row[c] *= inv;
       lse[r] = row_max[r] * kLn2 + std::log(row_sum[r]);
@@ -385,6 +401,12 @@ void BackwardBlocks(const FlashParams& p, float* ws, const float* dvec, float* d
               if (!mask.Allowed(m0 + r, n0 + j) ||
                   (segments.Active() && !segments.Allowed(m0 + r, n0 + j)))
                 p_row[j] = kNegInf;
+          }
+          if (lse2[r] != lse2[r]) {
+            // The forward saw a NaN score in this row: P is NaN where visible
+            // (0 where masked, as in the reference), so dQ, dK, dV carry it.
+            for (int64_t j = 0; j < kBlockN; ++j) p_row[j] = p_row[j] == kNegInf ? 0.0f : kNaN;
+            continue;
           }
           for (int64_t j = 0; j < kBlockN; j += kLanes)
             Store(p_row + j, Exp2(Load(p_row + j) * exp_multiplier - lse2[r]));
