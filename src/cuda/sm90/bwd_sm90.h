@@ -19,8 +19,9 @@ namespace jax_flash2::cuda {
 struct BwdScratchPtrs;  // bwd_kernel.cuh
 
 // True when the Hopper backward can serve p: bf16/fp16, D <= 256 (by the
-// tile of D's bucket, head_dim.h), no softcap, ALiBi, segment ids or
-// dropout, not deterministic, every stride a multiple of 8 elements and
+// tile of D's bucket, head_dim.h), only the score options
+// src/sm90_options.h lists (segment ids in pairs), not deterministic, every
+// stride a multiple of 8 elements and
 // every pointer 16-byte aligned (TMA), sizes within the grid limits.
 bool Sm90BackwardSupports(const FlashParams& p);
 

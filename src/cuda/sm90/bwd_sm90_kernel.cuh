@@ -61,6 +61,12 @@
 // zero-fills rows past T (Q, dO) and S (K, V); query rows past T have lse2 =
 // +inf and Dvec = 0 (preprocess), so their P and dS are 0; keys past S are
 // masked, and their dK, dV rows are never written.
+//
+// Segment ids (segments.cuh): a tile's query blocks are narrowed to those
+// whose ids may match its keys' (the pre-pass's per-tile span), and a
+// warpgroup's fully visible blocks to those holding only its keys' one id;
+// the others take the per-element id test after the window's. Rows that see
+// no key have LSE -inf, hence lse2 = +inf and P = 0: no gradient.
 #pragma once
 
 #include <cuda_runtime.h>

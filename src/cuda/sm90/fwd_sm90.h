@@ -18,8 +18,9 @@
 namespace jax_flash2::cuda {
 
 // True when the Hopper forward can serve p: bf16/fp16, D <= 256 (run by the
-// tile of D's bucket, 64, 128 or 256: head_dim.h), no
-// softcap, ALiBi or segment ids, every stride a multiple of 8 elements and
+// tile of D's bucket, 64, 128 or 256: head_dim.h), only the score options
+// src/sm90_options.h lists (segment ids in pairs), every stride a multiple
+// of 8 elements and
 // every pointer 16-byte aligned (TMA), sizes within the grid and tensor-map
 // limits. Split-KV and GQA packing for decode are not implemented here: such
 // calls still run (one block per 128 query rows), but the dispatcher sends

@@ -56,6 +56,13 @@
 // a warpgroup pay for the per-element predicate. Ragged tails: TMA zero-fills
 // rows past T (Q) and S (K, V); the mask removes the zero keys, and zero V
 // rows add nothing. Rows past T are computed but never written.
+//
+// Segment ids (segments.cuh): a pre-pass summarises the ids per block, a
+// tile's key blocks are narrowed to those whose ids may match its rows' (its
+// documents' blocks, for packed ids), and [full_begin, full_end) to the
+// blocks that hold only the one id of a warpgroup's rows; every other visited
+// block takes the per-element id test after the window's. Only the tile rows
+// that serve masked calls carry that code (segment calls count as masked).
 #pragma once
 
 #include <cuda_runtime.h>
