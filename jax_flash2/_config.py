@@ -8,7 +8,7 @@ q, k, v that every layer passes on as one value.
 Shape letters used throughout the package:
   B batch, T query length, S key/value length, H query heads,
   K key/value heads (H % K == 0: MHA K == H, GQA 1 < K < H, MQA K == 1),
-  D head dim (a multiple of 8, at most 256).
+  D head dim (1 to 256; the kernels take multiples of 8, see kernel_head_dim).
 """
 
 from __future__ import annotations
@@ -85,6 +85,14 @@ class ExtraOperands(NamedTuple):
     return tuple(args[:-count]), cls(*args[-count:])
 
 
+def kernel_head_dim(head_dim: int) -> int:
+  """The head dim the kernels run: D rounded up to a multiple of 8 (their
+  vector width and mma k-step). api pads q, k, v with zeros to it outside the
+  autodiff rule: zero columns add 0 to every score, the scale stays
+  1 / sqrt(D), and the output is sliced back."""
+  return -(-head_dim // 8) * 8
+
+
 def shape_error(name: str, value: Any, expected: str) -> ValueError:
   return ValueError(f"flash_attention: {name} {expected}; got {value}")
 
@@ -117,8 +125,8 @@ def _check_arrays(q, k, v, dtypes) -> None:
     raise shape_error("heads (H, K)", (q.shape[2], k.shape[2]),
                       "must be >= 1 and satisfy H % K == 0 (MHA, GQA or MQA)")
   head_dim = q.shape[3]
-  if head_dim % 8 != 0 or not 8 <= head_dim <= MAX_HEAD_DIM:
-    raise shape_error("head_dim D", head_dim, f"must be a multiple of 8 in [8, {MAX_HEAD_DIM}]")
+  if not 1 <= head_dim <= MAX_HEAD_DIM:
+    raise shape_error("head_dim D", head_dim, f"must be in [1, {MAX_HEAD_DIM}]")
 
 
 def check_bool(name: str, value) -> None:

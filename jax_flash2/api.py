@@ -7,17 +7,18 @@ to the custom_jvp in _autodiff (kernels) or to `reference` (plain JAX).
 Shape letters used throughout the package:
   B batch, T query length, S key/value length, H query heads,
   K key/value heads (H % K == 0: MHA K == H, GQA 1 < K < H, MQA K == 1),
-  D head dim (a multiple of 8, at most 256).
+  D head dim, 1 to 256.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_flash2 import _autodiff, _ext, _varlen, reference
 from jax_flash2._config import (AttentionConfig, ExtraOperands, SUPPORTED_DTYPES, check_bool,
-                                extra_operands, make_config, shape_error)
+                                extra_operands, kernel_head_dim, make_config, shape_error)
 
 __all__ = ["AttentionConfig", "ExtraOperands", "SUPPORTED_DTYPES", "extra_operands",
            "flash_attention", "flash_attention_varlen", "kernel_info", "make_config"]
@@ -32,7 +33,9 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
   """FlashAttention-2: softmax(q k^T * scale [masked]) v without the T x S matrix.
 
   Args:
-    q: [B, T, H, D] float16, bfloat16 or float32.
+    q: [B, T, H, D] float16, bfloat16 or float32; any D from 1 to 256 (the
+      kernels run D rounded up to a multiple of 8: q, k, v are zero-padded
+      to it and the output sliced back, the scale staying 1 / sqrt(D)).
     k, v: [B, S, K, D], same dtype; H % K == 0 (MHA, GQA, MQA: K/V heads are
       shared by H // K query heads, never copied).
     causal: query i sees keys j <= i + S - T (aligned bottom-right, as in
@@ -113,7 +116,14 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
   if config.implementation == "reference":
     out, lse = reference.forward_from_config(q, k, v, extras, config)
   else:
+    head_dim = q.shape[3]
+    padded = kernel_head_dim(head_dim)
+    if padded != head_dim:
+      # Outside the custom_jvp: jnp.pad and the slice carry the gradients.
+      widths = ((0, 0),) * 3 + ((0, padded - head_dim),)
+      q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
     out, lse = _autodiff.attention(q, k, v, extras, config)
+    out = out[..., :head_dim]
   return (out, lse) if return_lse else out
 
 
