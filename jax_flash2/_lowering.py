@@ -1,18 +1,29 @@
 """FFI lowering of the primitives per platform; scalars as typed FFI attributes.
 
-A platform without compiled kernels (CUDA in a CPU-only build), or a request
-the kernels cannot serve (float32 on the GPU), raises NotImplementedError when
-the computation is compiled, naming the alternative.
+float32 on CUDA: the CUDA kernels take 16-bit inputs, so a float32 call lowers
+to _blockwise.forward / backward instead, plain JAX over blocks of query rows
+(O(T) memory, no T x S tensor) whose matmuls follow jax.default_matmul_precision
+(TF32 tensor cores by default on Ampere and later, float32-accurate under
+'highest'). A CPU-only build serves float32 on CUDA the same way. Otherwise a
+platform without compiled kernels (CUDA in a CPU-only build) raises
+NotImplementedError when the computation is compiled, naming the alternative.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import numpy as np
 from jax.interpreters import mlir
 
-from jax_flash2 import _ext
+from jax_flash2 import _blockwise, _ext
 from jax_flash2._config import ExtraOperands
+
+# Test-only switch: lower float32 calls on CPU by the blockwise path too, so
+# that CPU tests cover what float32 on CUDA runs. Read at lowering time (clear
+# jax's caches around a change).
+_BLOCKWISE_FLOAT32_ON_CPU = False
 
 
 def _attributes(config) -> dict:
@@ -44,10 +55,30 @@ def _without_unused_inputs(ctx, args, config):
   return ctx.replace(avals_in=avals), args
 
 
-def _cpu_rule(target: str):
-  ffi_rule = jax.ffi.ffi_lowering(target)
+def _blockwise_rule(backward: bool):
+  """Lowers a primitive to its plain-JAX blockwise twin (same operands, same
+  results); the matmul precision is jax's default, set by the caller's
+  jax.default_matmul_precision."""
+  fn = _blockwise.backward if backward else _blockwise.forward
+
+  def blockwise(*args, config):
+    core, extras = ExtraOperands.split(args)
+    return fn(*core, extras, config)
 
   def rule(ctx, *args, config):
+    return mlir.lower_fun(functools.partial(blockwise, config=config),
+                          multiple_results=True)(ctx, *args)
+
+  return rule
+
+
+def _cpu_rule(target: str, backward: bool):
+  ffi_rule = jax.ffi.ffi_lowering(target)
+  blockwise_rule = _blockwise_rule(backward)
+
+  def rule(ctx, *args, config):
+    if _BLOCKWISE_FLOAT32_ON_CPU and ctx.avals_in[0].dtype == np.float32:
+      return blockwise_rule(ctx, *args, config=config)
     ctx, args = _without_unused_inputs(ctx, args, config)
     return ffi_rule(ctx, *args, **_attributes(config))
 
@@ -76,13 +107,11 @@ def _gpu_plan() -> tuple[int, int]:
 
 def _cuda_rule(target: str, backward: bool):
   ffi_rule = jax.ffi.ffi_lowering(target)
+  blockwise_rule = _blockwise_rule(backward)
 
   def rule(ctx, *args, config):
     if ctx.avals_in[0].dtype == np.float32:
-      raise NotImplementedError(
-          "jax_flash2: the CUDA kernels take float16 or bfloat16 (they accumulate in "
-          "float32); cast q, k, v or pass implementation='reference'"
-      )
+      return blockwise_rule(ctx, *args, config=config)
     # Only the backward's dQ sum has an order to fix (the forward has no atomics).
     deterministic = bool(config.deterministic and backward)
     shapes = [aval.shape for aval in ctx.avals_in[:2]]
@@ -111,8 +140,12 @@ def _cuda_rule(target: str, backward: bool):
   return rule
 
 
-def _missing_rule(platform: str):
+def _missing_rule(platform: str, backward: bool):
+  blockwise_rule = _blockwise_rule(backward)
+
   def rule(ctx, *args, config):
+    if ctx.avals_in[0].dtype == np.float32:  # needs no compiled kernel
+      return blockwise_rule(ctx, *args, config=config)
     raise NotImplementedError(
         f"jax_flash2 was built without {platform} kernels (reinstall with nvcc on PATH, or "
         "JAX_FLASH2_CUDA=on); pass implementation='reference' for plain JAX"
@@ -124,6 +157,7 @@ def _missing_rule(platform: str):
 def register(fwd_p, bwd_p) -> None:
   for prim, target in ((fwd_p, _ext.FORWARD_TARGET), (bwd_p, _ext.BACKWARD_TARGET)):
     backward = prim is bwd_p
-    mlir.register_lowering(prim, _cpu_rule(target), platform="cpu")
-    cuda_rule = _cuda_rule(target, backward) if _ext.cuda_ext is not None else _missing_rule("cuda")
+    mlir.register_lowering(prim, _cpu_rule(target, backward), platform="cpu")
+    cuda_rule = (_cuda_rule(target, backward) if _ext.cuda_ext is not None
+                 else _missing_rule("cuda", backward))
     mlir.register_lowering(prim, cuda_rule, platform="cuda")

@@ -36,6 +36,11 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     q: [B, T, H, D] float16, bfloat16 or float32; any D from 1 to 256 (the
       kernels run D rounded up to a multiple of 8: q, k, v are zero-padded
       to it and the output sliced back, the scale staying 1 / sqrt(D)).
+      float32 on CUDA runs a blockwise plain-JAX path (the CUDA kernels take
+      16-bit inputs): O(T) memory, never a [B, H, T, S] tensor, matmuls at
+      jax.default_matmul_precision (TF32 tensor cores by default on Ampere
+      and later GPUs, as for jax's own float32 matmuls; float32-accurate
+      under jax.default_matmul_precision("highest")).
     k, v: [B, S, K, D], same dtype; H % K == 0 (MHA, GQA, MQA: K/V heads are
       shared by H // K query heads, never copied).
     causal: query i sees keys j <= i + S - T (aligned bottom-right, as in

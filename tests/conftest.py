@@ -15,8 +15,9 @@ import jax_flash2
 ON_GPU = jax.default_backend() == "gpu"
 
 # Compute dtype of the model-level tests (Flax layers, the training example):
-# the CUDA kernels take 16-bit inputs, so bfloat16 on the GPU and float32 on
-# CPU. JAX_FLASH2_TEST_MODEL_DTYPE=bfloat16 runs the GPU variant on CPU.
+# bfloat16 on the GPU (the CUDA kernels' dtypes; float32 there runs the
+# blockwise plain-JAX path) and float32 on CPU.
+# JAX_FLASH2_TEST_MODEL_DTYPE=bfloat16 runs the GPU variant on CPU.
 MODEL_DTYPE = jnp.dtype(
     os.environ.get("JAX_FLASH2_TEST_MODEL_DTYPE") or ("bfloat16" if ON_GPU else "float32"))
 
@@ -24,11 +25,24 @@ MODEL_DTYPE = jnp.dtype(
 # for tests that look for those calls.
 KERNEL_DTYPE = jnp.dtype("bfloat16" if ON_GPU else "float32")
 
-# backend name -> dtypes it serves on the default device.
+# backend name -> dtypes it serves on the default device. "kernel" serves
+# float32 on the GPU by the blockwise path (see _lowering).
 BACKENDS = {
-    "kernel": (jnp.float16, jnp.bfloat16) + (() if ON_GPU else (jnp.float32,)),
+    "kernel": (jnp.float16, jnp.bfloat16, jnp.float32),
     "reference": (jnp.float16, jnp.bfloat16, jnp.float32),
 }
+
+
+@pytest.fixture(autouse=True)
+def _float32_matmuls_in_float32():
+  """On a GPU, float32 matmuls default to TF32; the float32 tolerances here
+  are float32's, so the tests run under 'highest' (the float32 path follows
+  it). test_float32_blockwise checks the default (TF32) precision itself."""
+  if not ON_GPU:
+    yield
+    return
+  with jax.default_matmul_precision("highest"):
+    yield
 
 
 def supports(backend: str, dtype) -> bool:

@@ -13,7 +13,7 @@ import pytest
 
 import jax_flash2
 from jax_flash2 import _blockwise, _ext, reference
-from conftest import attention_fn, random_inputs, supports
+from conftest import KERNEL_DTYPE, attention_fn, random_inputs, supports
 from oracle import assert_close_to_oracle, naive_same_dtype, oracle
 
 
@@ -237,7 +237,7 @@ def _custom_calls(hlo: str) -> dict[str, int]:
 def test_grad_lowers_to_one_forward_and_one_backward(rng):
   """jax.grad of a loss of out and lse: one forward and one backward custom
   call, as with the custom_vjp before; jax.jvp: one forward, no backward."""
-  q, k, v = random_inputs(rng, 2, 33, 40, 4, 2, 16, _dtype("kernel"))
+  q, k, v = random_inputs(rng, 2, 33, 40, 4, 2, 16, KERNEL_DTYPE)
 
   def loss(q, k, v):
     out, lse = jax_flash2.flash_attention(q, k, v, causal=True, return_lse=True)
@@ -273,7 +273,7 @@ def test_jvp_holds_no_t_by_s_array(rng):
 def test_jvp_with_dropout_raises_and_grad_still_runs(rng):
   """Forward mode with dropout is not implemented (NotImplementedError, named);
   reverse mode with dropout still transposes into the backward kernel."""
-  q, k, v = random_inputs(rng, 1, 17, 19, 2, 1, 8, _dtype("kernel"))
+  q, k, v = random_inputs(rng, 1, 17, 19, 2, 1, 8, KERNEL_DTYPE)
   f = lambda q, k, v: jax_flash2.flash_attention(q, k, v, dropout_rate=0.25,
                                                  dropout_rng=jax.random.key(3))
   with pytest.raises(NotImplementedError, match="dropout_rate"):
