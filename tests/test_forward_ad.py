@@ -18,7 +18,9 @@ from oracle import assert_close_to_oracle, naive_same_dtype, oracle
 
 
 def _dtype(backend):
-  return jnp.float32 if supports(backend, jnp.float32) else jnp.bfloat16
+  # The compiled kernels' dtype for "kernel" (bfloat16 on the GPU, where
+  # float32 runs the blockwise path that test_float32_blockwise covers).
+  return KERNEL_DTYPE if backend == "kernel" else jnp.float32
 
 
 def _options(rng, case, batch, seqlen_q, seqlen_k, num_heads):

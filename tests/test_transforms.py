@@ -12,11 +12,12 @@ from jax.test_util import check_grads
 
 import jax_flash2
 from jax_flash2 import _ext
-from conftest import attention_fn, random_inputs, supports
+from conftest import KERNEL_DTYPE, attention_fn, random_inputs, supports
 
-# float32 where the backend serves it (CPU), else bfloat16.
 def _dtype(backend):
-  return jnp.float32 if supports(backend, jnp.float32) else jnp.bfloat16
+  # The compiled kernels' dtype for "kernel" (bfloat16 on the GPU, where
+  # float32 runs the blockwise path that test_float32_blockwise covers).
+  return KERNEL_DTYPE if backend == "kernel" else jnp.float32
 
 
 def _tol(dtype):
