@@ -54,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Any
 
 import jax
@@ -455,6 +456,23 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 # Public entry points.
 
 
+def _check_window(window_size, causal) -> tuple[int, int]:
+  if not isinstance(causal, bool):
+    raise TypeError(f"ring_attention: causal must be a bool; got {causal!r}")
+  try:
+    left, right = window_size
+  except (TypeError, ValueError):
+    raise ValueError(
+        f"ring_attention: window_size must be a pair (left, right); got {window_size!r}") from None
+  for name, value in (("left", left), ("right", right)):
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < -1:
+      raise ValueError(f"ring_attention: window_size {name} must be an int >= -1 "
+                       f"(-1 = unbounded); got {value!r}")
+  if causal:
+    right = 0 if right < 0 else min(right, 0)
+  return int(left), int(right)
+
+
 def _axis_size(axis_name) -> int:
   try:
     return int(jax.lax.axis_size(axis_name))
@@ -496,15 +514,19 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, layout: str = "c
   """
   ids = None if segment_ids is None else tuple(segment_ids) if isinstance(
       segment_ids, (tuple, list)) else segment_ids
-  config = api.make_config(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                           window_size=window_size, softcap=softcap, segment_ids=ids)
+  # Arrays, ids, scale and softcap are checked as flash_attention checks them;
+  # the window is over global positions, so it is checked here (the shards'
+  # lengths say nothing about which bounds are unbounded).
+  config = api.make_config(q, k, v, softmax_scale=softmax_scale, softcap=softcap,
+                           segment_ids=ids)
+  left, right = _check_window(window_size, causal)
   if layout not in LAYOUTS:
     raise ValueError(f"ring_attention: layout must be one of {LAYOUTS}; got {layout!r}")
   if strategy not in STRATEGIES:
     raise ValueError(f"ring_attention: strategy must be one of {STRATEGIES}; got {strategy!r}")
   n = _axis_size(axis_name)
   q_len, k_len = q.shape[1], k.shape[1]
-  positional = config.window_left >= 0 or config.window_right >= 0
+  positional = left >= 0 or right >= 0
   if positional and q_len != k_len:
     raise ValueError(
         "ring_attention: causal and window_size need equal query and key shards (T == S); got "
@@ -514,14 +536,14 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, layout: str = "c
       raise ValueError(
           f"ring_attention: layout='zigzag' needs T and S divisible by 2n = {2 * n}, i.e. even "
           f"shards; got shards of T/n = {q_len}, S/n = {k_len} rows")
-    if config.window_left >= 0 or config.window_right > 0:
+    if left >= 0 or right > 0:
       raise NotImplementedError(
           f"ring_attention: layout='zigzag' with window_size={tuple(window_size)} is not "
           "implemented; a window balances the 'contiguous' layout already, use that")
   cfg = RingConfig(axis_name=tuple(axis_name) if isinstance(axis_name, list) else axis_name,
                    num_devices=n, layout=layout, strategy=strategy, causal=bool(causal),
-                   softmax_scale=config.softmax_scale, window_left=config.window_left,
-                   window_right=config.window_right, softcap=config.softcap)
+                   softmax_scale=config.softmax_scale, window_left=left, window_right=right,
+                   softcap=config.softcap)
   q_ids = kv_ids = None
   if ids is not None:
     q_ids, kv_ids = (_vary_like(jnp.asarray(x).astype(jnp.int32), q) for x in ids)
