@@ -9,6 +9,8 @@ repository's own Python source (shipped with it), so nothing is downloaded.
   python examples/train_lm.py --steps 200
   python examples/train_lm.py --steps 100 --compare      # vs jax.nn.dot_product_attention
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/train_lm.py
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/train_lm.py \
+      --context-parallel 4    # sequence over 4 devices (ring attention), batch over 2
 
 Each step logs the loss; at the end, tokens/s (compilation excluded) and peak
 memory (the device's peak_bytes_in_use where it reports one, else the process's
@@ -42,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_flash2.export
 import jax_flash2.flax as jf
+from jax_flash2 import context_parallel
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 VOCAB = 256  # bytes
@@ -147,25 +150,53 @@ def peak_memory_bytes() -> tuple[int, str]:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
 
 
+def forward_hlo(model, tokens) -> str:
+  """The compiled forward pass."""
+  graphdef, state = nnx.split(model)
+  forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
+  return forward.lower(state, tokens[:, :-1]).compile().as_text()
+
+
 def flash_kernel_dtypes(model, tokens) -> list[str]:
   """Input dtypes of the flash forward kernels in the compiled forward pass
   (one per layer and device program); empty when none runs."""
-  graphdef, state = nnx.split(model)
-  forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
-  hlo = forward.lower(state, tokens[:, :-1]).compile().as_text()
+  hlo = forward_hlo(model, tokens)
   target = jax_flash2.export.TARGETS[0]
   return re.findall(rf'custom_call_target="{target}", operand_layout_constraints=\{{(\w+)\[', hlo)
+
+
+def context_parallel_attention_fn(mesh):
+  """Flax-layout attention with the sequence split over mesh axis "seq":
+  jax_flash2's ring attention (contiguous layout), the batch over "data"."""
+
+  def attention(q, k, v, *, is_causal):
+    return context_parallel.context_parallel_attention(
+        q, k, v, mesh=mesh, axis_name="seq", batch_axis="data", causal=is_causal)
+
+  return attention
 
 
 def train(cfg, attention: str = "flash", log=print) -> dict:
   """Trains for cfg.steps; returns the losses, tokens/s and peak memory."""
   attention_fn = jf.dot_product_attention if attention == "flash" else xla_attention
   devices = jax.devices()
-  if cfg.batch % len(devices):
-    raise ValueError(f"--batch {cfg.batch} must be a multiple of the {len(devices)} devices")
-  # Auto axes: the compiler propagates the batch sharding through the model.
-  mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  seq = getattr(cfg, "context_parallel", 1)
+  if seq < 1 or len(devices) % seq or cfg.seq_len % seq:
+    raise ValueError(f"--context-parallel {seq} must divide the {len(devices)} devices and "
+                     f"--seq-len {cfg.seq_len}")
+  data = len(devices) // seq
+  if cfg.batch % data:
+    raise ValueError(f"--batch {cfg.batch} must be a multiple of the {data} data-parallel "
+                     "devices")
+  # Auto axes: the compiler propagates the batch (and sequence) sharding
+  # through the model.
+  mesh = jax.make_mesh((data, seq), ("data", "seq"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   data_sharding = NamedSharding(mesh, P("data"))
+  # Context parallel: activations split along the sequence too, and attention
+  # as a ring over the "seq" axis.
+  activation_sharding = NamedSharding(mesh, P("data", "seq"))
+  if seq > 1 and attention == "flash":
+    attention_fn = context_parallel_attention_fn(mesh)
   replicated = NamedSharding(mesh, P())
 
   model = LanguageModel(cfg, attention_fn, nnx.Rngs(cfg.seed))
@@ -177,7 +208,8 @@ def train(cfg, attention: str = "flash", log=print) -> dict:
   @nnx.jit
   def step(model, optimizer, tokens):
     def loss_fn(model):
-      logits = model(tokens[:, :-1])
+      inputs = jax.lax.with_sharding_constraint(tokens[:, :-1], activation_sharding)
+      logits = model(inputs)
       return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     loss, grads = nnx.value_and_grad(loss_fn)(model)
@@ -193,6 +225,13 @@ def train(cfg, attention: str = "flash", log=print) -> dict:
     log(f"[flash] flash kernels in the compiled forward: {len(kernel_dtypes)}, "
         f"input dtype {sorted(set(kernel_dtypes))}")
     data = batches(corpus(), cfg.batch, cfg.seq_len, cfg.seed)  # the same batches as xla
+  ring_hops = 0
+  if seq > 1 and attention == "flash":
+    # K/V hops of the ring (collective-permutes) in the compiled forward.
+    ring_hops = len(re.findall(r"collective-permute(?:-start)?\(",
+                               forward_hlo(model, jax.device_put(next(data), data_sharding))))
+    log(f"[flash] context parallel over {seq} devices: {ring_hops} K/V hops in the forward")
+    data = batches(corpus(), cfg.batch, cfg.seq_len, cfg.seed)
   losses, times = [], []
   for i in range(cfg.steps):
     tokens = jax.device_put(next(data), data_sharding)
@@ -212,7 +251,7 @@ def train(cfg, attention: str = "flash", log=print) -> dict:
               tokens_per_s=tokens_per_s, tokens_per_s_per_device=tokens_per_s / len(devices),
               median_step_s=float(np.median(timed)), first_step_s=times[0],
               peak_memory_bytes=peak, peak_memory_source=peak_source,
-              flash_kernel_dtypes=sorted(set(kernel_dtypes)),
+              flash_kernel_dtypes=sorted(set(kernel_dtypes)), ring_hops=ring_hops,
               devices=len(devices), device_kind=devices[0].device_kind,
               platform=jax.default_backend(),
               config={k: v for k, v in vars(cfg).items() if k not in ("compare", "json_out")})
@@ -284,6 +323,9 @@ def parse_args(argv=None):
   p.add_argument("--lr", type=float, default=3e-3)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--log-every", type=int, default=10)
+  p.add_argument("--context-parallel", type=int, default=1, metavar="N",
+                 help="split the sequence over N devices (ring attention; the batch goes "
+                      "over the others)")
   p.add_argument("--compare", action="store_true",
                  help="also train with jax.nn.dot_product_attention and compare")
   p.add_argument("--attention", choices=("flash", "xla"), default="flash",

@@ -10,10 +10,12 @@ GPU (the CUDA kernels take 16-bit inputs; parameters stay float32).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 import jax
 import numpy as np
@@ -80,3 +82,26 @@ def test_compare_agrees():
   assert proc.returncode == 0, proc.stderr[-4000:]
   assert "loss curves agree" in proc.stdout, proc.stdout
   assert "tokens/s" in proc.stdout and "peak MiB" in proc.stdout
+
+
+def test_context_parallel_matches_unsharded():
+  """--context-parallel 4 on 4 CPU devices (sequence split, ring attention)
+  trains to the losses of the data-parallel run on the same devices."""
+  env = dict(os.environ)
+  root = str(pathlib.Path(jax_flash2.__file__).parent.parent)
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  env["JAX_PLATFORMS"] = "cpu"
+  results = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    for n in (1, 4):
+      path = pathlib.Path(tmp) / f"cp{n}.json"
+      proc = subprocess.run(
+          [sys.executable, str(EXAMPLE), "--steps", "3", "--dtype", "float32", *TINY,
+           "--context-parallel", str(n), "--json-out", str(path)],
+          env=env, capture_output=True, text=True, timeout=300)
+      assert proc.returncode == 0, proc.stderr[-4000:]
+      results[n] = json.loads(path.read_text())
+  # n - 1 = 3 hops of K and of V per layer.
+  assert results[4]["ring_hops"] == 2 * 3, results[4]["ring_hops"]
+  np.testing.assert_allclose(results[4]["losses"], results[1]["losses"], rtol=1e-5)
