@@ -12,14 +12,15 @@
 #include "../../flash_params.h"
 #include "../flash_cuda.h"
 #include "head_dim.h"
+#include "score_options.h"
 
 namespace jax_flash2::cuda {
 
 struct BwdScratchPtrs;  // bwd_kernel.cuh
 
 // True when the Hopper backward can serve p: bf16/fp16, D <= 256 (by the
-// tile of D's bucket, head_dim.h), no softcap, ALiBi, segment ids or
-// dropout, not deterministic, every stride a multiple of 8 elements and
+// tile of D's bucket, head_dim.h), softcap and ALiBi included
+// (score_options.h), no segment ids or dropout, not deterministic, every stride a multiple of 8 elements and
 // every pointer 16-byte aligned (TMA), sizes within the grid limits.
 bool Sm90BackwardSupports(const FlashParams& p);
 
@@ -150,12 +151,13 @@ constexpr int64_t BwdSm90SlotFloats(int64_t head_dim) {
 
 constexpr int BwdSm90SmemBytes(const BwdSm90Tile& t) {
   if (BwdSm90SplitsD(t)) {
-    // K, V, `stages` x (Q, dO), P^T and dS^T (block_n x block_m), `stages` x
-    // (lse2, Dvec), the mbarriers (kv_full; four per stage; three between the
-    // consumers and the dQ warp): 64 + 128 + 16 + 1 KB + 1 KB slack = 210 KB
-    // at D = 256. (dQ is staged over the Q and dO stages.)
+    // K, V, `stages` x (Q, dO), P^T, dS^T and softcap's 1 - th^2 (block_n x
+    // block_m), `stages` x (lse2, Dvec), the mbarriers (kv_full; four per
+    // stage; three between the consumers and the dQ warp): 64 + 128 + 24 + 1
+    // KB + 1 KB slack = 218 KB at D = 256. (dQ is staged over the Q and dO
+    // stages.)
     return 2 * t.block_n * t.head_dim * 2 + t.stages * 2 * t.block_m * t.head_dim * 2 +
-           2 * t.block_n * t.block_m * 2 + t.stages * 2 * t.block_m * 4 + (4 + 4 * t.stages) * 8 +
+           3 * t.block_n * t.block_m * 2 + t.stages * 2 * t.block_m * 4 + (4 + 4 * t.stages) * 8 +
            1024;
   }
   const int kv = 2 * t.block_n * t.head_dim * 2;
@@ -184,6 +186,7 @@ struct BwdSm90Args {
   CUtensorMap tma_dk;  // dk, dv [B, S, K, D] (k's strides): boxes of 64 rows
   CUtensorMap tma_dv;
   FlashParams p;
+  Sm90ScoreUnits units;  // the score units of p's softcap (score_options.h)
   const float* lse2 = nullptr;  // [B, H, t_pad]
   const float* dvec = nullptr;  // [B, H, t_pad]
   float* dq_acc = nullptr;      // [B, T, H, D]

@@ -145,6 +145,7 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
 
   BwdSm90Args args;
   args.p = p;
+  args.units = sm90::MakeSm90ScoreUnits(p);
   args.lse2 = s.lse2;
   args.dvec = s.dvec;
   args.dq_acc = s.dq_acc;

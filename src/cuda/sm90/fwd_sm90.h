@@ -13,12 +13,13 @@
 #include "../../flash_params.h"
 #include "../flash_cuda.h"
 #include "head_dim.h"
+#include "score_options.h"
 
 namespace jax_flash2::cuda {
 
 // True when the Hopper forward can serve p: bf16/fp16, D <= 256 (run by the
-// tile of D's bucket, 64, 128 or 256: head_dim.h), no
-// softcap, ALiBi or segment ids, every stride a multiple of 8 elements and
+// tile of D's bucket, 64, 128 or 256: head_dim.h), softcap and ALiBi
+// included (score_options.h), no segment ids, every stride a multiple of 8 elements and
 // every pointer 16-byte aligned (TMA), sizes within the grid and tensor-map
 // limits. Split-KV and GQA packing for decode are not implemented here: such
 // calls still run (one block per 128 query rows), but the dispatcher sends
@@ -260,6 +261,7 @@ struct FwdSm90Args {
   CUtensorMap tma_v;
   CUtensorMap tma_o;  // boxes of 64 rows (one consumer warpgroup's)
   FlashParams p;
+  Sm90ScoreUnits units;  // the score units of p's softcap (score_options.h)
   int num_m_blocks = 0;
   int num_tiles = 0;  // num_m_blocks * H * B; the grid has one block per tile, or fewer
   // Stream-K (persistent grid, no mask): tiles [0, sk_first_tile) run in

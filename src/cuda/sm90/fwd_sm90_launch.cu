@@ -226,6 +226,7 @@ cudaError_t sm90::RunForwardSm90Schedule(const FlashParams& p, void* scratch,
 
   FwdSm90Args args;
   args.p = p;
+  args.units = sm90::MakeSm90ScoreUnits(p);
   args.num_m_blocks = plan.num_m_blocks;
   args.num_tiles = plan.num_tiles;
   args.sk_first_tile = plan.sk_first_tile;

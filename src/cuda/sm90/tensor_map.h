@@ -22,14 +22,13 @@ inline bool Aligned16(std::initializer_list<const void*> ptrs) {
 }
 
 // What both Hopper kernels ask of a call, beside a tile for its head dim and
-// their grid limits: fp16/bf16; none of the score options (softcap, ALiBi,
-// segment ids, dropout: the sm80 kernels run those); a consistent GQA group;
+// their grid limits: fp16/bf16; softcap and ALiBi (score_options.h) but not
+// segment ids or dropout (the sm80 kernels run those); a consistent GQA group;
 // q, k, v, o strides the tensor maps can encode (multiples of 8 elements =
 // 16 bytes, below 2^39) and 16-byte aligned bases; 32-bit row/key indices.
 inline bool Sm90CommonSupports(const FlashParams& p) {
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return false;
-  if (p.softcap != 0.f || p.alibi_slopes != nullptr || p.q_segment_ids != nullptr ||
-      p.kv_segment_ids != nullptr || p.dropout_seeds != nullptr) {
+  if (p.q_segment_ids != nullptr || p.kv_segment_ids != nullptr || p.dropout_seeds != nullptr) {
     return false;
   }
   if (p.num_heads_kv <= 0 || p.num_heads_q % p.num_heads_kv != 0 ||
