@@ -403,6 +403,11 @@ void TimeCase(const Case& c, const DeviceInfo& dev) {
     p.alibi_slopes = d_slopes;
     bufs.push_back(d_slopes);
   }
+  if (!cuda::Sm90BackwardSupports(p)) {  // a build without the options (a baseline's)
+    std::printf("SKIP %s: Sm90BackwardSupports is false\n", c.name.c_str());
+    for (void* ptr : bufs) CHECK_CUDA(cudaFree(ptr));
+    return;
+  }
   void* scratch;
   CHECK_CUDA(cudaMalloc(&scratch, ScratchBytes(p, dev)));
   double flops = 2.5 * 4.0 * c.B * c.T * c.S * c.H * c.D;

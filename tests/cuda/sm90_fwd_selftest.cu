@@ -11,8 +11,10 @@
 //   sm90_fwd_selftest --small       small cases only, no timings (memcheck)
 //   sm90_fwd_selftest --tiny        a few small cases (racecheck)
 //   sm90_fwd_selftest --probe       exits 0 at once: checks that a carried binary loads
-//   sm90_fwd_selftest --filter STR  only the cases whose name contains STR (+ timings
-//                                   unless --no-time)
+//   sm90_fwd_selftest --filter STR  only the cases (checked and timed) whose name
+//                                   contains STR
+//   sm90_fwd_selftest --package     each case under its tile's package schedule only
+//                                   (what a build without JF2_SM90_ALL_SCHEDULES has)
 //   sm90_fwd_selftest --no-time     skip timings
 //   sm90_fwd_selftest --time-only   timings only
 //   sm90_fwd_selftest --schedules serial,overlap,pingpong
@@ -380,6 +382,11 @@ void TimeCase(const Case& c, const cuda::DeviceInfo& dev, int reps, bool with_sm
   float* d_slopes;
   std::mt19937_64 option_rng(7);
   FlashParams p = OptionParams(c, option_rng, &var, &d_slopes);
+  if (!cuda::Sm90ForwardSupports(p)) {  // a build without the options (a baseline's)
+    std::printf("SKIP %s: Sm90ForwardSupports is false\n", c.name.c_str());
+    if (d_slopes) CHECK_CUDA(cudaFree(d_slopes));
+    return;
+  }
   const int64_t nq = c.B * c.T * c.H * c.D, nk = c.B * c.S * c.K * c.D;
   void *q, *k, *v, *o, *scratch = nullptr;
   float* lse;
@@ -665,7 +672,9 @@ int main(int argc, char** argv) {
         }
       }
     } else {
-      for (const Case& c : timed) TimeCase(c, dev, 20);
+      for (const Case& c : timed) {
+        if (filter.empty() || c.name.find(filter) != std::string::npos) TimeCase(c, dev, 20);
+      }
     }
   }
   std::printf("%s: %d failure(s)\n", failures ? "FAILED" : "ALL PASSED", failures);

@@ -49,6 +49,10 @@
 // staging), named barriers 7 over both consumers (Q and dO stages free for
 // the dK, dV staging), 8 + c per consumer (staged, to its TMA store thread).
 //
+// Softcap and ALiBi (score_options.h): consumer 0 transforms S^T before the
+// exponentials and, with softcap, hands consumer 1 the cap's derivative 1 -
+// th^2 in a tile beside P^T (published by p_full with it).
+//
 // The producer warpgroup: one thread issues the TMA loads (K and V once, Q
 // and dO per query block into a two-stage ring), one warp stages lse2 and
 // Dvec as in BwdSm90Kernel, one issues the dQ reductions. One tile per CTA

@@ -55,6 +55,9 @@
 // AlignedDynamicSmem), with conflict-free dQ staging stores, and the lse2 /
 // Dvec loads issued ahead of the wgmmas: +8-13% together (NOTES.md).
 //
+// Softcap and ALiBi (score_options.h): S^T transformed before the
+// exponentials as in the forward, and dS^T times the cap's derivative 1 -
+// th^2, th found again from P^T (see the loop), behind runtime branches.
 // Masking as in the sm80 backward: query blocks outside the key block's
 // window are skipped (QueryRange), and only blocks not fully visible to a
 // warpgroup's 64 keys pay for the per-element WindowMask predicate. TMA

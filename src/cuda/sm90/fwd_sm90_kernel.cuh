@@ -51,6 +51,9 @@
 // stages, and one's softmax overlaps another's wgmma only as far as they
 // happen to drift apart.
 //
+// Softcap and ALiBi (score_options.h) transform S before the mask, behind
+// one runtime branch: with softcap S holds tanh(S * scale / cap) and the cap
+// takes the scale's place in exp2 and in the LSE (FwdSm90Args::units).
 // Masking follows WindowMask (flash_mask.h); key blocks outside the window of
 // every row are skipped, and only blocks not fully visible to all 64 rows of
 // a warpgroup pay for the per-element predicate. Ragged tails: TMA zero-fills
