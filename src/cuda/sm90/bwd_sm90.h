@@ -151,13 +151,13 @@ constexpr int64_t BwdSm90SlotFloats(int64_t head_dim) {
 
 constexpr int BwdSm90SmemBytes(const BwdSm90Tile& t) {
   if (BwdSm90SplitsD(t)) {
-    // K, V, `stages` x (Q, dO), P^T, dS^T and softcap's 1 - th^2 (block_n x
-    // block_m), `stages` x (lse2, Dvec), the mbarriers (kv_full; four per
-    // stage; three between the consumers and the dQ warp): 64 + 128 + 24 + 1
-    // KB + 1 KB slack = 218 KB at D = 256. (dQ is staged over the Q and dO
-    // stages.)
+    // K, V, `stages` x (Q, dO), P^T and dS^T (block_n x block_m), `stages` x
+    // (lse2, Dvec), the mbarriers (kv_full; four per stage; three between the
+    // consumers and the dQ warp): 64 + 128 + 16 + 1 KB + 1 KB slack = 210 KB
+    // at D = 256. (dQ is staged over the Q and dO stages; the score options'
+    // kernel has a tile more: BwdSm90DSplitSmem::kOptionsSmemBytes.)
     return 2 * t.block_n * t.head_dim * 2 + t.stages * 2 * t.block_m * t.head_dim * 2 +
-           3 * t.block_n * t.block_m * 2 + t.stages * 2 * t.block_m * 4 + (4 + 4 * t.stages) * 8 +
+           2 * t.block_n * t.block_m * 2 + t.stages * 2 * t.block_m * 4 + (4 + 4 * t.stages) * 8 +
            1024;
   }
   const int kv = 2 * t.block_n * t.head_dim * 2;
@@ -186,7 +186,6 @@ struct BwdSm90Args {
   CUtensorMap tma_dk;  // dk, dv [B, S, K, D] (k's strides): boxes of 64 rows
   CUtensorMap tma_dv;
   FlashParams p;
-  Sm90ScoreUnits units;  // the score units of p's softcap (score_options.h)
   const float* lse2 = nullptr;  // [B, H, t_pad]
   const float* dvec = nullptr;  // [B, H, t_pad]
   float* dq_acc = nullptr;      // [B, T, H, D]
@@ -210,6 +209,7 @@ struct BwdSm90Args {
   bool k_heads_inner = true;
   bool v_heads_inner = true;
   bool kv_grad_heads_inner = true;
+  Sm90ScoreUnits units;  // the score units of p's softcap (score_options.h)
 };
 
 }  // namespace sm90

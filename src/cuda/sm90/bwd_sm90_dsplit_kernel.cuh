@@ -104,21 +104,26 @@ struct BwdSm90DSplitSmem {
   static constexpr int kDo = kQ + Tr::kStages * Tr::kQBytes;
   static constexpr int kP = kDo + Tr::kStages * Tr::kQBytes;
   static constexpr int kDs = kP + Tr::kPBytes;
-  // Softcap's 1 - th^2 (th = tanh, before ALiBi) of the block (as P^T: consumer 0 to consumer 1).
-  static constexpr int kDcap = kDs + Tr::kPBytes;
   // [stage] lse2 then Dvec of the stage's query block (kBlockM floats each).
-  static constexpr int kRows = kDcap + Tr::kPBytes;
+  static constexpr int kRows = kDs + Tr::kPBytes;
   static constexpr int kBars = kRows + Tr::kStages * 2 * Tr::kBlockM * 4;
   // kv_full; q_full, q_empty, stage_done, dq_staged per stage; p_full,
   // ds_full, dq_drained.
   static constexpr int kEnd = kBars + (4 + 4 * Tr::kStages) * 8;
   // The host's size (bwd_sm90.h) is this carve-up plus the alignment slack.
   static_assert(kEnd + 1024 == BwdSm90SmemBytes(Tr::kTile));
+  // With the score options, after it: softcap's 1 - th^2 (th = tanh, before
+  // ALiBi) of the block, from consumer 0 to consumer 1 as P^T (8 KB more).
+  static constexpr int kDcap = (kEnd + 1023) / 1024 * 1024;
+  static constexpr int kOptionsSmemBytes = kDcap + Tr::kPBytes + 1024;
+  static_assert(kOptionsSmemBytes <= 232448);  // cc 9.0's opt-in limit per block
   static_assert(kV % 1024 == 0 && kQ % 1024 == 0 && kDo % 1024 == 0 && kP % 1024 == 0 &&
-                kDs % 1024 == 0 && kDcap % 1024 == 0 && kRows % 16 == 0);
+                kDs % 1024 == 0 && kRows % 16 == 0);
 };
 
-template <typename Elem>
+// kScoreOptions: softcap and / or ALiBi (score_options.h), a template flag
+// as in BwdSm90Kernel.
+template <typename Elem, bool kScoreOptions>
 __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     BwdSm90DSplitKernel(const __grid_constant__ BwdSm90Args args) {
   using Tr = BwdSm90DSplitTraits;
@@ -341,7 +346,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     WgmmaCommit();
   };
 
-  const float scale_log2 = args.units.log2;  // per unit of score (score_options.h)
+  // The exp2 factor per unit of score (score_options.h).
+  const float scale_log2 = kScoreOptions ? args.units.log2 : p.softmax_scale_log2;
   float acc_dk[64], acc_dv[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc_dk[i] = acc_dv[i] = 0.f;
@@ -371,7 +377,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
 
     uint32_t pa[Tr::kSlices][4], dsa[Tr::kSlices][4];
     if (cg == 0) {
-      if (!HasSm90ScoreOptions(p)) {
+      if constexpr (!kScoreOptions) {
         // P^T = exp2(S^T * scale_log2 - lse2[query]); lse2 = +inf (rows past
         // T, rows that see no key) gives exactly 0.
 #pragma unroll
@@ -431,7 +437,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // dS^T = P^T o (dP^T - Dvec[query]) (o (1 - th^2) with softcap), from
       // the P^T fragments: element pair (8 kk + 2 r, + 1) is fragment r of
       // slice kk, column block 2 kk + r / 2.
-      const bool softcap = p.softcap > 0.f;
+      const bool softcap = kScoreOptions && p.softcap > 0.f;
 #pragma unroll
       for (int kk = 0; kk < Tr::kSlices; ++kk) {
 #pragma unroll

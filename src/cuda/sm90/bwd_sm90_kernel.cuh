@@ -55,9 +55,9 @@
 // AlignedDynamicSmem), with conflict-free dQ staging stores, and the lse2 /
 // Dvec loads issued ahead of the wgmmas: +8-13% together (NOTES.md).
 //
-// Softcap and ALiBi (score_options.h): S^T transformed before the
-// exponentials as in the forward, and dS^T times the cap's derivative 1 -
-// th^2, th found again from P^T (see the loop), behind runtime branches.
+// Softcap and ALiBi (score_options.h, kernels with kScoreOptions): S^T
+// transformed before the exponentials as in the forward, and dS^T times the
+// cap's derivative 1 - th^2, th found again from P^T (see the loop).
 // Masking as in the sm80 backward: query blocks outside the key block's
 // window are skipped (QueryRange), and only blocks not fully visible to a
 // warpgroup's 64 keys pay for the per-element WindowMask predicate. TMA
@@ -150,7 +150,10 @@ struct BwdSm90Smem {
   static_assert(Tr::kQBytes % 1024 == 0 && Tr::kDsBytes % 1024 == 0 && kBars % 8 == 0);
 };
 
-template <typename Elem, int kHeadDim>
+// kScoreOptions: softcap and / or ALiBi (score_options.h). A template flag,
+// not a runtime branch: the branch alone cost the plain D = 64 kernel 8-9%
+// (spills in its main loop; H200, B4 T=S=4096 H32, causal or not).
+template <typename Elem, int kHeadDim, bool kScoreOptions>
 __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     BwdSm90Kernel(const __grid_constant__ BwdSm90Args args) {
   using Tr = BwdSm90Traits<kHeadDim>;
@@ -428,7 +431,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   const int g = lane / 4;        // accumulator row (and g + 8)
   const int t4 = lane % 4;       // accumulator column pair
   // The exp2 factor per unit of score (score_options.h).
-  const float scale_log2 = args.units.log2;
+  const float scale_log2 = kScoreOptions ? args.units.log2 : p.softmax_scale_log2;
 
   // Descriptors of stage 0 / buffer 0: K and V rows of this warpgroup
   // (K-major, for S^T and dP^T), Q and dO (K-major for S^T and dP^T, MN-major
@@ -570,7 +573,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // 280 bytes, and both paths keep one dV issue point and one dP^T wait:
       // ptxas serialized every wgmma of the kernel (C7512, C7514) when the
       // option path issued dV or rewrote dP^T in a branch of its own.
-      const bool options = HasSm90ScoreOptions(p);
+      constexpr bool options = kScoreOptions;
       // Element i: key row key0 + 16 warp + g + 8 ((i / 2) % 2), query
       // m_begin + 8 (i / 4) + 2 t4 + i % 2; |query + S - T - key| = |base[key
       // row] + column|. Indices through Opaque, as in the forward.
@@ -588,7 +591,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // rows that see no key) gives exactly 0. P^T and dS^T become A fragments
       // (rounded to Elem, as in FlashAttention-2): n8 tiles 2 kk and 2 kk + 1
       // form k16 slice kk (see wgmma.cuh).
-      if (!options) {
+      if constexpr (!options) {
         load_rows(ring.stage, 1, dvec);
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
@@ -633,7 +636,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
           dp[i] = s[i] * (dp[i] - ((r & 1) ? d.y : d.x));
         }
       }
-      if (options && p.softcap > 0.f) {
+      if (options && p.softcap > 0.f) {  // (compiled out without the options)
         float base[2];
         alibi_base(base);
         const float slope_u = alibi_slope();

@@ -261,7 +261,6 @@ struct FwdSm90Args {
   CUtensorMap tma_v;
   CUtensorMap tma_o;  // boxes of 64 rows (one consumer warpgroup's)
   FlashParams p;
-  Sm90ScoreUnits units;  // the score units of p's softcap (score_options.h)
   int num_m_blocks = 0;
   int num_tiles = 0;  // num_m_blocks * H * B; the grid has one block per tile, or fewer
   // Stream-K (persistent grid, no mask): tiles [0, sk_first_tile) run in
@@ -278,6 +277,7 @@ struct FwdSm90Args {
   bool k_heads_inner = true;
   bool v_heads_inner = true;
   bool o_heads_inner = true;
+  Sm90ScoreUnits units;  // the score units of p's softcap (score_options.h)
 };
 
 #ifdef JF2_FWD90_TRACE
