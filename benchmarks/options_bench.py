@@ -54,12 +54,12 @@ def variants(causal):
   }
 
 
-def measure(fn, args, flops, warmup_s):
+def measure(fn, args, flops, warmup_s, iters):
   grads = jax.grad(lambda q, k, v, *extra: jnp.sum(fn(q, k, v, *extra).astype(jnp.float32)),
                    argnums=(0, 1, 2))
   try:
-    tf = time_jax(jax.jit(fn), args, warmup_s, iters=5)
-    tb = time_jax(jax.jit(grads), args, warmup_s, iters=5)
+    tf = time_jax(jax.jit(fn), args, warmup_s, iters=iters)
+    tb = time_jax(jax.jit(grads), args, warmup_s, iters=iters)
   except Exception as e:  # noqa: BLE001 - an implementation that cannot run this shape
     print(f"  failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
     return None
@@ -71,6 +71,7 @@ def main():
   parser.add_argument("--seqlens", type=int, nargs="+", default=[4096, 8192, 16384])
   parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
   parser.add_argument("--warmup-s", type=float, default=0.3)
+  parser.add_argument("--iters", type=int, default=5, help="calls per timed sample (median of 3)")
   parser.add_argument("--no-cudnn", action="store_true")
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
@@ -102,7 +103,7 @@ def main():
           if extra == "bias" and bias is None:
             bias = reference.alibi_bias(slopes[None], seqlen, seqlen).astype(jnp.bfloat16)
           more = {"slopes": (slopes,), "bias": (bias,), None: ()}[extra]
-          results[name] = measure(fn, qkv + more, flops, args.warmup_s)
+          results[name] = measure(fn, qkv + more, flops, args.warmup_s, args.iters)
           r = results[name]
           print(f"D{head_dim} T{seqlen} causal={causal} {name}: "
                 + ("failed" if r is None else f"{r[0]:.0f} / {r[1]:.0f}")
@@ -120,11 +121,10 @@ def main():
         lines.append(f"| {head_dim} | {seqlen} | {causal} | "
                      + " | ".join(cell(results.get(n)) for n in names) + " |")
         print(lines[-1], flush=True)
-  text = "\n".join(lines) + "\n"
-  print(text)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(text)
+        if args.out:  # after every row: a cut run keeps the rows it finished
+          with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+  print("\n".join(lines))
 
 
 if __name__ == "__main__":
