@@ -570,9 +570,9 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // (1 - th^2), th = tanh(S^T scale / cap) (the cap's derivative) found
       // again from P^T: th = (log2 P^T + lse2) / log2 + the ALiBi term.
       // Holding th (or 1 - th^2) beside P^T spilled the D = 64 consumers
-      // 280 bytes, and both paths keep one dV issue point and one dP^T wait:
-      // ptxas serialized every wgmma of the kernel (C7512, C7514) when the
-      // option path issued dV or rewrote dP^T in a branch of its own.
+      // 280 bytes. Both kernels keep one dV issue point and one dP^T wait
+      // (issued or waited in branches of their own, ptxas serialized every
+      // wgmma: C7512, C7514).
       constexpr bool options = kScoreOptions;
       // Element i: key row key0 + 16 warp + g + 8 ((i / 2) % 2), query
       // m_begin + 8 (i / 4) + 2 t4 + i % 2; |query + S - T - key| = |base[key
