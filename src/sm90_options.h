@@ -11,9 +11,8 @@ namespace jax_flash2 {
 // nullptr when the Hopper kernels serve every option p asks for, else the
 // name of the first one they do not (the sm80 kernels run those calls).
 inline const char* Sm90UnservedOption(const FlashParams& p) {
-  if (p.softcap != 0.f) return "softcap";
-  if (p.alibi_slopes != nullptr) return "alibi_slopes";
-  // Segment ids: served (sm90/segments.cuh), when given in pairs.
+  // Softcap and ALiBi: served (sm90/score_options.h). Segment ids: served
+  // (sm90/segments.cuh), when given in pairs.
   if ((p.q_segment_ids == nullptr) != (p.kv_segment_ids == nullptr)) return "segment_ids";
   if (p.dropout_seeds != nullptr) return "dropout";
   return nullptr;

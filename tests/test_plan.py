@@ -63,8 +63,11 @@ def test_sm80_tiles_fit_the_shared_memory(cc, causal):
 def test_what_each_compute_capability_serves(cc):
   small = SMEM[cc] < 163 * 1024
   for d in HEAD_DIMS:
-    plans = _plan(2, 1000, 1000, 8, 8, d, cc=cc, softcap=5.0)  # softcap: sm80 on every cc
+    plans = _plan(2, 1000, 1000, 8, 8, d, cc=cc, softcap=5.0)
     fwd, bwd = plans["forward"], plans["backward"]
+    if cc == (9, 0):  # the Hopper kernels serve softcap
+      assert fwd.kernel == "sm90" and bwd.kernel == "sm90", (d, fwd, bwd)
+      continue
     assert fwd.kernel == "sm80-prefill", (d, fwd)
     # The 99 KB GPUs: no backward above the d128 bucket (the d256 tile needs
     # 145,920 B, and no smaller one fits with Q and dO double-buffered).
@@ -121,7 +124,11 @@ def test_forward_tile_per_head_dim(d, bucket, block_m, block_n):
 def test_hopper_serves_plain_calls_and_says_why_not():
   assert _plan(8, 1000, 1000, 16, 16, 128)["forward"].kernel == "sm90"
   assert _plan(8, 1000, 1000, 16, 16, 128)["backward"].kernel == "sm90"
-  for option, value, name in [("softcap", 5.0, "softcap"), ("dropout_rate", 0.1, "dropout")]:
+  for options in [{"softcap": 5.0}, {"alibi_slopes": jnp.full((16,), 0.1, jnp.float32)},
+                  {"softcap": 5.0, "segment_ids": (jnp.zeros((8, 1000), jnp.int32),) * 2}]:
+    plans = _plan(8, 1000, 1000, 16, 16, 128, **options)
+    assert plans["forward"].kernel == "sm90" and plans["backward"].kernel == "sm90", plans
+  for option, value, name in [("dropout_rate", 0.1, "dropout")]:
     plans = _plan(8, 1000, 1000, 16, 16, 128, **{option: value})
     assert plans["forward"].kernel == "sm80-prefill"
     assert plans["forward"].reason == f"{name}: the Hopper forward does not serve it"

@@ -64,6 +64,12 @@ struct Case {
   int sm_count = 0;
   SegKind seg = SegKind::kNone;  // segment ids (sm90_segments_test.h)
   int docs = 0;
+  // Score options: softcap (0 = off), ALiBi slopes in [0.01, 0.3] (random
+  // per case), and a softmax scale other than 1/sqrt(D) (0 = that one), so
+  // that the cap bends the scores.
+  float softcap = 0.f;
+  bool alibi = false;
+  float scale = 0.f;
 };
 
 
@@ -149,6 +155,16 @@ bool Ok(const ErrStats& e) { return e.finite && e.rel <= 3 * e.naive_rel + 1e-4;
 // Runs one case; one PASS/FAIL line. Returns 1 when it fails, else 0.
 int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
   FlashParams p = CaseParams(c);
+  if (c.scale > 0.f) {
+    p.softmax_scale = c.scale;
+    p.softmax_scale_log2 = c.scale * 1.4426950408889634f;
+  }
+  HostVariants var;
+  {
+    std::mt19937_64 option_rng(seed ^ 0xa11b1);
+    MakeHostVariants(p, c.softcap, c.alibi, 0, option_rng, &var);
+  }
+  p.softcap = c.softcap;
   const DType dt = c.dtype;
   const int64_t B = c.B, T = c.T, S = c.S, H = c.H, K = c.K, D = c.D, G = H / K;
   const WindowMask mask = MakeWindowMask(p);
@@ -204,7 +220,7 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
         if (!allowed(b, t, s)) continue;
         double dot = 0;
         for (int64_t d = 0; d < D; ++d) dot += q[qi(b, t, h) + d] * k[ki(b, s, kh) + d];
-        sc[s] = dot * scale;
+        sc[s] = VariantScore(p, var, b, t, h, s, dot * scale);
         m = std::max(m, sc[s]);
       }
       std::fill(acc.begin(), acc.end(), 0.0);
@@ -247,8 +263,9 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
             dot += qr[d] * k[ki(b, s, kh) + d];
             dp += dor[d] * v[ki(b, s, kh) + d];
           }
-          pr[s] = std::exp(dot * scale - L);
-          ds[s] = pr[s] * (dp - Di);
+          double dcap;  // d score / d (scale q.k): the cap's 1 - tanh^2
+          pr[s] = std::exp(VariantScore(p, var, b, t, h, s, dot * scale, &dcap) - L);
+          ds[s] = pr[s] * (dp - Di) * dcap;
         }
         for (int64_t s = 0; s < S; ++s) {
           if (pr[s] == 0 && ds[s] == 0) continue;
@@ -277,8 +294,16 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
     p.q_segment_ids = static_cast<const int32_t*>(d_ids);
     p.kv_segment_ids = kv;
   }
+  float* d_slopes = nullptr;
+  if (c.alibi) {
+    CHECK_CUDA(cudaMalloc(&d_slopes, var.alibi.size() * sizeof(float)));
+    CHECK_CUDA(cudaMemcpy(d_slopes, var.alibi.data(), var.alibi.size() * sizeof(float),
+                          cudaMemcpyHostToDevice));
+    p.alibi_slopes = d_slopes;
+  }
   if (!cuda::Sm90BackwardSupports(p)) {
     std::printf("FAIL %-57s Sm90BackwardSupports is false\n", c.name.c_str());
+    if (d_slopes) CHECK_CUDA(cudaFree(d_slopes));
     return 1;
   }
   void *d_q, *d_k, *d_v, *d_out, *d_dout, *d_dq, *d_dk, *d_dv, *d_scratch;
@@ -319,6 +344,7 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
                       static_cast<void*>(d_lse_buf), static_cast<void*>(d_dlse_buf), d_ids}) {
       if (ptr) CHECK_CUDA(cudaFree(ptr));
     }
+    if (d_slopes) CHECK_CUDA(cudaFree(d_slopes));
   };
   // Poison: 0xffff is NaN in fp16 and bf16; 0xffffffff is NaN in fp32.
   CHECK_CUDA(cudaMemset(d_dq, 0xff, nq * 2));
@@ -384,7 +410,22 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
 // halved when causal.
 void TimeCase(const Case& c, const DeviceInfo& dev) {
   FlashParams p = CaseParams(c);
-  const std::vector<void*> bufs = AllocBackwardTimingBuffers(&p);
+  std::vector<void*> bufs = AllocBackwardTimingBuffers(&p);
+  p.softcap = c.softcap;
+  if (c.alibi) {
+    const std::vector<float> slopes(c.B * c.H, 0.05f);
+    float* d_slopes;
+    CHECK_CUDA(cudaMalloc(&d_slopes, slopes.size() * sizeof(float)));
+    CHECK_CUDA(cudaMemcpy(d_slopes, slopes.data(), slopes.size() * sizeof(float),
+                          cudaMemcpyHostToDevice));
+    p.alibi_slopes = d_slopes;
+    bufs.push_back(d_slopes);
+  }
+  if (!cuda::Sm90BackwardSupports(p)) {  // a build without the options (a baseline's)
+    std::printf("SKIP %s: Sm90BackwardSupports is false\n", c.name.c_str());
+    for (void* ptr : bufs) CHECK_CUDA(cudaFree(ptr));
+    return;
+  }
   void* scratch;
   CHECK_CUDA(cudaMalloc(&scratch, ScratchBytes(p, dev)));
   double flops = 2.5 * 4.0 * c.B * c.T * c.S * c.H * c.D;
@@ -468,6 +509,10 @@ int main(int argc, char** argv) {
          true, false, 0, SegKind::kRandom, 0},
         {"tiny seg short docs bf16 d256 T150 causal", bf, 1, 150, 150, 2, 2, 256, -1, 0, false,
          false, 0, SegKind::kShort, 0},
+        {"opt tiny bf16 d64 T70 S300 causal gqa2 softcap10+alibi s1", bf, 1, 70, 300, 2, 1, 64, -1, 0, false, false, 0, SegKind::kNone, 0, 10.f, true, 1.f},
+        {"opt tiny fp16 d128 T100 S300 full softcap20 dlse (stream-K, 2 SMs) s1", fp, 1, 100, 300, 2, 1, 128, -1, -1, true, false, 2, SegKind::kNone, 0, 20.f, false, 1.f},
+        {"opt tiny bf16 d256 T70 S130 causal gqa2 softcap30+alibi s1", bf, 1, 70, 130, 2, 1, 256, -1, 0, false, false, 0, SegKind::kNone, 0, 30.f, true, 1.f},
+        {"opt tiny bf16 d128 T200 S100 causal alibi (empty rows)", bf, 1, 200, 100, 2, 2, 128, -1, 0, false, false, 0, SegKind::kNone, 0, 0.f, true},
     };
   } else if (!time_only) {
     cases = {
@@ -569,6 +614,26 @@ int main(int argc, char** argv) {
          false, 0, SegKind::kPacked, 7},
         {"seg 7 docs fp16 d200 T700 window(64,16) bhtd", fp, 1, 700, 700, 2, 2, 200, 64, 16,
          false, true, 0, SegKind::kPacked, 7},
+        // Score options (--filter opt): softcap, ALiBi and both, with causal,
+        // windows, GQA, dLSE, both kernels and every head dim bucket, the
+        // persistent grid, stream-K, bhtd strides, odd lengths. Scale 1 (or
+        // 0.5) in the softcap cases: scores of a few tens, so the cap bends
+        // them.
+        {"opt bf16 d128 T257 S300 causal softcap30 s1", bf, 1, 257, 300, 2, 2, 128, -1, 0, false, false, 0, SegKind::kNone, 0, 30.f, false, 1.f},
+        {"opt fp16 d64 T257 S300 full softcap5", fp, 1, 257, 300, 2, 2, 64, -1, -1, false, false, 0, SegKind::kNone, 0, 5.f},
+        {"opt bf16 d64 T1000 S1000 causal gqa4 dlse alibi", bf, 1, 1000, 1000, 8, 2, 64, -1, 0, true, false, 0, SegKind::kNone, 0, 0.f, true},
+        {"opt fp16 d128 T1000 S257 full gqa4 dlse alibi", fp, 1, 1000, 257, 8, 2, 128, -1, -1, true, false, 0, SegKind::kNone, 0, 0.f, true},
+        {"opt bf16 d128 T1000 S1000 window(128,32) softcap20+alibi s1", bf, 1, 1000, 1000, 2, 2, 128, 128, 32, false, false, 0, SegKind::kNone, 0, 20.f, true, 1.f},
+        {"opt fp16 d64 T300 S1000 window(64,0) softcap50+alibi s1", fp, 1, 300, 1000, 2, 2, 64, 64, 0, false, false, 0, SegKind::kNone, 0, 50.f, true, 1.f},
+        {"opt bf16 d64 T300 S700 B2 H4 gqa2 full softcap30 (3 CTAs) s1", bf, 2, 300, 700, 4, 2, 64, -1, -1, false, false, 3, SegKind::kNone, 0, 30.f, false, 1.f},
+        {"opt bf16 d128 T300 S1000 B2 H4 gqa2 alibi (stream-K, 3 SMs)", bf, 2, 300, 1000, 4, 2, 128, -1, -1, false, false, 3, SegKind::kNone, 0, 0.f, true},
+        {"opt fp16 d128 T257 S257 causal gqa2 bhtd softcap15+alibi s0.5", fp, 1, 257, 257, 4, 2, 128, -1, 0, false, true, 0, SegKind::kNone, 0, 15.f, true, 0.5f},
+        {"opt bf16 d96 T257 S300 causal gqa2 softcap30 s1", bf, 1, 257, 300, 4, 2, 96, -1, 0, false, false, 0, SegKind::kNone, 0, 30.f, false, 1.f},
+        {"opt bf16 d256 T1000 S257 full gqa4 dlse softcap30+alibi s0.5", bf, 1, 1000, 257, 8, 2, 256, -1, -1, true, false, 0, SegKind::kNone, 0, 30.f, true, 0.5f},
+        {"opt fp16 d256 T257 S300 causal softcap10 s1", fp, 1, 257, 300, 2, 2, 256, -1, 0, false, false, 0, SegKind::kNone, 0, 10.f, false, 1.f},
+        {"opt bf16 d200 T300 S100 B2 causal alibi (empty rows)", bf, 2, 300, 100, 2, 2, 200, -1, 0, false, false, 0, SegKind::kNone, 0, 0.f, true},
+        {"opt fp16 d256 T1000 S1000 window(128,32) bhtd softcap50+alibi s1", fp, 1, 1000, 1000, 2, 2, 256, 128, 32, false, true, 0, SegKind::kNone, 0, 50.f, true, 1.f},
+        {"opt bf16 d64 T1000 S17 causal alibi", bf, 1, 1000, 17, 2, 2, 64, -1, 0, false, false, 0, SegKind::kNone, 0, 0.f, true},
     };
   }
   int failed = 0, run = 0;
@@ -600,6 +665,11 @@ int main(int argc, char** argv) {
         {"B4 T=S=4096 H8 D256 causal", bf, 4, 4096, 4096, 8, 8, 256, -1, 0},
         {"B1 T=S=16384 H8 D256", bf, 1, 16384, 16384, 8, 8, 256, -1, -1},
         {"B16 T=S=1024 H8 D256 causal", bf, 16, 1024, 1024, 8, 8, 256, -1, 0},
+        // The score options beside their plain rows above.
+        {"B4 T=S=4096 H16 D128 softcap50", bf, 4, 4096, 4096, 16, 16, 128, -1, -1, false, false, 0, 50.f},
+        {"B4 T=S=4096 H16 D128 causal alibi", bf, 4, 4096, 4096, 16, 16, 128, -1, 0, false, false, 0, 0.f, true},
+        {"B4 T=S=4096 H32 D64 softcap50+alibi", bf, 4, 4096, 4096, 32, 32, 64, -1, -1, false, false, 0, 50.f, true},
+        {"B4 T=S=4096 H8 D256 causal softcap50", bf, 4, 4096, 4096, 8, 8, 256, -1, 0, false, false, 0, 50.f},
     };
     for (const Case& c : timed) {
       if (filter.empty() || c.name.find(filter) != std::string::npos) TimeCase(c, dev);

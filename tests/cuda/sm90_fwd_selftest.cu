@@ -11,8 +11,10 @@
 //   sm90_fwd_selftest --small       small cases only, no timings (memcheck)
 //   sm90_fwd_selftest --tiny        a few small cases (racecheck)
 //   sm90_fwd_selftest --probe       exits 0 at once: checks that a carried binary loads
-//   sm90_fwd_selftest --filter STR  only the cases whose name contains STR (+ timings
-//                                   unless --no-time)
+//   sm90_fwd_selftest --filter STR  only the cases (checked and timed) whose name
+//                                   contains STR
+//   sm90_fwd_selftest --package     each case under its tile's package schedule only
+//                                   (what a build without JF2_SM90_ALL_SCHEDULES has)
 //   sm90_fwd_selftest --no-time     skip timings
 //   sm90_fwd_selftest --time-only   timings only
 //   sm90_fwd_selftest --schedules serial,overlap,pingpong
@@ -72,7 +74,34 @@ struct Case {
   bool bhtd = false;  // [B, H, T, D] layout through strides
   SegKind seg = SegKind::kNone;  // segment ids (sm90_segments_test.h)
   int docs = 0;
+  // Score options: softcap (0 = off), ALiBi slopes in [0.01, 0.3] (random
+  // per case), and a softmax scale other than 1/sqrt(D) (0 = that one), so
+  // that the cap bends the scores.
+  float softcap = 0.f;
+  bool alibi = false;
+  float scale = 0.f;
 };
+
+// p with c's score options: var gets the host copies (slopes from rng), and
+// *slopes the device copy of the slopes (null without ALiBi; the caller frees).
+template <class Rng>
+FlashParams OptionParams(const Case& c, Rng& rng, HostVariants* var, float** slopes) {
+  FlashParams p = CaseParams(c);
+  if (c.scale > 0.f) {
+    p.softmax_scale = c.scale;
+    p.softmax_scale_log2 = c.scale * 1.4426950408889634f;
+  }
+  MakeHostVariants(p, c.softcap, c.alibi, 0, rng, var);
+  p.softcap = c.softcap;
+  *slopes = nullptr;
+  if (c.alibi) {
+    CHECK_CUDA(cudaMalloc(slopes, var->alibi.size() * sizeof(float)));
+    CHECK_CUDA(cudaMemcpy(*slopes, var->alibi.data(), var->alibi.size() * sizeof(float),
+                          cudaMemcpyHostToDevice));
+    p.alibi_slopes = *slopes;
+  }
+  return p;
+}
 
 
 
@@ -112,13 +141,26 @@ cuda::sm90::FwdSm90Choice ChoiceFor(int64_t head_dim) {
 std::vector<Sm90Schedule> g_schedules = {Sm90Schedule::kSerial, Sm90Schedule::kOverlap,
                                          Sm90Schedule::kPingpong};
 
+// --package: each case under the schedule the package builds its tile with
+// (the only one a build without JF2_SM90_ALL_SCHEDULES has).
+bool g_package_schedule = false;
+
+std::vector<Sm90Schedule> SchedulesFor(const FlashParams& p) {
+  if (!g_package_schedule) return g_schedules;
+  const int tile = cuda::sm90::FwdSm90TileIndex(p.head_dim, HasWindow(p), p.seqlen_k);
+  if (tile < 0) return g_schedules;
+  return {cuda::sm90::kFwdSm90TileTable[tile].schedule};
+}
+
 // Runs every schedule on one set of inputs, checks each against the float64
 // oracle; one PASS/FAIL line per schedule. Returns the number of failures.
 int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
-  FlashParams p0 = CaseParams(c);
+  HostVariants var;
+  float* d_slopes;
+  std::mt19937_64 option_rng(seed ^ 0xa11b1);
+  FlashParams p0 = OptionParams(c, option_rng, &var, &d_slopes);
   std::mt19937_64 rng(seed);
   // Segment ids: host copies for the oracle, device copies for the kernel.
-  HostVariants var;
   void* d_ids = nullptr;
   if (c.seg != SegKind::kNone) {
     MakeSegmentIds(c.seg, c.docs, c.B, c.T, c.S, rng, &var.q_ids, &var.kv_ids);
@@ -132,6 +174,7 @@ int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
   }
   if (!cuda::Sm90ForwardSupports(p0)) {
     std::printf("FAIL %-44s Sm90ForwardSupports is false\n", c.name.c_str());
+    if (d_slopes) CHECK_CUDA(cudaFree(d_slopes));
     return 1;
   }
   const int64_t nq = c.B * c.T * c.H * c.D, nk = c.B * c.S * c.K * c.D;
@@ -167,17 +210,18 @@ int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
   p.o = d_o;
   p.lse = dlse;
 
-  const int kNumSchedules = static_cast<int>(g_schedules.size());
+  const std::vector<Sm90Schedule> schedules = SchedulesFor(p0);
+  const int kNumSchedules = static_cast<int>(schedules.size());
   std::vector<std::vector<uint16_t>> ho(kNumSchedules);
   std::vector<std::vector<float>> hlse(kNumSchedules);
   std::vector<bool> launched(kNumSchedules, false);
   for (int si = 0; si < kNumSchedules; ++si) {
-    const std::string what = c.name + " [" + ScheduleName(g_schedules[si]) + "]";
+    const std::string what = c.name + " [" + ScheduleName(schedules[si]) + "]";
     // Poison: 0xFFFF is NaN in fp16 and bf16, 0xFFFFFFFF in fp32.
     CHECK_CUDA(cudaMemset(d_o, 0xFF, nq * 2));
     CHECK_CUDA(cudaMemset(dlse, 0xFF, nlse * sizeof(float)));
     CHECK_CUDA(cudaDeviceSynchronize());
-    cudaError_t err = cuda::sm90::RunForwardSm90Schedule(p, scratch, dev, 0, g_schedules[si],
+    cudaError_t err = cuda::sm90::RunForwardSm90Schedule(p, scratch, dev, 0, schedules[si],
                                                          ChoiceFor(c.D));
     if (err == cudaSuccess) err = SyncWithWatchdog(what);
     if (err != cudaSuccess) {
@@ -202,6 +246,7 @@ int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
   CHECK_CUDA(cudaFree(dlse));
   if (scratch) CHECK_CUDA(cudaFree(scratch));
   if (d_ids) CHECK_CUDA(cudaFree(d_ids));
+  if (d_slopes) CHECK_CUDA(cudaFree(d_slopes));
 
   // Oracle (float64) and naive same-dtype attention (S and P rounded to the
   // dtype, fp32 accumulation, as a framework's plain attention computes it).
@@ -265,7 +310,7 @@ int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
       }
     }
     const bool ok = nbad == 0 && ek <= tol && el <= 1e-4;
-    const std::string what = c.name + " [" + ScheduleName(g_schedules[si]) + "]";
+    const std::string what = c.name + " [" + ScheduleName(schedules[si]) + "]";
     std::printf("%s %-54s O err %.3e (naive %.3e)  LSE rel err %.2e  nan/-inf mismatches %lld\n",
                 ok ? "PASS" : "FAIL", what.c_str(), ek, en, el, static_cast<long long>(nbad));
     if (!ok) {
@@ -314,7 +359,15 @@ int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
 // prints one line per implementation as soon as it is measured, so a hang in
 // a later schedule still leaves the earlier numbers in the log.
 void TimeCase(const Case& c, const cuda::DeviceInfo& dev, int reps, bool with_sm80 = true) {
-  FlashParams p = CaseParams(c);
+  HostVariants var;
+  float* d_slopes;
+  std::mt19937_64 option_rng(7);
+  FlashParams p = OptionParams(c, option_rng, &var, &d_slopes);
+  if (!cuda::Sm90ForwardSupports(p)) {  // a build without the options (a baseline's)
+    std::printf("SKIP %s: Sm90ForwardSupports is false\n", c.name.c_str());
+    if (d_slopes) CHECK_CUDA(cudaFree(d_slopes));
+    return;
+  }
   const int64_t nq = c.B * c.T * c.H * c.D, nk = c.B * c.S * c.K * c.D;
   void *q, *k, *v, *o, *scratch = nullptr;
   float* lse;
@@ -342,7 +395,7 @@ void TimeCase(const Case& c, const cuda::DeviceInfo& dev, int reps, bool with_sm
     std::fflush(stdout);
   };
   if (with_sm80) time("sm80", [&](int) { return cuda::RunForward(p, scratch, dev, 0); });
-  for (Sm90Schedule sch : g_schedules) {
+  for (Sm90Schedule sch : SchedulesFor(p)) {
     const std::string impl = std::string("sm90 ") + ScheduleName(sch);
     time(impl.c_str(), [&](int) {
       return cuda::sm90::RunForwardSm90Schedule(p, scratch, dev, 0, sch, ChoiceFor(c.D));
@@ -350,6 +403,7 @@ void TimeCase(const Case& c, const cuda::DeviceInfo& dev, int reps, bool with_sm
   }
   for (void* ptr : {q, k, v, o, static_cast<void*>(lse)}) CHECK_CUDA(cudaFree(ptr));
   if (scratch) CHECK_CUDA(cudaFree(scratch));
+  if (d_slopes) CHECK_CUDA(cudaFree(d_slopes));
 }
 
 std::string Name(const char* fmt, long long a, long long b, long long c, const char* d) {
@@ -389,6 +443,8 @@ int main(int argc, char** argv) {
     } else if (a == "--grid") {
       grid = true;
       time_only = true;
+    } else if (a == "--package") {
+      g_package_schedule = true;
     } else if (a == "--no-time") {
       no_time = true;
     } else if (a == "--time-only") {
@@ -419,15 +475,22 @@ int main(int argc, char** argv) {
     c.D = 128;
     FlashParams p = CaseParams(c);
     p.softcap = 30.f;
-    const bool softcap = !cuda::Sm90ForwardSupports(p);
+    p.alibi_slopes = reinterpret_cast<const float*>(&p);  // host-only check: any non-null
+    const bool options = cuda::Sm90ForwardSupports(p);
     p.softcap = 0.f;
+    p.alibi_slopes = nullptr;
+    const int32_t ids = 0;
+    p.q_segment_ids = p.kv_segment_ids = &ids;
+    const bool segments = !cuda::Sm90ForwardSupports(p);
+    p.q_segment_ids = p.kv_segment_ids = nullptr;
     bool accepted = true;
     for (int64_t d : {8, 40, 96, 128, 200, 256}) {
       p.head_dim = d;
       accepted = accepted && cuda::Sm90ForwardSupports(p);
     }
-    const bool ok = f32 && d264 && softcap && accepted;
-    std::printf("%s supports: float32, D=264, softcap declined; bf16 D=8..256 accepted\n",
+    const bool ok = f32 && d264 && options && segments && accepted;
+    std::printf("%s supports: float32, D=264, segment ids declined; softcap + ALiBi, bf16 "
+                "D=8..256 accepted\n",
                 ok ? "PASS" : "FAIL");
     failures += !ok;
   }
@@ -520,6 +583,28 @@ int main(int argc, char** argv) {
       {"seg 64 docs T9000 D128 causal bf16 (one tile per block)", bf, 1, 9000, 9000, 2, 2, 128, -1, 0, false, SK::kPacked, 64},
   };
   cases.insert(cases.end(), segmented.begin(), segmented.end());
+  // Score options (--filter opt): softcap, ALiBi and both, with causal,
+  // windows, GQA, every tile (D 64, 128 at 128 and 176 keys, 256 and the
+  // masked 128-key row above 8192 keys), the persistent grid, stream-K,
+  // bhtd strides, T != S both ways, odd lengths. Scale 1 in the softcap
+  // cases: scores of a few tens, so the cap bends them.
+  const std::vector<Case> options = {
+      {"opt softcap30 T1000 S1000 D128 causal bf16 s1", bf, 1, 1000, 1000, 2, 2, 128, -1, 0, false, SegKind::kNone, 0, 30.f, false, 1.f},
+      {"opt softcap5 T17 S1000 D64 fp16", fp, 1, 17, 1000, 2, 2, 64, -1, -1, false, SegKind::kNone, 0, 5.f},
+      {"opt alibi T1000 S1000 D64 causal GQA4 bf16 B2", bf, 2, 1000, 1000, 8, 2, 64, -1, 0, false, SegKind::kNone, 0, 0.f, true},
+      {"opt alibi T300 S9000 D128 window(700,0) fp16", fp, 1, 300, 9000, 2, 2, 128, 700, 0, false, SegKind::kNone, 0, 0.f, true},
+      {"opt softcap20+alibi T1000 S5000 D96 bf16 B2 s0.5", bf, 2, 1000, 5000, 2, 2, 96, -1, -1, false, SegKind::kNone, 0, 20.f, true, 0.5f},
+      {"opt softcap50+alibi T385 S353 D64 causal bf16 B2 s1", bf, 2, 385, 353, 3, 3, 64, -1, 0, false, SegKind::kNone, 0, 50.f, true, 1.f},
+      {"opt softcap10 T1000 S1000 D256 causal GQA4 bf16 B2 s0.5", bf, 2, 1000, 1000, 8, 2, 256, -1, 0, false, SegKind::kNone, 0, 10.f, false, 0.5f},
+      {"opt alibi T161 S4097 D256 window(300,20) fp16 bhtd", fp, 1, 161, 4097, 2, 2, 256, 300, 20, true, SegKind::kNone, 0, 0.f, true},
+      {"opt softcap30+alibi T1000 S1000 D128 bf16 B2 H40 (stream-K) s1", bf, 2, 1000, 1000, 40, 40, 128, -1, -1, false, SegKind::kNone, 0, 30.f, true, 1.f},
+      {"opt alibi T600 S400 D64 GQA4 bf16 B4 H16 (persistent)", bf, 4, 600, 400, 16, 4, 64, -1, -1, false, SegKind::kNone, 0, 0.f, true},
+      {"opt softcap30 T4096 S4096 D128 causal bf16 s1", bf, 1, 4096, 4096, 2, 2, 128, -1, 0, false, SegKind::kNone, 0, 30.f, false, 1.f},
+      {"opt alibi T1000 S17 D128 bf16 (T > S)", bf, 1, 1000, 17, 2, 2, 128, -1, -1, false, SegKind::kNone, 0, 0.f, true},
+      {"opt softcap15+alibi T300 S9000 D128 causal fp16 s0.5", fp, 1, 300, 9000, 2, 1, 128, -1, 0, false, SegKind::kNone, 0, 15.f, true, 0.5f},
+      {"opt softcap50+alibi T777 S555 D200 causal fp16 bhtd", fp, 1, 777, 555, 3, 3, 200, -1, 0, true, SegKind::kNone, 0, 50.f, true},
+  };
+  cases.insert(cases.end(), options.begin(), options.end());
   if (tiny) {
     cases = {
         {"tiny T128 S128 D128 bf16", bf, 1, 128, 128, 1, 1, 128, -1, -1},
@@ -536,6 +621,10 @@ int main(int argc, char** argv) {
          SegKind::kRandom, 0},
         {"tiny seg short docs T150 D256 causal bf16", bf, 1, 150, 150, 2, 2, 256, -1, 0, false,
          SegKind::kShort, 0},
+        {"opt tiny softcap10+alibi T130 S200 D64 causal GQA2 bf16 s1", bf, 1, 130, 200, 2, 1, 64, -1, 0, false, SegKind::kNone, 0, 10.f, true, 1.f},
+        {"opt tiny softcap30 T150 S170 D256 fp16 s1", fp, 1, 150, 170, 2, 2, 256, -1, -1, false, SegKind::kNone, 0, 30.f, false, 1.f},
+        {"opt tiny alibi T200 S100 D128 causal bf16 (empty rows)", bf, 1, 200, 100, 2, 2, 128, -1, 0, false, SegKind::kNone, 0, 0.f, true},
+        {"opt tiny softcap20+alibi T130 S200 D128 H140 bf16 (persistent)", bf, 1, 130, 200, 140, 140, 128, -1, -1, false, SegKind::kNone, 0, 20.f, true},
     };
   } else if (small) {
     std::vector<Case> keep;
@@ -573,6 +662,10 @@ int main(int argc, char** argv) {
         {"B2 T=S=8192 H8 D256 bf16 causal", bf, 2, 8192, 8192, 8, 8, 256, -1, 0},
         {"B8 T=S=2048 H8 D256 bf16", bf, 8, 2048, 2048, 8, 8, 256, -1, -1},
         {"B4 T=S=4096 H16 D96 bf16", bf, 4, 4096, 4096, 16, 16, 96, -1, -1},
+        // The score options beside their plain rows above.
+        {"B4 T=S=4096 H16 D128 bf16 softcap50", bf, 4, 4096, 4096, 16, 16, 128, -1, -1, false, 50.f},
+        {"B4 T=S=4096 H16 D128 bf16 causal alibi", bf, 4, 4096, 4096, 16, 16, 128, -1, 0, false, 0.f, true},
+        {"B4 T=S=4096 H16 D64 bf16 softcap50+alibi", bf, 4, 4096, 4096, 16, 16, 64, -1, -1, false, 50.f, true},
     };
     if (grid) {
       for (int64_t d : {64, 128, 256}) {
@@ -588,7 +681,9 @@ int main(int argc, char** argv) {
         }
       }
     } else {
-      for (const Case& c : timed) TimeCase(c, dev, 20);
+      for (const Case& c : timed) {
+        if (filter.empty() || c.name.find(filter) != std::string::npos) TimeCase(c, dev, 20);
+      }
     }
   }
   std::printf("%s: %d failure(s)\n", failures ? "FAILED" : "ALL PASSED", failures);

@@ -13,6 +13,7 @@
 #include "../flash_cuda.h"
 #include "head_dim.h"
 #include "segments.h"
+#include "score_options.h"
 
 namespace jax_flash2::cuda {
 
@@ -20,8 +21,8 @@ struct BwdScratchPtrs;  // bwd_kernel.cuh
 
 // True when the Hopper backward can serve p: bf16/fp16, D <= 256 (by the
 // tile of D's bucket, head_dim.h), only the score options
-// src/sm90_options.h lists (segment ids in pairs), not deterministic, every
-// stride a multiple of 8 elements and
+// src/sm90_options.h lists (softcap, ALiBi, segment ids in pairs), not
+// deterministic, every stride a multiple of 8 elements and
 // every pointer 16-byte aligned (TMA), sizes within the grid limits.
 bool Sm90BackwardSupports(const FlashParams& p);
 
@@ -154,7 +155,8 @@ constexpr int BwdSm90SmemBytes(const BwdSm90Tile& t) {
     // K, V, `stages` x (Q, dO), P^T and dS^T (block_n x block_m), `stages` x
     // (lse2, Dvec), the mbarriers (kv_full; four per stage; three between the
     // consumers and the dQ warp): 64 + 128 + 16 + 1 KB + 1 KB slack = 210 KB
-    // at D = 256. (dQ is staged over the Q and dO stages.)
+    // at D = 256. (dQ is staged over the Q and dO stages; the score options'
+    // kernel has a tile more: BwdSm90DSplitSmem::kOptionsSmemBytes.)
     return 2 * t.block_n * t.head_dim * 2 + t.stages * 2 * t.block_m * t.head_dim * 2 +
            2 * t.block_n * t.block_m * 2 + t.stages * 2 * t.block_m * 4 + (4 + 4 * t.stages) * 8 +
            1024;
@@ -212,6 +214,7 @@ struct BwdSm90Args {
   // and 64 keys (one consumer warpgroup's; the D-split tile's 64);
   // segments.cuh. Empty without.
   SegmentBlocks seg;
+  Sm90ScoreUnits units;  // the score units of p's softcap (score_options.h)
 };
 
 }  // namespace sm90

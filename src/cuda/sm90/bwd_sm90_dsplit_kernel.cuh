@@ -49,6 +49,10 @@
 // staging), named barriers 7 over both consumers (Q and dO stages free for
 // the dK, dV staging), 8 + c per consumer (staged, to its TMA store thread).
 //
+// Softcap and ALiBi (score_options.h): consumer 0 transforms S^T before the
+// exponentials and, with softcap, hands consumer 1 the cap's derivative 1 -
+// th^2 in a tile beside P^T (published by p_full with it).
+//
 // The producer warpgroup: one thread issues the TMA loads (K and V once, Q
 // and dO per query block into a two-stage ring), one warp stages lse2 and
 // Dvec as in BwdSm90Kernel, one issues the dQ reductions. One tile per CTA
@@ -66,6 +70,7 @@
 #include "bwd_sm90_common.cuh"
 #include "primitives.cuh"
 #include "segments.cuh"
+#include "score_options.h"
 #include "wgmma.cuh"
 
 namespace jax_flash2::cuda::sm90 {
@@ -108,11 +113,18 @@ struct BwdSm90DSplitSmem {
   static constexpr int kEnd = kBars + (4 + 4 * Tr::kStages) * 8;
   // The host's size (bwd_sm90.h) is this carve-up plus the alignment slack.
   static_assert(kEnd + 1024 == BwdSm90SmemBytes(Tr::kTile));
+  // With the score options, after it: softcap's 1 - th^2 (th = tanh, before
+  // ALiBi) of the block, from consumer 0 to consumer 1 as P^T (8 KB more).
+  static constexpr int kDcap = (kEnd + 1023) / 1024 * 1024;
+  static constexpr int kOptionsSmemBytes = kDcap + Tr::kPBytes + 1024;
+  static_assert(kOptionsSmemBytes <= 232448);  // cc 9.0's opt-in limit per block
   static_assert(kV % 1024 == 0 && kQ % 1024 == 0 && kDo % 1024 == 0 && kP % 1024 == 0 &&
                 kDs % 1024 == 0 && kRows % 16 == 0);
 };
 
-template <typename Elem>
+// kScoreOptions: softcap and / or ALiBi (score_options.h), a template flag
+// as in BwdSm90Kernel.
+template <typename Elem, bool kScoreOptions>
 __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     BwdSm90DSplitKernel(const __grid_constant__ BwdSm90Args args) {
   using Tr = BwdSm90DSplitTraits;
@@ -128,6 +140,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   unsigned char* s_do = smem + Smem::kDo;
   unsigned char* s_p = smem + Smem::kP;
   unsigned char* s_ds = smem + Smem::kDs;
+  unsigned char* s_dcap = smem + Smem::kDcap;
   float* s_rows = reinterpret_cast<float*>(smem + Smem::kRows);
   // kv_full: K and V landed. q_full[s]: Q, dO, lse2, Dvec of stage s landed;
   // q_empty[s]: every consumer thread is done with them and the dQ staged
@@ -345,7 +358,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     WgmmaCommit();
   };
 
-  const float scale_log2 = p.softmax_scale_log2;
+  // The exp2 factor per unit of score (score_options.h).
+  const float scale_log2 = kScoreOptions ? args.units.log2 : p.softmax_scale_log2;
   float acc_dk[64], acc_dv[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc_dk[i] = acc_dv[i] = 0.f;
@@ -375,12 +389,45 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
 
     uint32_t pa[Tr::kSlices][4], dsa[Tr::kSlices][4];
     if (cg == 0) {
-      // P^T = exp2(S^T * scale_log2 - lse2[query]); lse2 = +inf (rows past T,
-      // rows that see no key) gives exactly 0.
+      if constexpr (!kScoreOptions) {
+        // P^T = exp2(S^T * scale_log2 - lse2[query]); lse2 = +inf (rows past
+        // T, rows that see no key) gives exactly 0.
 #pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        const float2 l = rows[i / 4];
-        acc[i] = FastExp2(fmaf(acc[i], scale_log2, -((i & 1) ? l.y : l.x)));
+        for (int i = 0; i < 32; ++i) {
+          const float2 l = rows[i / 4];
+          acc[i] = FastExp2(fmaf(acc[i], scale_log2, -((i & 1) ? l.y : l.x)));
+        }
+      } else {
+        // Softcap, ALiBi (score_options.h): P^T = exp2(u * log2 - lse2), and
+        // with softcap 1 - th^2 (th before ALiBi) for consumer 1's dS^T, into a tile of its own
+        // (through dsa, free until this consumer loads dS^T; published with
+        // P^T by p_full).
+        // Element i: key row n_begin + 16 warp + g + 8 ((i / 2) % 2), query
+        // m_begin + 8 (i / 4) + 2 t4 + i % 2.
+        const float slope_u = AlibiSlopeUnits(
+            p, args.units, b * static_cast<int>(p.num_heads_q) + Opaque(h));
+        const int col_base = Opaque(m_begin) + 2 * t4 + seqlen_k -
+                             static_cast<int>(p.seqlen_q) - n_begin - 16 * warp - g;
+        const float base[2] = {static_cast<float>(col_base), static_cast<float>(col_base - 8)};
+        if (p.softcap > 0.f) {
+          SoftcapScores(acc, args.units.tanh_in);
+#pragma unroll
+          for (int kk = 0; kk < Tr::kSlices; ++kk) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              const int i = 8 * kk + 2 * r;
+              dsa[kk][r] = PackFloat2<Elem>(fmaf(-acc[i], acc[i], 1.f),
+                                            fmaf(-acc[i + 1], acc[i + 1], 1.f));
+            }
+          }
+          store_tile(s_dcap, dsa);
+        }
+        if (p.alibi_slopes != nullptr) AlibiScores<32, 1>(acc, slope_u, base);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+          const float2 l = rows[i / 4];
+          acc[i] = FastExp2(fmaf(acc[i], scale_log2, -((i & 1) ? l.y : l.x)));
+        }
       }
       if (!window.FullyVisible(m_begin, kBlockM)) {
         ZeroMaskedScores(acc, m_begin, t4, window);
@@ -404,17 +451,24 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     } else {
       MbarWait(p_full, it & 1);
       load_tile(s_p, pa);
-      // dS^T = P^T o (dP^T - Dvec[query]), from the P^T fragments: element
-      // pair (8 kk + 2 r, + 1) is fragment r of slice kk, column block 2 kk +
-      // r / 2.
+      // dS^T = P^T o (dP^T - Dvec[query]) (o (1 - th^2) with softcap), from
+      // the P^T fragments: element pair (8 kk + 2 r, + 1) is fragment r of
+      // slice kk, column block 2 kk + r / 2.
+      const bool softcap = kScoreOptions && p.softcap > 0.f;
 #pragma unroll
       for (int kk = 0; kk < Tr::kSlices; ++kk) {
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
+          float2 dc = make_float2(1.f, 1.f);
+          if (softcap) {
+            dc = UnpackFloat2<Elem>(
+                *reinterpret_cast<const uint32_t*>(s_dcap + fragment_offset(kk, r)));
+          }
           const float2 pr = UnpackFloat2<Elem>(pa[kk][r]);
           const float2 d = rows[2 * kk + r / 2];
           const int i = 8 * kk + 2 * r;
-          dsa[kk][r] = PackFloat2<Elem>(pr.x * (acc[i] - d.x), pr.y * (acc[i + 1] - d.y));
+          dsa[kk][r] = PackFloat2<Elem>(pr.x * ((acc[i] - d.x) * dc.x),
+                                        pr.y * ((acc[i + 1] - d.y) * dc.y));
         }
       }
     }

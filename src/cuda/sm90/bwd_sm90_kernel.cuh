@@ -55,6 +55,9 @@
 // AlignedDynamicSmem), with conflict-free dQ staging stores, and the lse2 /
 // Dvec loads issued ahead of the wgmmas: +8-13% together.
 //
+// Softcap and ALiBi (score_options.h, kernels with kScoreOptions): S^T
+// transformed before the exponentials as in the forward, and dS^T times the
+// cap's derivative 1 - th^2, th found again from P^T (see the loop).
 // Masking as in the sm80 backward: query blocks outside the key block's
 // window are skipped (QueryRange), and only blocks not fully visible to a
 // warpgroup's 64 keys pay for the per-element WindowMask predicate. TMA
@@ -80,6 +83,7 @@
 #include "bwd_sm90_common.cuh"
 #include "primitives.cuh"
 #include "segments.cuh"
+#include "score_options.h"
 #include "wgmma.cuh"
 
 namespace jax_flash2::cuda::sm90 {
@@ -153,7 +157,10 @@ struct BwdSm90Smem {
   static_assert(Tr::kQBytes % 1024 == 0 && Tr::kDsBytes % 1024 == 0 && kBars % 8 == 0);
 };
 
-template <typename Elem, int kHeadDim>
+// kScoreOptions: softcap and / or ALiBi (score_options.h). A template flag,
+// not a runtime branch: the branch alone cost the plain D = 64 kernel 8-9%
+// (spills in its main loop; H200, B4 T=S=4096 H32, causal or not).
+template <typename Elem, int kHeadDim, bool kScoreOptions>
 __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     BwdSm90Kernel(const __grid_constant__ BwdSm90Args args) {
   using Tr = BwdSm90Traits<kHeadDim>;
@@ -439,7 +446,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   const int lane = wg_tid % 32;
   const int g = lane / 4;        // accumulator row (and g + 8)
   const int t4 = lane % 4;       // accumulator column pair
-  const float scale_log2 = p.softmax_scale_log2;
+  // The exp2 factor per unit of score (score_options.h).
+  const float scale_log2 = kScoreOptions ? args.units.log2 : p.softmax_scale_log2;
 
   // Descriptors of stage 0 / buffer 0: K and V rows of this warpgroup
   // (K-major, for S^T and dP^T), Q and dO (K-major for S^T and dP^T, MN-major
@@ -553,31 +561,11 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // e = i % 2.
       const bool full = window.FullyVisible(m_begin, kBlockM);
       WgmmaWaitFenced<1>(s);  // S^T done; dP^T may still run
-      load_rows(ring.stage, 1, dvec);
-      // P^T = exp2(S^T * scale_log2 - lse2[query]); lse2 = +inf (rows past T,
-      // rows that see no key) gives exactly 0. P^T and dS^T become A fragments
-      // (rounded to Elem, as in FlashAttention-2): n8 tiles 2 kk and 2 kk + 1
-      // form k16 slice kk (see wgmma.cuh).
-#pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j) {
-        const float2 l = lse2[j];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int i = 4 * j + r;
-          s[i] = FastExp2(fmaf(s[i], scale_log2, -((r & 1) ? l.y : l.x)));
-        }
-      }
-      if (!full) {
-        ZeroMaskedScores(s, m_begin, t4, window);
-        if (args.seg.kv_span != nullptr) {
-          ZeroUnequalIds(s, args.seg, tile.b, key0, m_begin, warp, g, t4);
-        }
-      }
+      uint32_t pa[Tr::kSlices][4], dsa[Tr::kSlices][4];
       // dV += P^T dO (wgmma RS: P^T from registers, dO MN-major). At block_m =
       // 64 it is issued before dS^T is computed, to run under that math; at
       // 128, S^T in fp32 (for dS^T), P^T, dP^T, dK and dV do not all fit in
       // registers, so it is issued after, as FlashAttention-3 does.
-      uint32_t pa[Tr::kSlices][4], dsa[Tr::kSlices][4];
       const auto issue_dv = [&] {
 #pragma unroll
         for (int kk = 0; kk < Tr::kSlices; ++kk) {
@@ -597,6 +585,69 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
         WgmmaCommit();
       };
       constexpr bool kDvUnderDs = kBlockM == 64;
+      // Softcap, ALiBi (score_options.h): u from S^T, P^T = exp2(u * log2 -
+      // lse2) while dP^T runs; once it is done, dS^T = P^T o (dP^T - Dvec) o
+      // (1 - th^2), th = tanh(S^T scale / cap) (the cap's derivative) found
+      // again from P^T: th = (log2 P^T + lse2) / log2 + the ALiBi term.
+      // Holding th (or 1 - th^2) beside P^T spilled the D = 64 consumers
+      // 280 bytes. Both kernels keep one dV issue point and one dP^T wait
+      // (issued or waited in branches of their own, ptxas serialized every
+      // wgmma: C7512, C7514).
+      constexpr bool options = kScoreOptions;
+      // Element i: key row key0 + 16 warp + g + 8 ((i / 2) % 2), query
+      // m_begin + 8 (i / 4) + 2 t4 + i % 2; |query + S - T - key| = |base[key
+      // row] + column|. Indices through Opaque, as in the forward.
+      const auto alibi_base = [&](float (&base)[2]) {
+        const int col_base = Opaque(m_begin) + 2 * t4 + seqlen_k -
+                             static_cast<int>(p.seqlen_q) - key0 - 16 * warp - g;
+        base[0] = static_cast<float>(col_base);
+        base[1] = static_cast<float>(col_base - 8);
+      };
+      const auto alibi_slope = [&] {
+        return AlibiSlopeUnits(p, args.units,
+                               Opaque(tile.b) * static_cast<int>(p.num_heads_q) + Opaque(h));
+      };
+      // P^T = exp2(S^T * scale_log2 - lse2[query]); lse2 = +inf (rows past T,
+      // rows that see no key) gives exactly 0. P^T and dS^T become A fragments
+      // (rounded to Elem, as in FlashAttention-2): n8 tiles 2 kk and 2 kk + 1
+      // form k16 slice kk (see wgmma.cuh).
+      if constexpr (!options) {
+        load_rows(ring.stage, 1, dvec);
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+          const float2 l = lse2[j];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int i = 4 * j + r;
+            s[i] = FastExp2(fmaf(s[i], scale_log2, -((r & 1) ? l.y : l.x)));
+          }
+        }
+      } else {
+        // The options score by score with its exponential, and Dvec loaded
+        // after them: a pass of their own, or Dvec held through them, spilled
+        // the D = 64 consumers 160-200 bytes.
+        float base[2];
+        alibi_base(base);
+        const float slope_u = alibi_slope();
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+          const float2 l = lse2[j];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int i = 4 * j + r;
+            const float dist = fabsf(base[r / 2] + static_cast<float>(8 * j + (r & 1)));
+            const float u = TransformScore(s[i], p, args.units, slope_u, dist);
+            s[i] = FastExp2(fmaf(u, scale_log2, -((r & 1) ? l.y : l.x)));
+          }
+        }
+        load_rows(ring.stage, 1, dvec);
+      }
+      if (!full) {
+        ZeroMaskedScores(s, m_begin, t4, window);
+        if (args.seg.kv_span != nullptr) {
+          ZeroUnequalIds(s, args.seg, tile.b, key0, m_begin, warp, g, t4);
+        }
+      }
       if constexpr (kDvUnderDs) issue_dv();
 
       WgmmaWaitFenced<kDvUnderDs ? 1 : 0>(dp);  // dP^T done; dV may still run
@@ -608,6 +659,27 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
         for (int r = 0; r < 4; ++r) {
           const int i = 4 * j + r;
           dp[i] = s[i] * (dp[i] - ((r & 1) ? d.y : d.x));
+        }
+      }
+      if (options && p.softcap > 0.f) {  // (compiled out without the options)
+        float base[2];
+        alibi_base(base);
+        const float slope_u = alibi_slope();
+        const float* lse2_row = s_rows + 2 * ring.stage * kBlockM + 2 * t4;
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+          const float2 l = *reinterpret_cast<const float2*>(lse2_row + 8 * j);
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int i = 4 * j + r;
+            // Where P^T is 0 (masked, past T, underflow) so is dS^T: the
+            // factor is not evaluated there (log2 0 = -inf).
+            const float column = static_cast<float>(8 * j + (r & 1));
+            const float th =
+                fmaf(FastLog2(s[i]) + ((r & 1) ? l.y : l.x), args.units.inv_log2,
+                     slope_u * fabsf(base[r / 2] + column));
+            dp[i] *= s[i] > 0.f ? fmaf(-th, th, 1.f) : 0.f;
+          }
         }
       }
 #pragma unroll

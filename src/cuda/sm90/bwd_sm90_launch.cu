@@ -27,28 +27,47 @@ namespace {
 using sm90::BwdSm90Args;
 using sm90::BwdSm90Tile;
 
-// The kernel of the tile of kHeadDim: BwdSm90Kernel, or at D = 256
-// BwdSm90DSplitKernel (one CTA per tile).
-template <typename Elem, int kHeadDim>
+// The kernel of the tile of kHeadDim, with or without the score options:
+// BwdSm90Kernel, or at D = 256 BwdSm90DSplitKernel (one CTA per tile).
+template <typename Elem, int kHeadDim, bool kScoreOptions>
 constexpr auto BwdSm90KernelFor() {
   if constexpr (sm90::BwdSm90SplitsD(sm90::BwdSm90TileFor(kHeadDim))) {
-    return &sm90::BwdSm90DSplitKernel<Elem>;
+    return &sm90::BwdSm90DSplitKernel<Elem, kScoreOptions>;
   } else {
-    return &sm90::BwdSm90Kernel<Elem, kHeadDim>;
+    return &sm90::BwdSm90Kernel<Elem, kHeadDim, kScoreOptions>;
   }
 }
 
-template <typename Elem, int kHeadDim>
-cudaError_t LaunchBwdSm90(const BwdSm90Args& args, int num_ctas, cudaStream_t stream) {
+// Its dynamic shared memory (the D-split kernel's options take a tile more).
+template <int kHeadDim, bool kScoreOptions>
+constexpr int BwdSm90KernelSmemBytes() {
   constexpr BwdSm90Tile tile = sm90::BwdSm90TileFor(kHeadDim);
-  constexpr int smem_bytes = sm90::BwdSm90SmemBytes(tile);
-  const auto kernel = BwdSm90KernelFor<Elem, kHeadDim>();
+  if constexpr (sm90::BwdSm90SplitsD(tile) && kScoreOptions) {
+    return sm90::BwdSm90DSplitSmem::kOptionsSmemBytes;
+  } else {
+    return sm90::BwdSm90SmemBytes(tile);
+  }
+}
+
+template <typename Elem, int kHeadDim, bool kScoreOptions>
+cudaError_t LaunchBwdSm90Kernel(const BwdSm90Args& args, int num_ctas, cudaStream_t stream) {
+  constexpr int smem_bytes = BwdSm90KernelSmemBytes<kHeadDim, kScoreOptions>();
+  const auto kernel = BwdSm90KernelFor<Elem, kHeadDim, kScoreOptions>();
   static std::atomic<uint64_t> opted_in{0};
   const cudaError_t err =
       OptInSharedMemoryOnce(reinterpret_cast<const void*>(kernel), opted_in, smem_bytes);
   if (err != cudaSuccess) return err;
   kernel<<<static_cast<unsigned>(num_ctas), sm90::kBwdSm90Threads, smem_bytes, stream>>>(args);
   return cudaGetLastError();
+}
+
+// The score options' template flag.
+template <typename Elem, int kHeadDim>
+cudaError_t LaunchBwdSm90(const BwdSm90Args& args, int num_ctas, cudaStream_t stream) {
+  if (sm90::HasSm90ScoreOptions(args.p)) {
+    return LaunchBwdSm90Kernel<Elem, kHeadDim, true>(args, num_ctas, stream);
+  }
+  return LaunchBwdSm90Kernel<Elem, kHeadDim, false>(args, num_ctas, stream);
 }
 
 template <typename Elem>
@@ -149,7 +168,10 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
     return cudaErrorInvalidValue;
   }
   const BwdSm90Tile tile = sm90::BwdSm90TileFor(p.head_dim);
-  if (static_cast<size_t>(sm90::BwdSm90SmemBytes(tile)) > dev.max_smem_per_block_optin) {
+  const int smem_bytes = sm90::BwdSm90SplitsD(tile) && sm90::HasSm90ScoreOptions(p)
+                             ? sm90::BwdSm90DSplitSmem::kOptionsSmemBytes
+                             : sm90::BwdSm90SmemBytes(tile);
+  if (static_cast<size_t>(smem_bytes) > dev.max_smem_per_block_optin) {
     return cudaErrorInvalidValue;
   }
   // Nothing to compute; RunBackward returns before this, but a tensor map
@@ -160,6 +182,7 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
 
   BwdSm90Args args;
   args.p = p;
+  args.units = sm90::MakeSm90ScoreUnits(p);
   args.lse2 = s.lse2;
   args.dvec = s.dvec;
   args.dq_acc = s.dq_acc;

@@ -14,13 +14,14 @@
 #include "../flash_cuda.h"
 #include "head_dim.h"
 #include "segments.h"
+#include "score_options.h"
 
 namespace jax_flash2::cuda {
 
 // True when the Hopper forward can serve p: bf16/fp16, D <= 256 (run by the
 // tile of D's bucket, 64, 128 or 256: head_dim.h), only the score options
-// src/sm90_options.h lists (segment ids in pairs), every stride a multiple
-// of 8 elements and
+// src/sm90_options.h lists (softcap, ALiBi, segment ids in pairs), every stride
+// a multiple of 8 elements and
 // every pointer 16-byte aligned (TMA), sizes within the grid and tensor-map
 // limits. Split-KV and GQA packing for decode are not implemented here: such
 // calls still run (one block per 128 query rows), but the dispatcher sends
@@ -268,6 +269,7 @@ struct FwdSm90Args {
   // Segment ids: the pre-pass's summaries in chunks of 64 query rows (one
   // consumer warpgroup's) and block_n keys (segments.cuh); empty without.
   SegmentBlocks seg;
+  Sm90ScoreUnits units;  // the score units of p's softcap (score_options.h)
 };
 
 }  // namespace sm90

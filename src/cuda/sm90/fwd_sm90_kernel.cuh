@@ -51,6 +51,9 @@
 // stages, and one's softmax overlaps another's wgmma only as far as they
 // happen to drift apart.
 //
+// Softcap and ALiBi (score_options.h, kernels with kScoreOptions) transform S
+// before the mask: with softcap S holds tanh(S * scale / cap) and the cap
+// takes the scale's place in exp2 and in the LSE (FwdSm90Args::units).
 // Masking follows WindowMask (flash_mask.h); key blocks outside the window of
 // every row are skipped, and only blocks not fully visible to all 64 rows of
 // a warpgroup pay for the per-element predicate. Ragged tails: TMA zero-fills
@@ -76,6 +79,7 @@
 #include "fwd_sm90.h"
 #include "primitives.cuh"
 #include "segments.cuh"
+#include "score_options.h"
 #include "wgmma.cuh"
 
 namespace jax_flash2::cuda::sm90 {
@@ -119,7 +123,12 @@ struct FwdSm90Smem {
 
 // kPersistent: the grid may be smaller than the tile count (see the top).
 // Otherwise each block runs its one tile, and the loops below compile to that.
-template <typename Elem, int kTileIndex, Sm90Schedule kSchedule, bool kPersistent>
+// kScoreOptions: softcap and / or ALiBi (score_options.h). A template flag,
+// not a runtime branch: the branch alone cost the plain kernels 2.5-3.7%
+// (H200, B4 T=S=4096 H16, D 64, 96, 128, causal or not, two runs of each
+// binary alternated).
+template <typename Elem, int kTileIndex, Sm90Schedule kSchedule, bool kPersistent,
+          bool kScoreOptions>
 __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]), 1)
     FwdSm90Kernel(const __grid_constant__ FwdSm90Args args) {
   using Tr = FwdSm90Traits<kTileIndex>;
@@ -346,7 +355,9 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
   const int lane = wg_tid % 32;
   const int g = lane / 4;               // accumulator row (and g + 8)
   const int t4 = lane % 4;              // accumulator column pair
-  const float scale_log2 = p.softmax_scale_log2;
+  // The exp2 factor per unit of score: scale * log2(e), or cap * log2(e)
+  // with softcap (score_options.h).
+  const float scale_log2 = kScoreOptions ? args.units.log2 : p.softmax_scale_log2;
 
   // Per tile (set at the top of each): keys [full_begin, full_end) are
   // visible to all 64 rows of this warpgroup (rows past T included: that only
@@ -388,11 +399,29 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
     WgmmaCommit();
   };
 
-  // Mask, then the online softmax in place (S becomes unnormalised P in
-  // fp32); returns in correction[] the factor the caller applies to O.
-  // seg_chunk(): the warpgroup's query chunk of the pre-pass (b * chunks +
-  // row chunk), evaluated only for the id test.
-  auto softmax = [&](float (&s)[Tr::kSAcc], int n, float (&correction)[2], auto&& seg_chunk) {
+  // Softcap and ALiBi (score_options.h) of key block n of tile tl, whose
+  // warpgroup rows start at wg_row0: element i of this thread is query
+  // wg_row0 + 16 warp + g + 8 ((i / 2) % 2), key n kBlockN + 8 (i / 4) + 2 t4
+  // + i % 2. Indices through Opaque: hoisted out of the key loop, the slope
+  // and the row terms would hold registers in the plain path too.
+  auto transform_scores = [&](float (&s)[Tr::kSAcc], int n, const Tile& tl, int wg_row0) {
+    const int bh = Opaque(tl.b) * static_cast<int>(p.num_heads_q) + Opaque(tl.head);
+    const float slope_u = AlibiSlopeUnits(p, args.units, bh);
+    // |t + S - T - key| = |base[row] - column|
+    const int row_base = Opaque(wg_row0) + 16 * warp + g +
+                         static_cast<int>(p.seqlen_k - p.seqlen_q) - n * kBlockN - 2 * t4;
+    const float base[2] = {static_cast<float>(row_base), static_cast<float>(row_base + 8)};
+    TransformScores<Tr::kSAcc, -1>(s, p, args.units, slope_u, base);
+  };
+
+  // Score options, mask, then the online softmax in place (S becomes
+  // unnormalised P in fp32); returns in correction[] the factor the caller
+  // applies to O. seg_chunk(): the warpgroup's query chunk of the pre-pass
+  // (b * chunks + row chunk), evaluated only for the id test.
+  auto softmax = [&](float (&s)[Tr::kSAcc], int n, float (&correction)[2], auto&& seg_chunk,
+                     const Tile& tl, int wg_row0) {
+    // Before the mask: its -inf must stay -inf (tanh would make it -1).
+    if constexpr (kScoreOptions) transform_scores(s, n, tl, wg_row0);
     // Per-element mask only where some (row, key) pair of the warpgroup's
     // block is hidden: the diagonal band, window edges, the ragged last block.
     const int key0 = n * kBlockN;
@@ -586,7 +615,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
           issue_s(s, ring.stage);
           WgmmaWaitFenced<0>(s);
           release(&k_empty[ring.stage]);
-          softmax(s, n, correction, seg_chunk);
+          softmax(s, n, correction, seg_chunk, tl, wg_row0);
           convert_p(s, pa);
           rescale_o(correction);
           MbarWait(&v_full[ring.stage], ring.phase);
@@ -618,7 +647,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
         // soon as that S is done, its load starts a softmax and a PV earlier
         // than at the end of the tile.
         if (kPersistent && n == n_first) release(q_empty);
-        softmax(s, n, correction, seg_chunk);  // correction is 0 here and O is still 0
+        softmax(s, n, correction, seg_chunk, tl, wg_row0);  // correction is 0 here and O is still 0
         convert_p(s, pa);
         RingPos<kStages> v_ring = ring;  // the V tile of the block whose P is in pa
         ring.Advance();
@@ -637,7 +666,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
           WgmmaWaitFenced<1>(s);  // S_n done; the PV group may still run
           release(&k_empty[ring.stage]);
           if (kPersistent && n == n_first) release(q_empty);
-          softmax(s, n, correction, seg_chunk);
+          softmax(s, n, correction, seg_chunk, tl, wg_row0);
           WgmmaWaitFenced<0>(o, pa);
           release(&v_empty[v_ring.stage]);
           rescale_o(correction);
@@ -732,7 +761,8 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
       // score makes l NaN (fmaxf skips it in the row max, exp2 does not), and
       // the != test lets it through to O and the LSE.
       inv_l[h] = l != 0.f ? __fdividef(1.f, l) : 0.f;
-      lse[h] = l != 0.f ? row_max[h] * p.softmax_scale + __logf(l) : -INFINITY;
+      const float natural = kScoreOptions ? args.units.natural : p.softmax_scale;
+      lse[h] = l != 0.f ? row_max[h] * natural + __logf(l) : -INFINITY;
       if constexpr (!kTmaStoreO) {
         const int t = wg_row0 + warp * 16 + g + 8 * h;
         if (t >= tl.row_end) continue;

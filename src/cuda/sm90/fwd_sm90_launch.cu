@@ -33,17 +33,30 @@ using sm90::GetEncodeTiled;
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-template <typename Elem, int kTileIndex, Sm90Schedule kSchedule, bool kPersistent>
-cudaError_t LaunchFwdSm90(const FwdSm90Args& args, int grid_blocks, cudaStream_t stream) {
+template <typename Elem, int kTileIndex, Sm90Schedule kSchedule, bool kPersistent,
+          bool kScoreOptions>
+cudaError_t LaunchFwdSm90Kernel(const FwdSm90Args& args, int grid_blocks, cudaStream_t stream) {
   constexpr FwdSm90Tile tile = sm90::kFwdSm90TileTable[kTileIndex];
   constexpr int smem_bytes = sm90::FwdSm90SmemBytes(tile);
-  const auto kernel = &sm90::FwdSm90Kernel<Elem, kTileIndex, kSchedule, kPersistent>;
+  const auto kernel =
+      &sm90::FwdSm90Kernel<Elem, kTileIndex, kSchedule, kPersistent, kScoreOptions>;
   static std::atomic<uint64_t> opted_in{0};
   const cudaError_t err =
       OptInSharedMemoryOnce(reinterpret_cast<const void*>(kernel), opted_in, smem_bytes);
   if (err != cudaSuccess) return err;
   kernel<<<grid_blocks, sm90::FwdSm90Threads(tile), smem_bytes, stream>>>(args);
   return cudaGetLastError();
+}
+
+// The kernel with or without the score options (its template flag).
+template <typename Elem, int kTileIndex, Sm90Schedule kSchedule, bool kPersistent>
+cudaError_t LaunchFwdSm90(const FwdSm90Args& args, int grid_blocks, cudaStream_t stream) {
+  if (sm90::HasSm90ScoreOptions(args.p)) {
+    return LaunchFwdSm90Kernel<Elem, kTileIndex, kSchedule, kPersistent, true>(args, grid_blocks,
+                                                                                stream);
+  }
+  return LaunchFwdSm90Kernel<Elem, kTileIndex, kSchedule, kPersistent, false>(args, grid_blocks,
+                                                                               stream);
 }
 
 // The package builds each tile with its table row's schedule only, its
@@ -247,6 +260,7 @@ cudaError_t sm90::RunForwardSm90Schedule(const FlashParams& p, void* scratch,
 
   FwdSm90Args args;
   args.p = p;
+  args.units = sm90::MakeSm90ScoreUnits(p);
   args.num_m_blocks = plan.num_m_blocks;
   args.num_tiles = plan.num_tiles;
   args.sk_first_tile = plan.sk_first_tile;

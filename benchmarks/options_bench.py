@@ -1,0 +1,131 @@
+"""GPU benchmark of the score options (softcap, ALiBi, both) beside the plain
+path, in one run, with cuDNN (jax.nn.dot_product_attention) where it can
+express the option: plain, and ALiBi as a [1, H, T, S] bias tensor (cuDNN has
+no softcap). bf16, B = 2, H = 16; forward and forward+backward TFLOP/s, FLOPs
+4 B T S H D forward (halved when causal), 2.5x that backward, so 3.5x for
+forward+backward; each option's ratio to the plain path of the same shape.
+
+  python benchmarks/options_bench.py --out benchmarks/results/h200_options.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flash2
+from jax_flash2 import reference
+from gpu_bench import time_jax
+
+BATCH, HEADS = 2, 16
+SOFTCAP = 50.0
+
+
+def alibi_slopes():
+  # The ALiBi paper's geometric slopes for H heads.
+  return jnp.asarray(2.0 ** (-8.0 * np.arange(1, HEADS + 1) / HEADS), jnp.float32)
+
+
+def variants(causal):
+  """name -> (fn(q, k, v, *extra), needs the slopes (ours) / the bias (cuDNN))."""
+  def ours(**kw):
+    def fn(q, k, v, *extra):
+      return jax_flash2.flash_attention(q, k, v, causal=causal, **kw,
+                                        **({"alibi_slopes": extra[0]} if extra else {}))
+    return fn
+
+  def cudnn(q, k, v, *bias):
+    # The bias is an argument, not closed over (it would become a constant).
+    return jax.nn.dot_product_attention(q, k, v, *bias, is_causal=causal,
+                                        implementation="cudnn")
+
+  return {
+      "plain": (ours(), None),
+      f"softcap {SOFTCAP:g}": (ours(softcap=SOFTCAP), None),
+      "ALiBi": (ours(), "slopes"),
+      f"softcap {SOFTCAP:g} + ALiBi": (ours(softcap=SOFTCAP), "slopes"),
+      "cuDNN plain": (cudnn, None),
+      "cuDNN ALiBi (bias)": (cudnn, "bias"),
+  }
+
+
+def measure(fn, args, flops, warmup_s, iters):
+  grads = jax.grad(lambda q, k, v, *extra: jnp.sum(fn(q, k, v, *extra).astype(jnp.float32)),
+                   argnums=(0, 1, 2))
+  try:
+    tf = time_jax(jax.jit(fn), args, warmup_s, iters=iters)
+    tb = time_jax(jax.jit(grads), args, warmup_s, iters=iters)
+  except Exception as e:  # noqa: BLE001 - an implementation that cannot run this shape
+    print(f"  failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
+    return None
+  return flops / tf / 1e12, 3.5 * flops / tb / 1e12
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--seqlens", type=int, nargs="+", default=[4096, 8192, 16384])
+  parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+  parser.add_argument("--warmup-s", type=float, default=0.3)
+  parser.add_argument("--iters", type=int, default=5, help="calls per timed sample (median of 3)")
+  parser.add_argument("--no-cudnn", action="store_true")
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args()
+  command = "python " + " ".join(sys.argv)
+  names = list(variants(False))
+  if args.no_cudnn:
+    names = [n for n in names if not n.startswith("cuDNN")]
+  lines = [f"Command: `{command}`",
+           f"Device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+           f"{jax_flash2.kernel_info()['cuda']}", "",
+           f"bf16, B = {BATCH}, H = {HEADS}, T = S. TFLOP/s forward / forward+backward; "
+           "in brackets the ratio to jax_flash2's plain path of the same row.", "",
+           "| D | T | causal | " + " | ".join(names) + " |",
+           "|---|---|---|" + "---|" * len(names)]
+  slopes = alibi_slopes()
+  start = time.perf_counter()
+  for head_dim in args.head_dims:
+    for seqlen in args.seqlens:
+      for causal in (False, True):
+        keys = jax.random.split(jax.random.PRNGKey(seqlen + head_dim), 3)
+        qkv = tuple(jax.random.normal(k, (BATCH, seqlen, HEADS, head_dim), jnp.bfloat16)
+                    for k in keys)
+        flops = 4.0 * BATCH * seqlen * seqlen * HEADS * head_dim * (0.5 if causal else 1.0)
+        bias = None
+        results = {}
+        for name, (fn, extra) in variants(causal).items():
+          if name not in names:
+            continue
+          if extra == "bias" and bias is None:
+            bias = reference.alibi_bias(slopes[None], seqlen, seqlen).astype(jnp.bfloat16)
+          more = {"slopes": (slopes,), "bias": (bias,), None: ()}[extra]
+          results[name] = measure(fn, qkv + more, flops, args.warmup_s, args.iters)
+          r = results[name]
+          print(f"D{head_dim} T{seqlen} causal={causal} {name}: "
+                + ("failed" if r is None else f"{r[0]:.0f} / {r[1]:.0f}")
+                + f"  [{time.perf_counter() - start:.0f}s]", flush=True)
+        del bias
+        plain = results["plain"]
+
+        def cell(r):
+          if r is None:
+            return "-"
+          if plain is None:
+            return f"{r[0]:.0f} / {r[1]:.0f}"
+          return f"{r[0]:.0f} / {r[1]:.0f} ({r[0] / plain[0]:.2f} / {r[1] / plain[1]:.2f})"
+
+        lines.append(f"| {head_dim} | {seqlen} | {causal} | "
+                     + " | ".join(cell(results.get(n)) for n in names) + " |")
+        print(lines[-1], flush=True)
+        if args.out:  # after every row: a cut run keeps the rows it finished
+          with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+  print("\n".join(lines))
+
+
+if __name__ == "__main__":
+  main()

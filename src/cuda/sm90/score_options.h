@@ -1,0 +1,122 @@
+// Softcap and ALiBi in the Hopper kernels: the score units they compute in
+// (host and device) and the per-fragment transforms (device, sm90 only).
+//
+// The kernels keep a score u per (query, key) and take exp2(u * log2 - m),
+// so that the softmax scale folds into the exponent:
+//   plain:    u = S = Q K^T (unscaled)            natural logit = scale * u
+//   softcap:  u = tanh(S * scale / cap)            natural logit = cap * u
+// With softcap the scaled score is capped first (cap * tanh(scale S / cap)),
+// and the cap, not the scale, becomes the folded factor: one multiply and one
+// tanh per score, no division back into the kernel's units. ALiBi subtracts
+// slope * |i + S - T - j| in natural units after the cap (as FlashAttention-2
+// and the sm80 kernels order it), i.e. slope / natural per unit of u. The
+// backward gets dS through the cap as dS_u * (1 - th^2) (th = tanh(S scale / cap),
+// before ALiBi), and the scale in its
+// epilogues as without softcap (d logit / dS = scale * (1 - tanh^2)).
+#pragma once
+
+#include "../../flash_params.h"
+
+namespace jax_flash2::cuda::sm90 {
+
+struct Sm90ScoreUnits {
+  float natural = 1.f;  // natural-log units per unit of u (LSE = m * natural + log l)
+  float log2 = 1.f;     // natural * log2(e): the exp2 factor
+  float tanh_in = 0.f;  // scale / cap: tanh's argument per unit of S; 0 without softcap
+  float inv_log2 = 1.f;  // 1 / log2
+};
+
+inline Sm90ScoreUnits MakeSm90ScoreUnits(const FlashParams& p) {
+  Sm90ScoreUnits u;
+  if (p.softcap > 0.f) {
+    u.natural = p.softcap;
+    u.log2 = p.softcap * 1.4426950408889634f;
+    u.tanh_in = p.softmax_scale / p.softcap;
+  } else {
+    u.natural = p.softmax_scale;
+    u.log2 = p.softmax_scale_log2;
+  }
+  u.inv_log2 = 1.f / u.log2;
+  return u;
+}
+
+// Whether a call transforms its scores (the kernels' runtime branch).
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline bool HasSm90ScoreOptions(const FlashParams& p) {
+  return p.softcap > 0.f || p.alibi_slopes != nullptr;
+}
+
+#if defined(__CUDACC__)
+
+// tanh by MUFU.TANH: one special-function op per score, where the sm80
+// kernels' exp-and-reciprocal form costs two more; the special-function unit
+// already carries one exp2 per score and would bound the softcap path. Its
+// relative error (2^-11) is a quarter of bf16's rounding of the logit and
+// fp16's own.
+__device__ __forceinline__ float TanhApprox(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// u = tanh(S * tanh_in) over an accumulator fragment.
+template <int kAcc>
+__device__ __forceinline__ void SoftcapScores(float (&s)[kAcc], float tanh_in) {
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) s[i] = TanhApprox(s[i] * tanh_in);
+}
+
+// u -= slope_u * |dist| over a wgmma accumulator fragment: element i is in
+// accumulator row (i / 2) % 2 (this thread's rows r and r + 8) and column
+// 8 (i / 4) + 2 t4 + i % 2; its ALiBi distance is |base[row] + kColumnSign *
+// (8 (i / 4) + i % 2)|, with the thread's t4 and the tile's origin in base
+// (the forward's rows are queries and columns keys: sign -1; the backward's
+// transposed tiles the other way round: +1). The column offsets are
+// compile-time constants, so a score costs an add, a multiply and an add.
+template <int kAcc, int kColumnSign>
+__device__ __forceinline__ void AlibiScores(float (&s)[kAcc], float slope_u,
+                                            const float (&base)[2]) {
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) {
+    const float column = static_cast<float>(8 * (i / 4) + (i & 1));
+    s[i] -= slope_u * fabsf(base[(i / 2) % 2] + kColumnSign * column);
+  }
+}
+
+// Both options over a fragment (each only when the call has it).
+template <int kAcc, int kColumnSign>
+__device__ __forceinline__ void TransformScores(float (&s)[kAcc], const FlashParams& p,
+                                                const Sm90ScoreUnits& units, float slope_u,
+                                                const float (&base)[2]) {
+  if (p.softcap > 0.f) SoftcapScores(s, units.tanh_in);
+  if (p.alibi_slopes != nullptr) AlibiScores<kAcc, kColumnSign>(s, slope_u, base);
+}
+
+// One score: u = tanh(S * tanh_in) (softcap), u -= slope_u * dist (ALiBi).
+__device__ __forceinline__ float TransformScore(float s, const FlashParams& p,
+                                                const Sm90ScoreUnits& units, float slope_u,
+                                                float dist) {
+  if (p.softcap > 0.f) s = TanhApprox(s * units.tanh_in);
+  if (p.alibi_slopes != nullptr) s = fmaf(-slope_u, dist, s);
+  return s;
+}
+
+// slope[b, h] per unit of u (0 without ALiBi). The index goes through an
+// opaque move in the callers, so the load stays inside their option branch.
+__device__ __forceinline__ float AlibiSlopeUnits(const FlashParams& p,
+                                                 const Sm90ScoreUnits& units, int bh) {
+  return p.alibi_slopes != nullptr ? __ldg(p.alibi_slopes + bh) / units.natural : 0.f;
+}
+
+// log2 by MUFU.LG2 (the backward's way back from P to the score).
+__device__ __forceinline__ float FastLog2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+#endif  // __CUDACC__
+
+}  // namespace jax_flash2::cuda::sm90
