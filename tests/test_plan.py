@@ -65,8 +65,8 @@ def test_what_each_compute_capability_serves(cc):
   for d in HEAD_DIMS:
     plans = _plan(2, 1000, 1000, 8, 8, d, cc=cc, softcap=5.0)
     fwd, bwd = plans["forward"], plans["backward"]
-    if cc == (9, 0):  # the Hopper kernels serve softcap
-      assert fwd.kernel == "sm90" and bwd.kernel == "sm90", (d, fwd, bwd)
+    if cc == (9, 0):  # the Hopper kernels serve softcap (small grids still split on sm80)
+      assert "softcap" not in fwd.reason and "softcap" not in bwd.reason, (d, fwd, bwd)
       continue
     assert fwd.kernel == "sm80-prefill", (d, fwd)
     # The 99 KB GPUs: no backward above the d128 bucket (the d256 tile needs
