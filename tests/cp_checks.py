@@ -118,12 +118,18 @@ def packed_ids(b, t, seed=1):
   return ids
 
 
-def loss_of(fn, w):
+def loss_of(fn, w, aux=False):
   def loss(q, k, v):
     out, lse = fn(q, k, v)
     # Both outputs enter the loss, so dLSE != 0 is exercised too.
-    return jnp.sum(out * w) + jnp.sum(jnp.sin(lse))
+    value = jnp.sum(out * w) + jnp.sum(jnp.sin(lse))
+    return (value, (out, lse)) if aux else value
   return loss
+
+
+def results(fn, w):
+  """((out, lse), (dq, dk, dv)) of fn in one compiled program."""
+  return jax.grad(loss_of(fn, w, aux=True), argnums=(0, 1, 2), has_aux=True)
 
 
 def compare(n, *, layout="contiguous", strategy="ring", extra=None, seg=False, shape=None,
@@ -162,14 +168,12 @@ def compare(n, *, layout="contiguous", strategy="ring", extra=None, seg=False, s
                                          strategy=strategy, segment_ids=segment_ids,
                                          return_lse=True, **options)
 
-  def sharded_grads(q, k, v, w, ids):
-    return jax.grad(loss_of(lambda q, k, v: sharded(q, k, v, ids), w), argnums=(0, 1, 2))(
-        q, k, v)
+  def sharded_results(q, k, v, w, ids):
+    grads, outs = results(lambda q, k, v: sharded(q, k, v, ids), w)(q, k, v)
+    return outs, grads
 
-  out, lse = jax.jit(sharded)(qs, ks, vs, ids_s)
-  grads = jax.jit(sharded_grads)(qs, ks, vs, ws, ids_s)
-  ref_out, ref_lse = jax.jit(reference)(q, k, v)
-  ref_grads = jax.jit(jax.grad(loss_of(reference, w), argnums=(0, 1, 2)))(q, k, v)
+  (out, lse), grads = jax.jit(sharded_results)(qs, ks, vs, ws, ids_s)
+  ref_grads, (ref_out, ref_lse) = jax.jit(results(reference, w))(q, k, v)
   np.testing.assert_allclose(unperm(fetch(out)), ref_out, **FWD_TOL)
   np.testing.assert_allclose(unperm(fetch(lse), 2), ref_lse, **FWD_TOL)
   for name, g, r in zip("qkv", grads, ref_grads):
