@@ -289,9 +289,7 @@ def _block_backward(cfg, q, k, v, out, lse, d_out, d_lse, q_ids, kv_ids, window)
   config = api.make_config(q, k, v, softmax_scale=cfg.softmax_scale, window_size=window,
                            softcap=cfg.softcap, segment_ids=ids)
   extras = api.extra_operands(q, k, segment_ids=ids)
-  if hasattr(extras, "_fields"):  # one ExtraOperands structure
-    return _sharding.backward(q, k, v, out, lse, d_out, d_lse, extras, config)
-  return _sharding.backward(q, k, v, out, lse, d_out, d_lse, *extras, config)
+  return _sharding.backward(q, k, v, out, lse, d_out, d_lse, extras, config)
 
 
 def _forward_pairs(cfg, state, q, kv, pairs):
