@@ -350,7 +350,6 @@ class _Source:
       self.gathered = jax.tree.map(
           lambda x: jax.lax.all_gather(x, axes, axis=1, tiled=True), kv)
       self.length = kv[0].shape[1]
-    self.local = kv
 
   def block(self, step, current):
     """The block of device (r - step) mod n; `current` is the ring's block."""
@@ -414,22 +413,30 @@ def _ring_backward(cfg, res, cotangents):
     dk = jax.lax.psum_scatter(dk, cfg.axis_name, scatter_dimension=1, tiled=True)
     dv = jax.lax.psum_scatter(dv, cfg.axis_name, scatter_dimension=1, tiled=True)
   else:
-    dk = _vary_like(jnp.zeros(k.shape, jnp.float32), q)
-    dv = _vary_like(jnp.zeros(v.shape, jnp.float32), q)
-    current = kv
+    # K and V travel as one [2, B, S/n, K, D] message, and so do the dK, dV
+    # accumulators. Packed, the backward's K/V hops also differ from the
+    # forward's: XLA would merge equal collective-permutes of the two passes
+    # and keep every visiting block alive from the forward to the backward
+    # (O(S), not O(S/n), per device).
+    grads = _vary_like(jnp.zeros((2,) + k.shape, jnp.float32), q)
+    current = (jnp.stack([k, v]), None if kv_ids is None else kv_ids[None])
     for i, (step, own, other) in enumerate(plan):
       last = i + 1 == len(plan)
       if not last:
         upcoming = _hop(current, cfg.axis_name, n, plan[i + 1][0] - step)
-      dq, dk, dv = _run_step(_backward_pairs, cfg, (dq, dk, dv), fixed, current, step, own,
-                             other, index)
+      packed, ids = current
+      block = (packed[0], packed[1], None if ids is None else ids[0])
+      dq, dk, dv = _run_step(_backward_pairs, cfg, (dq, grads[0], grads[1]), fixed, block, step,
+                             own, other, index)
+      grads = jnp.stack([dk, dv])
       # The accumulators travel with their block; after the last step they
       # are sent straight home (the block of device j is then at j + step).
       shift = -step if last else plan[i + 1][0] - step
       if shift % n:
-        dk, dv = _hop((dk, dv), cfg.axis_name, n, shift)
+        grads = _hop(grads, cfg.axis_name, n, shift)
       if not last:
         current = upcoming
+    dk, dv = grads[0], grads[1]
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

@@ -312,7 +312,10 @@ def ring_hlo():
     assert "all-gather" not in hlo, "all-gather in the ring's program"
     assert "all-reduce" not in hlo and "all-to-all" not in hlo
     permutes = len(re.findall(r"collective-permute(?:-start)?\(", hlo))
-    assert permutes >= 2 * (n - 1), permutes  # K and V, n - 1 hops (dK, dV more)
+    # Forward: K and V, n - 1 hops each. Backward: K/V packed, n - 1 hops
+    # (its own, not the forward's: those blocks are not kept), and dK/dV
+    # packed, n - 1 hops and one home.
+    assert permutes == 2 * (n - 1) + (n - 1) + n, permutes
     long = [s for s in _shapes(hlo) if t in s]
     assert not long, f"values of global length {t}: {long[:4]}"
     entry = hlo[hlo.index("\nENTRY"):]
@@ -322,10 +325,10 @@ def ring_hlo():
       assert first_permute < first_kernel.start(), "the first hop waits for a kernel"
     details.append(f"{layout}: {permutes} collective-permutes, no all-gather")
   # A causal window of 20 over shards of 16 computes steps 0-2 only: two K/V
-  # hops (K and V each), dK/dV carried twice and sent home once.
+  # hops per pass, dK/dV carried twice and sent home once.
   hlo = _compiled(n, "ring", "contiguous", t, window_size=(20, 0))
   permutes = len(re.findall(r"collective-permute(?:-start)?\(", hlo))
-  assert permutes == 2 * 2 + 2 * 3, permutes
+  assert permutes == 2 * 2 + 2 + 3, permutes
   details.append(f"window (20, 0): {permutes} collective-permutes")
   return "; ".join(details)
 
