@@ -261,8 +261,11 @@ def test_small_shared_memory_tiles():
       except Exception as e:
         print("d256 backward:", type(e).__name__, str(e).replace("\\n", " "))
   """)
+  # Run from tests/ (conftest, oracle) with this process's jax_flash2.
+  package_root = os.path.dirname(os.path.dirname(os.path.abspath(jax_flash2.__file__)))
   env = dict(os.environ, JAX_FLASH2_MAX_SMEM_PER_BLOCK="101376",
-             XLA_PYTHON_CLIENT_PREALLOCATE="false")
+             XLA_PYTHON_CLIENT_PREALLOCATE="false",
+             PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=600, cwd=os.path.dirname(__file__))
   assert out.returncode == 0, out.stdout + out.stderr

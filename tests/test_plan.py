@@ -198,7 +198,7 @@ def test_cpu_and_bad_arguments():
     jax_flash2.plan(q, k, v)
 
 
-def test_max_smem_switch_runs_the_small_tiles():
+def test_max_smem_switch_runs_the_small_tiles(tmp_path):
   """JAX_FLASH2_MAX_SMEM_PER_BLOCK (read once per process) caps the shared
   memory the plan sees: on cc 9.0 the sm80 kernels then run, with the tiles of
   the 99 KB GPUs."""
@@ -208,7 +208,11 @@ def test_max_smem_switch_runs_the_small_tiles():
       p = jax_flash2.plan(q, q, q)
       print(p["forward"].kernel, p["backward"].kernel, p["backward"].tile["row"])
   """)
-  env = dict(os.environ, JAX_FLASH2_MAX_SMEM_PER_BLOCK="101376", JAX_PLATFORMS="cpu")
+  # The same jax_flash2 as this process's (installed or in-tree), from a
+  # directory that shadows neither.
+  package_root = os.path.dirname(os.path.dirname(os.path.abspath(jax_flash2.__file__)))
+  env = dict(os.environ, JAX_FLASH2_MAX_SMEM_PER_BLOCK="101376", JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=300, check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+                       timeout=300, check=True, cwd=tmp_path)
   assert out.stdout.split() == ["sm80-prefill", "sm80", "small_smem"], out
