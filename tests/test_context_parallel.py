@@ -184,7 +184,7 @@ def eight_devices():
 
 
 def test_found_checks():
-  assert len(NAMES) >= 12 and len(MULTI_NAMES) >= 5, (NAMES, MULTI_NAMES)
+  assert len(NAMES) >= 14 and len(MULTI_NAMES) >= 5, (NAMES, MULTI_NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)
