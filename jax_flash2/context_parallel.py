@@ -514,8 +514,14 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, layout: str = "c
       float32.
 
   Returns:
-    out [B, T/n, H, D] (and lse). Differentiable by jax.grad (a custom_vjp;
-    forward-mode AD is not supported).
+    out [B, T/n, H, D] (and lse). Differentiable in q, k, v by jax.grad
+    (a custom_vjp: forward-mode AD, jax.jvp, is not supported); works under
+    jax.checkpoint, vmap of leading batch axes and jax.export.
+
+  The steps are unrolled (n of them at most, fewer with a window): each is
+  one or a few kernel calls of static shape, and XLA sees every hop beside
+  the kernels it can overlap with. Per device the ring holds two K/V blocks
+  and, in the backward, a packed dK/dV accumulator in float32.
   """
   ids = None if segment_ids is None else tuple(segment_ids) if isinstance(
       segment_ids, (tuple, list)) else segment_ids
