@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import jax_flash2
-from jax_flash2 import _ext
 
 from conftest import ON_GPU, random_inputs
 from oracle import assert_close_to_oracle, naive_same_dtype, oracle
@@ -25,11 +24,11 @@ def _is_hopper() -> bool:
   return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
 
 
-def _calls_during(counts, fn) -> dict[str, int]:
-  before = counts()
-  jax.block_until_ready(fn())
-  after = counts()
-  return {path: after[path] - before[path] for path in before}
+def _device_plan(q, k, v, **options):
+  """jax_flash2.plan for this process's GPU (as the lowering sizes the call)."""
+  device = jax.devices()[0]
+  cc = tuple(int(x) for x in str(device.compute_capability).split("."))
+  return jax_flash2.plan(q, k, v, compute_capability=cc, sm_count=device.core_count, **options)
 
 
 def _slopes(rng, batch, heads, per_batch):
@@ -79,10 +78,8 @@ def test_forward_and_lse(rng, case):
   kwargs = dict(causal=causal, window_size=window, softmax_scale=scale, **opts)
   fn = jax.jit(lambda q, k, v, s: jax_flash2.flash_attention(
       q, k, v, alibi_slopes=s, return_lse=True, **kwargs))
-  fn.lower(q, k, v, slopes).compile()  # compile outside the counted window
-  calls = _calls_during(_ext.cuda_ext.forward_call_counts, lambda: fn(q, k, v, slopes))
-  path = "sm90" if _is_hopper() else "sm80"
-  assert calls[path] == 1 and sum(calls.values()) == 1, calls
+  plan = _device_plan(q, k, v, alibi_slopes=slopes, **kwargs)["forward"]
+  assert plan.kernel == ("sm90" if _is_hopper() else "sm80-prefill"), plan
   out, lse = fn(q, k, v, slopes)
   assert np.all(np.isfinite(np.asarray(out, np.float32)))
   (ref_out, ref_lse), _ = oracle(q, k, v, np.ones(q.shape), np.zeros(lse.shape),
@@ -132,12 +129,9 @@ def test_gradients(rng, case):
     return (out, lse), vjp((d_out, d_lse))
 
   fn = jax.jit(grads)
-  fn.lower(q, k, v, slopes, d_out, d_lse).compile()
-  calls = _calls_during(_ext.cuda_ext.backward_call_counts,
-                        lambda: fn(q, k, v, slopes, d_out, d_lse))
+  plan = _device_plan(q, k, v, alibi_slopes=slopes, **kwargs)["backward"]
   hopper_backward = _is_hopper() and os.environ.get("JAX_FLASH2_SM90_BACKWARD", "1") != "0"
-  path = "sm90" if hopper_backward else "sm80"
-  assert calls[path] == 1 and sum(calls.values()) == 1, calls
+  assert plan.kernel == ("sm90" if hopper_backward else "sm80"), plan
   (out, lse), got = fn(q, k, v, slopes, d_out, d_lse)
   (ref_out, ref_lse), ref_grads = oracle(q, k, v, d_out, d_lse, alibi_slopes=slopes, **kwargs)
   (base_out, base_lse), naive_vjp = jax.vjp(
