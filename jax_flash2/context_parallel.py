@@ -609,3 +609,56 @@ def context_parallel_attention(q, k, v, *, mesh, axis_name, batch_axis=None, seg
   out, lse = shard_map(local, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, ids_specs),
                        out_specs=(x_spec, lse_spec))(q, k, v, ids)
   return (out, lse) if return_lse else out
+
+
+# Sequence-sharded operands under plain jax.jit: jax_flash2._sharding's
+# custom partitioning calls these when q's T and k's S are split over the same
+# mesh axes, instead of gathering q, k and v.
+
+
+def sequence_config(config, mesh, seq_axes: tuple, q_shape, k_shape) -> RingConfig | None:
+  """The ring for a flash call (its AttentionConfig `config`) on q [*L, T, H, D],
+  k [*L, S, K, D] whose T and S are split over mesh axes `seq_axes`; None when
+  the ring cannot serve it (then the caller gathers T and S as before)."""
+  if not seq_axes:
+    return None
+  n = math.prod(mesh.shape[a] for a in seq_axes)
+  positional = config.window_left >= 0 or config.window_right >= 0
+  if (n < 2 or q_shape[-3] % n or k_shape[-3] % n or config.has_alibi
+      or config.dropout_rate > 0 or (positional and q_shape[-3] != k_shape[-3])):
+    return None
+  heads, kv_heads = q_shape[-2], k_shape[-2]
+  # All-gather K/V when they are a quarter of q's size or less (GQA, MQA):
+  # one collective, no per-step hops; else the ring, O(S/n) memory.
+  strategy = "allgather" if heads >= 4 * kv_heads else "ring"
+  axis = seq_axes[0] if len(seq_axes) == 1 else tuple(seq_axes)
+  return RingConfig(axis_name=axis, num_devices=n, layout="contiguous", strategy=strategy,
+                    causal=config.window_right == 0, softmax_scale=config.softmax_scale,
+                    window_left=config.window_left, window_right=config.window_right,
+                    softcap=config.softcap)
+
+
+def _merged(x, trailing):
+  return x.reshape((-1,) + x.shape[x.ndim - trailing:])
+
+
+def sequence_forward(cfg: RingConfig, config, q, k, v, extras):
+  """(out, lse) on this device's sequence shards, leading axes [*L] kept."""
+  lead = q.shape[:-3]
+  q_ids = kv_ids = None
+  if config.has_segment_ids:
+    q_ids, kv_ids = _merged(extras.q_segment_ids, 1), _merged(extras.kv_segment_ids, 1)
+  out, lse = _ring_forward(cfg, _merged(q, 3), _merged(k, 3), _merged(v, 3), q_ids, kv_ids)
+  return out.reshape(lead + out.shape[1:]), lse.reshape(lead + lse.shape[1:])
+
+
+def sequence_backward(cfg: RingConfig, config, q, k, v, out, lse, d_out, d_lse, extras):
+  """(dq, dk, dv) on this device's sequence shards, leading axes [*L] kept."""
+  lead = q.shape[:-3]
+  q_ids = kv_ids = None
+  if config.has_segment_ids:
+    q_ids, kv_ids = _merged(extras.q_segment_ids, 1), _merged(extras.kv_segment_ids, 1)
+  res = (_merged(q, 3), _merged(k, 3), _merged(v, 3), q_ids, kv_ids, _merged(out, 3),
+         _merged(lse, 2))
+  grads = _ring_backward(cfg, res, (_merged(d_out, 3), _merged(d_lse, 2)))
+  return tuple(g.reshape(lead + g.shape[1:]) for g in grads)
