@@ -86,6 +86,7 @@ struct FwdPlan {
   int bucket = 0;                     // the kernel's compile-time head dim
   cuda::FwdTileSizes tile{};          // sm80 prefill kernel
   cuda::DecodeTileSizes decode_tile{};  // sm80 decode kernel
+  bool decode_small_smem = false;       // decode_tile is kDecodeTileSmallSmem
   int pack = 1;  // query heads packed into the rows of a block (GQA decode)
   int num_m_blocks = 0;
   int num_splits = 1;
@@ -208,6 +209,27 @@ inline bool IsDecodeShape(const FlashParams& p) {
   return p.seqlen_q * p.group_size <= cuda::DecodeMaxRows(cuda::DecodeTileFor(p.head_dim));
 }
 
+inline int DecodeSmem(const FlashParams& p, const cuda::DecodeTileSizes& tile) {
+  return cuda::DecodeSmemBytes(tile, cuda::DecodeMTiles(tile, p.seqlen_q * p.group_size));
+}
+
+// The decode tile for p on dev: the bucket's row, else its small-smem one
+// where that fits and holds p's rows (small_smem says which); {0, ...} when
+// neither does.
+inline cuda::DecodeTileSizes ChooseDecodeTile(const FlashParams& p, const DeviceInfo& dev,
+                                              bool* small_smem) {
+  const int bucket = cuda::DecodeTileFor(p.head_dim).head_dim;
+  for (bool small : {false, true}) {
+    const cuda::DecodeTileSizes t = cuda::DecodeTileOfRow(bucket, small);
+    if (t.head_dim != 0 && p.seqlen_q * p.group_size <= cuda::DecodeMaxRows(t) &&
+        static_cast<size_t>(DecodeSmem(p, t)) <= dev.max_smem_per_block_optin) {
+      *small_smem = small;
+      return t;
+    }
+  }
+  return cuda::DecodeTileSizes{0, 0, 0, 0};
+}
+
 // Empty when the decode kernel serves a decode-shaped call, else why not.
 inline std::string DecodeUnserved(const FlashParams& p, const DeviceInfo& dev,
                                   const PlanOptions& opts) {
@@ -217,10 +239,10 @@ inline std::string DecodeUnserved(const FlashParams& p, const DeviceInfo& dev,
                        : p.dropout_seeds != nullptr  ? "dropout"
                                                      : nullptr;
   if (option != nullptr) return std::string(option) + ": the decode kernel does not serve it";
-  const cuda::DecodeTileSizes tile = cuda::DecodeTileFor(p.head_dim);
-  const int smem = cuda::DecodeSmemBytes(tile, cuda::DecodeMTiles(tile, p.seqlen_q * p.group_size));
-  if (static_cast<size_t>(smem) > dev.max_smem_per_block_optin) {
-    return "the decode kernel needs " + std::to_string(smem) +
+  bool small_smem = false;
+  if (ChooseDecodeTile(p, dev, &small_smem).head_dim == 0) {
+    const cuda::DecodeTileSizes tile = cuda::DecodeTileFor(p.head_dim);
+    return "the decode kernel needs " + std::to_string(DecodeSmem(p, tile)) +
            " bytes of shared memory per block at D=" + std::to_string(tile.head_dim) +
            "; this GPU allows " + std::to_string(dev.max_smem_per_block_optin);
   }
@@ -228,14 +250,15 @@ inline std::string DecodeUnserved(const FlashParams& p, const DeviceInfo& dev,
   return "";
 }
 
-// The decode kernel's grid (splits, B, K): its blocks stream disjoint keys
-// (memory bound), so the wave should fill the GPU closely (95%, not the
-// prefill's 85%).
-inline FwdPlan MakeDecodePlan(const FlashParams& p, const DeviceInfo& dev) {
+// The decode kernel's grid (splits, B, K) with `tile`: its blocks stream
+// disjoint keys (memory bound), so the wave should fill the GPU closely (95%,
+// not the prefill's 85%).
+inline FwdPlan MakeDecodePlan(const FlashParams& p, const DeviceInfo& dev,
+                              const cuda::DecodeTileSizes& tile, bool small_smem) {
   FwdPlan plan;
   plan.kernel = FwdKernel::kSm80Decode;
-  const cuda::DecodeTileSizes tile = cuda::DecodeTileFor(p.head_dim);
   plan.decode_tile = tile;
+  plan.decode_small_smem = small_smem;
   plan.bucket = tile.head_dim;
   plan.pack = static_cast<int>(p.group_size);
   plan.num_m_blocks = 1;
@@ -343,7 +366,11 @@ inline FwdPlan MakeForwardPlan(const FlashParams& p, const DeviceInfo& dev,
   const bool decode_shape = plan_detail::IsDecodeShape(p);
   if (decode_shape) {
     not_decode = plan_detail::DecodeUnserved(p, dev, opts);
-    if (not_decode.empty()) return plan_detail::MakeDecodePlan(p, dev);
+    if (not_decode.empty()) {
+      bool small_smem = false;
+      const cuda::DecodeTileSizes tile = plan_detail::ChooseDecodeTile(p, dev, &small_smem);
+      return plan_detail::MakeDecodePlan(p, dev, tile, small_smem);
+    }
   }
   plan = plan_detail::MakePrefillPlan(p, dev);
   const std::string not_sm90 = plan_detail::Sm90ForwardUnserved(p, dev, opts, plan);

@@ -239,6 +239,9 @@ def test_small_shared_memory_tiles():
         assert plan["forward"].smem_bytes <= 101376 and plan["backward"].smem_bytes <= 101376
         assert plan["backward"].kernel == "sm80", plan
         assert d == 32 or plan["backward"].tile["row"] == "small_smem", plan
+        if t == 1:  # the decode kernel's 16-key tile
+          assert plan["forward"].kernel == "sm80-decode", plan
+          assert plan["forward"].tile["row"] == "small_smem", plan
         d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
         d_lse = jnp.asarray(rng.standard_normal((2, h, t)), jnp.float32)
         (out, lse), vjp = jax.vjp(lambda q, k, v: jax_flash2.flash_attention(

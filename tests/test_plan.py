@@ -152,10 +152,16 @@ def test_decode_kernel_and_its_splits(cc):
   per_split = math.ceil(block_steps / splits) * warps
   assert fwd.splits == math.ceil(math.ceil(32768 / warp_keys) / per_split) > 1
   assert fwd.grid == (fwd.splits, 1, 4) and fwd.smem_bytes <= SMEM[cc]
-  # D128: the decode tile needs ~135 KB: the 99 KB GPUs run the prefill kernel.
+  # D128: the decode tile needs 135,424 B; the 99 KB GPUs take the 16-key
+  # tile (69,888 B). D256's 139,520 B have no smaller tile: the prefill kernel.
   fwd = _plan(1, 1, 32768, 32, 4, 128, cc=cc)["forward"]
-  if SMEM[cc] < 135424:
-    assert fwd.kernel == "sm80-prefill" and "decode kernel needs 135424" in fwd.reason, fwd
+  small = SMEM[cc] < 135424
+  assert fwd.kernel == "sm80-decode" and fwd.smem_bytes <= SMEM[cc], fwd
+  assert fwd.tile["row"] == ("small_smem" if small else "default")
+  assert fwd.tile["warp_keys"] == (16 if small else 32) and fwd.splits > 1
+  fwd = _plan(1, 1, 32768, 32, 4, 256, cc=cc)["forward"]
+  if small:
+    assert fwd.kernel == "sm80-prefill" and "decode kernel needs 139520" in fwd.reason, fwd
     assert fwd.tile["pack"] == 8 and fwd.splits > 1
   else:
     assert fwd.kernel == "sm80-decode", fwd

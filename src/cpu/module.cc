@@ -92,6 +92,7 @@ nb::dict Plan(bool backward, int dtype, int64_t batch, int64_t seqlen_q, int64_t
     d["bucket"] = plan.bucket;
     if (plan.kernel == FwdKernel::kSm80Decode) {
       tile["warp_keys"] = plan.decode_tile.warp_keys;
+      tile["row"] = plan.decode_small_smem ? "small_smem" : "default";
       tile["warps"] = cuda::kDecodeWarps;
       tile["rows"] = 16 * plan.m_tiles;
     } else {

@@ -26,9 +26,16 @@ size_t ForwardScratchBytes(const FlashParams& p, const DeviceInfo& dev) {
   }
 #endif
   // The lowering sizes the workspace without the score options, which decide
-  // between the decode and prefill kernels: enough for either.
+  // between the decode and prefill kernels, and for the largest shared memory
+  // of its compute capability, which decides the decode tile: enough for any.
   if (plan_detail::IsDecodeShape(p)) {
-    bytes = std::max(bytes, SplitScratchBytes(p, plan_detail::MakeDecodePlan(p, dev)));
+    const int bucket = DecodeTileFor(p.head_dim).head_dim;
+    for (bool small_smem : {false, true}) {
+      const DecodeTileSizes tile = DecodeTileOfRow(bucket, small_smem);
+      if (tile.head_dim == 0) continue;
+      bytes = std::max(bytes,
+                       SplitScratchBytes(p, plan_detail::MakeDecodePlan(p, dev, tile, small_smem)));
+    }
   }
   return bytes;
 }
@@ -62,7 +69,8 @@ cudaError_t RunForward(const FlashParams& p, void* scratch, const DeviceInfo& de
     args.o_partial = reinterpret_cast<float*>(static_cast<char*>(scratch) +
                                               SplitPartialLseBytes(p, plan));
   }
-  return LaunchSm80Forward(args, decode, plan.bucket, plan.m_tiles, stream);
+  return LaunchSm80Forward(args, decode, plan.decode_small_smem, plan.bucket, plan.m_tiles,
+                           stream);
 }
 
 }  // namespace jax_flash2::cuda

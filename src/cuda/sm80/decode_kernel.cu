@@ -36,9 +36,9 @@ namespace {
 // OnlineSoftmax, AccumulatePV, CopyMap) read: kMTiles m16 tiles per warp,
 // kBlockN keys per warp step, and a copy map for one warp (each warp fills
 // its own ring).
-template <int kHeadDim_, int kMTiles_>
+template <int kHeadDim_, int kMTiles_, bool kSmallSmem_>
 struct DecodeTraits {
-  static constexpr DecodeTileSizes kTile = DecodeTileFor(kHeadDim_);
+  static constexpr DecodeTileSizes kTile = DecodeTileOfRow(kHeadDim_, kSmallSmem_);
   static_assert(kTile.head_dim == kHeadDim_, "not a decode head-dim bucket");
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kTile.warp_keys;
@@ -107,10 +107,10 @@ __device__ __forceinline__ void LoadSwizzledKvTile(Elem* tile, const Elem* head_
   }
 }
 
-template <typename Elem, int kHeadDim, int kMTiles>
+template <typename Elem, int kHeadDim, int kMTiles, bool kSmallSmem>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
     DecodeKernel(const __grid_constant__ FwdArgs args) {
-  using Tr = DecodeTraits<kHeadDim, kMTiles>;
+  using Tr = DecodeTraits<kHeadDim, kMTiles, kSmallSmem>;
   constexpr int kRows = Tr::kRows;
   constexpr int kKeys = Tr::kBlockN;
   constexpr int kStages = Tr::kStages;
@@ -369,10 +369,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   }
 }
 
-template <typename Elem, int kHeadDim, int kMTiles>
+template <typename Elem, int kHeadDim, int kMTiles, bool kSmallSmem = false>
 cudaError_t LaunchDecodeFor(const FwdArgs& args, cudaStream_t stream) {
-  using Tr = DecodeTraits<kHeadDim, kMTiles>;
-  const auto kernel = &DecodeKernel<Elem, kHeadDim, kMTiles>;
+  using Tr = DecodeTraits<kHeadDim, kMTiles, kSmallSmem>;
+  const auto kernel = &DecodeKernel<Elem, kHeadDim, kMTiles, kSmallSmem>;
   constexpr int kSmemBytes = DecodeSmemBytes(Tr::kTile, kMTiles);
   static std::atomic<uint64_t> opted_in{0};
   const cudaError_t err =
@@ -386,7 +386,14 @@ cudaError_t LaunchDecodeFor(const FwdArgs& args, cudaStream_t stream) {
 }  // namespace
 
 template <typename Elem>
-cudaError_t LaunchDecodeKernel(const FwdArgs& args, int bucket, int m_tiles, cudaStream_t stream) {
+cudaError_t LaunchDecodeKernel(const FwdArgs& args, int bucket, int m_tiles, bool small_smem,
+                               cudaStream_t stream) {
+  if (small_smem) {
+    switch (bucket * 10 + m_tiles) {
+      case 1281: return LaunchDecodeFor<Elem, 128, 1, true>(args, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  }
   switch (bucket * 10 + m_tiles) {
     case 641: return LaunchDecodeFor<Elem, 64, 1>(args, stream);
     case 642: return LaunchDecodeFor<Elem, 64, 2>(args, stream);
@@ -397,7 +404,8 @@ cudaError_t LaunchDecodeKernel(const FwdArgs& args, int bucket, int m_tiles, cud
   }
 }
 
-template cudaError_t LaunchDecodeKernel<__half>(const FwdArgs&, int, int, cudaStream_t);
-template cudaError_t LaunchDecodeKernel<__nv_bfloat16>(const FwdArgs&, int, int, cudaStream_t);
+template cudaError_t LaunchDecodeKernel<__half>(const FwdArgs&, int, int, bool, cudaStream_t);
+template cudaError_t LaunchDecodeKernel<__nv_bfloat16>(const FwdArgs&, int, int, bool,
+                                                       cudaStream_t);
 
 }  // namespace jax_flash2::cuda

@@ -23,22 +23,24 @@ cudaError_t LaunchBucket(const FwdArgs& args, int bucket, cudaStream_t stream) {
 }
 
 template <typename Elem>
-cudaError_t LaunchTyped(const FwdArgs& args, bool decode, int bucket, int m_tiles,
-                        cudaStream_t stream) {
-  const cudaError_t err = decode ? LaunchDecodeKernel<Elem>(args, bucket, m_tiles, stream)
-                                 : LaunchBucket<Elem>(args, bucket, stream);
+cudaError_t LaunchTyped(const FwdArgs& args, bool decode, bool small_smem, int bucket,
+                        int m_tiles, cudaStream_t stream) {
+  const cudaError_t err = decode
+                              ? LaunchDecodeKernel<Elem>(args, bucket, m_tiles, small_smem, stream)
+                              : LaunchBucket<Elem>(args, bucket, stream);
   if (err != cudaSuccess || args.num_splits <= 1) return err;
   return LaunchFwdCombine<Elem>(args, stream);
 }
 
 }  // namespace
 
-cudaError_t LaunchSm80Forward(const FwdArgs& args, bool decode, int bucket, int m_tiles,
-                              cudaStream_t stream) {
+cudaError_t LaunchSm80Forward(const FwdArgs& args, bool decode, bool decode_small_smem, int bucket,
+                              int m_tiles, cudaStream_t stream) {
   switch (args.p.dtype) {
-    case DType::kFloat16: return LaunchTyped<__half>(args, decode, bucket, m_tiles, stream);
+    case DType::kFloat16:
+      return LaunchTyped<__half>(args, decode, decode_small_smem, bucket, m_tiles, stream);
     case DType::kBFloat16:
-      return LaunchTyped<__nv_bfloat16>(args, decode, bucket, m_tiles, stream);
+      return LaunchTyped<__nv_bfloat16>(args, decode, decode_small_smem, bucket, m_tiles, stream);
     default: return cudaErrorInvalidValue;
   }
 }

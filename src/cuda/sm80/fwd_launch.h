@@ -59,18 +59,21 @@ cudaError_t LaunchFwdKernel(const FwdArgs& args, cudaStream_t stream);
 
 // The decode kernel of a head-dim bucket (64, 128 or 256) with m_tiles m16
 // tiles of rows per block (DecodeMTiles) for calls whose packed rows T *
-// group_size are at most DecodeMaxRows; decode_kernel.cu.
+// group_size are at most DecodeMaxRows, with the bucket's small-smem tile
+// where small_smem (kDecodeTileSmallSmem); decode_kernel.cu.
 template <typename Elem>
-cudaError_t LaunchDecodeKernel(const FwdArgs& args, int bucket, int m_tiles, cudaStream_t stream);
+cudaError_t LaunchDecodeKernel(const FwdArgs& args, int bucket, int m_tiles, bool small_smem,
+                               cudaStream_t stream);
 
 // Merges the split partials into O (Elem) and LSE; fwd_combine.cu.
 template <typename Elem>
 cudaError_t LaunchFwdCombine(const FwdArgs& args, cudaStream_t stream);
 
 // The sm80 forward of args.p's dtype: the decode kernel (m_tiles m16 tiles
-// of rows) or the prefill kernel of a head-dim bucket, then the combine when
-// args.num_splits > 1; fwd_launch.cu.
-cudaError_t LaunchSm80Forward(const FwdArgs& args, bool decode, int bucket, int m_tiles,
-                              cudaStream_t stream);
+// of rows; its small-smem tile where decode_small_smem) or the prefill kernel
+// of a head-dim bucket, then the combine when args.num_splits > 1;
+// fwd_launch.cu.
+cudaError_t LaunchSm80Forward(const FwdArgs& args, bool decode, bool decode_small_smem, int bucket,
+                              int m_tiles, cudaStream_t stream);
 
 }  // namespace jax_flash2::cuda

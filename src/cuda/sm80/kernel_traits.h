@@ -76,9 +76,30 @@ constexpr DecodeTileSizes DecodeTileFor(int64_t head_dim) {
   return DecodeTileSizes{0, 0, 0, 0};
 }
 
+// The d128 tile where a block may use only 99 KB (cc 8.6 / 8.9), whose
+// 135-140 KB the row above exceeds: 16-key warp steps, as at d256 (68 KB),
+// for up to 16 rows (DecodeMaxMTiles). d256 has none (its 16-key tile is
+// already 136 KB), nor do 17-32 rows: they run the prefill kernel there.
+inline constexpr DecodeTileSizes kDecodeTileSmallSmem = {128, 16, 2, 1};
+
+// A bucket's decode tile: the small-smem one (small_smem; d128 only) or the
+// row of kDecodeTileTable; {0, ...} when there is none.
+constexpr DecodeTileSizes DecodeTileOfRow(int bucket, bool small_smem) {
+  if (small_smem) {
+    return kDecodeTileSmallSmem.head_dim == bucket ? kDecodeTileSmallSmem
+                                                   : DecodeTileSizes{0, 0, 0, 0};
+  }
+  const DecodeTileSizes t = DecodeTileFor(bucket);
+  return t.head_dim == bucket ? t : DecodeTileSizes{0, 0, 0, 0};
+}
+
 // m16 tiles of rows a block can hold: two (32 rows), except at d256, whose
-// 32 x 4 O accumulators per tile leave no registers for a second.
-constexpr int DecodeMaxMTiles(const DecodeTileSizes& t) { return t.head_dim <= 128 ? 2 : 1; }
+// 32 x 4 O accumulators per tile leave no registers for a second, and with
+// 16-key warp steps, whose K/V rings (where the warps' states merge) are too
+// small for two tiles' states.
+constexpr int DecodeMaxMTiles(const DecodeTileSizes& t) {
+  return t.head_dim <= 128 && t.warp_keys >= 32 ? 2 : 1;
+}
 
 // The decode kernel's calls have at most this many packed rows: one block
 // holds them all. Splitting more rows over blocks that each stream the keys
