@@ -361,6 +361,12 @@ class _Source:
         self.gathered)
 
 
+def _unmasked_allgather(cfg) -> bool:
+  """No causal or window mask over gathered K/V: every block is fully visible,
+  so one kernel call over the whole sequence replaces the n block calls."""
+  return cfg.strategy == "allgather" and cfg.window_left < 0 and cfg.window_right < 0
+
+
 def _ring_forward(cfg, q, k, v, q_ids, kv_ids):
   n = cfg.num_devices
   index = jax.lax.axis_index(cfg.axis_name)
@@ -370,6 +376,10 @@ def _ring_forward(cfg, q, k, v, q_ids, kv_ids):
   lse = _vary_like(jnp.full((batch, heads, q_len), -jnp.inf, jnp.float32), q)
   kv = (k, v, kv_ids)
   source = _Source(cfg, kv, index)
+  if _unmasked_allgather(cfg):
+    out, lse = _forward_pairs(cfg, (out, lse), (q, q_ids), source.gathered,
+                              [Pair(0, q_len, 0, n * k.shape[1], (-1, -1))])
+    return out.astype(q.dtype), lse
   current = kv
   for i, (step, own, other) in enumerate(plan):
     # Issue the hop to the next computed step before this step's kernels.
@@ -400,6 +410,10 @@ def _ring_backward(cfg, res, cotangents):
     full = source.gathered[0].shape
     dk = _vary_like(jnp.zeros(full, jnp.float32), q)
     dv = _vary_like(jnp.zeros(full, jnp.float32), q)
+    if _unmasked_allgather(cfg):
+      plan = []  # one call against the whole gathered K/V
+      dq, dk, dv = _backward_pairs(cfg, (dq, dk, dv), fixed, source.gathered,
+                                   [Pair(0, q.shape[1], 0, full[1], (-1, -1))])
     for step, own, other in plan:
       block = source.block(step, None)
       src = (index - step) % n

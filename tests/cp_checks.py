@@ -198,7 +198,10 @@ def causal_zigzag():
 
 @check()
 def full_attention():
-  return "; ".join([compare(4), compare(8, layout="zigzag")])
+  # Unmasked all-gather: one kernel call over the whole gathered K/V.
+  return "; ".join([compare(4), compare(8, layout="zigzag"),
+                    compare(4, strategy="allgather", seg=True),
+                    compare(8, strategy="allgather", layout="zigzag", softcap=3.0)])
 
 
 @check(multiprocess=True)
@@ -292,6 +295,43 @@ def export_round_trip():
   for a, b in zip(grad(restored.call)(*args), grad(fn)(*args)):
     np.testing.assert_allclose(a, b, atol=1e-6)
   return f"{len(exported.mlir_module_serialized)} bytes"
+
+
+@check()
+def jit_sequence_sharded():
+  """Plain jax.jit of flash_attention on q, k, v split along the sequence
+  (NamedSharding): the custom partitioning runs the ring (GQA) or the
+  all-gather of K/V (MQA) instead of gathering q; Shardy and GSPMD alike.
+  Skipped (reported, not failed) where jax_flash2._sharding has no such hook."""
+  from jax_flash2 import _sharding
+  if not hasattr(_sharding, "_ring_plan"):
+    return "skipped: no sequence hook in jax_flash2._sharding"
+  mesh = seq_mesh(4, 2)
+  sharding = NamedSharding(mesh, P("data", "seq"))
+  details = []
+  for shardy in (True, False):
+    jax.config.update("jax_use_shardy_partitioner", shardy)
+    try:
+      for heads, kv_heads, want in ((4, 2, "collective-permute"), (8, 1, "all-gather")):
+        q, k, v, _ = inputs(2, 64, heads, kv_heads, 16)
+        args = [jax.device_put(x, sharding) for x in (q, k, v)]
+        fn = jax.value_and_grad(
+            lambda q, k, v: jnp.sum(jnp.sin(jax_flash2.flash_attention(q, k, v, causal=True))),
+            argnums=(0, 1, 2))
+        compiled = jax.jit(fn).lower(*args).compile()
+        hlo = compiled.as_text()
+        assert want in hlo, f"no {want}"
+        gathered = re.findall(r"= f32\[([\d,]+)\][^ ]* all-gather(?:-start)?\(", hlo)
+        assert all(g == f"1,64,{kv_heads},16" for g in gathered), gathered  # K/V only
+        assert not [s for s in _shapes(hlo) if len(s) == 4 and s[1] == 64 and s[2] == heads]
+        got, ref = compiled(*args), jax.jit(fn)(q, k, v)
+        np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
+        for g, r in zip(got[1], ref[1]):
+          np.testing.assert_allclose(g, r, **GRAD_TOL)
+        details.append(f"{'Shardy' if shardy else 'GSPMD'} K={kv_heads}: {want}")
+    finally:
+      jax.config.update("jax_use_shardy_partitioner", True)
+  return "; ".join(details)
 
 
 # The compiled programs.
