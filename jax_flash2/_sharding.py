@@ -27,8 +27,11 @@ What gets partitioned:
     K/n kv heads they read, which needs K % n == 0. With K == 1 (MQA) query
     heads may be split while k and v stay replicated; the backward then sums
     the partial dk, dv over the head axes. Any other head split is gathered.
-  * T, S and D are gathered (correct, not fast): a split sequence needs ring
-    attention, a split head_dim a cross-device softmax.
+  * T and S split over the same Auto mesh axes: jax_flash2.context_parallel's
+    ring (or all-gather of K/V) serves the call when it can (no ALiBi, no
+    dropout; causal or a window need T == S); otherwise T, S are gathered.
+    D is gathered (correct, not fast): a split head_dim needs a cross-device
+    softmax.
 
 Two partitioners: Shardy (jax's default since 0.7) reads the einsum-like
 `sharding_rule`; GSPMD (jax_use_shardy_partitioner=False) reads
@@ -127,21 +130,44 @@ def _plan(mesh, q_sharding, q_ndim: int, num_heads: int, num_kv_heads: int):
   return lead, (), ()
 
 
-def _specs(lead: tuple, heads: tuple, kv_heads: tuple):
+def _specs(lead: tuple, heads: tuple, kv_heads: tuple, seq: tuple = ()):
   """PartitionSpecs for [*L, T, H, D], [*L, S, K, D] and [*L, H, T] arrays, and
   the ExtraOperands' specs: the slopes and seeds follow q's heads, the
-  segment ids only the leading axes."""
+  segment ids the leading axes (and T, S with them: `seq`, the axes of a
+  context-parallel ring)."""
   lead = tuple(_entry(a) for a in lead)
-  h, kh = _entry(heads), _entry(kv_heads)
-  extras = ExtraOperands(alibi_slopes=P(*lead, h), q_segment_ids=P(*lead, None),
-                         kv_segment_ids=P(*lead, None), dropout_seeds=P(*lead, h, None))
-  return P(*lead, None, h, None), P(*lead, None, kh, None), P(*lead, h, None), extras
+  h, kh, s = _entry(heads), _entry(kv_heads), _entry(seq)
+  extras = ExtraOperands(alibi_slopes=P(*lead, h), q_segment_ids=P(*lead, s),
+                         kv_segment_ids=P(*lead, s), dropout_seeds=P(*lead, h, None))
+  return P(*lead, s, h, None), P(*lead, s, kh, None), P(*lead, h, s), extras
 
 
-def _plan_shardings(mesh, arg_shapes):
+# What serves q, k, v split along the sequence: jax_flash2.context_parallel
+# registers itself here when imported (it sits above this module); None
+# gathers T and S.
+sequence_parallel = None
+
+
+def _ring_plan(config, mesh, arg_shapes):
+  """(ring config, sequence axes) when q's T and k's S are split over the same
+  Auto mesh axes and `sequence_parallel` serves the call; else (None, ()):
+  T and S are gathered. Both partitioners hand `partition` the operands'
+  sequence sharding (tests/cp_checks.py checks Shardy and GSPMD)."""
+  q, k = arg_shapes[0], arg_shapes[1]
+  specs = [tuple(getattr(x.sharding, "spec", None) or ()) + (None,) * x.ndim for x in (q, k)]
+  seq = _axes(specs[0][q.ndim - 3])
+  types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
+  if (sequence_parallel is None or not seq or _axes(specs[1][k.ndim - 3]) != seq
+      or any(types.get(a) == jax.sharding.AxisType.Explicit for a in seq)):
+    return None, ()
+  ring = sequence_parallel.sequence_config(config, mesh, seq, q.shape, k.shape)
+  return (ring, seq) if ring is not None else (None, ())
+
+
+def _plan_shardings(mesh, arg_shapes, seq=()):
   q, k = arg_shapes[0], arg_shapes[1]
   lead, heads, kv_heads = _plan(mesh, q.sharding, q.ndim, q.shape[-2], k.shape[-2])
-  q_spec, kv_spec, lse_spec, extra_specs = _specs(lead, heads, kv_heads)
+  q_spec, kv_spec, lse_spec, extra_specs = _specs(lead, heads, kv_heads, seq)
   q_like, kv_like, lse_like = (NamedSharding(mesh, s) for s in (q_spec, kv_spec, lse_spec))
   extras = ExtraOperands(*(NamedSharding(mesh, s) for s in extra_specs))
   # MQA with split query heads: each shard's dk, dv covers only its own query
@@ -207,33 +233,44 @@ _bwd_partitioned = custom_partitioning(_bwd_local, static_argnums=(0,))
 
 
 def _fwd_infer(config, mesh, arg_shapes, result_shape):
-  del config, result_shape
-  q_like, _, lse_like, _, _ = _plan_shardings(mesh, arg_shapes)
+  del result_shape
+  _, seq = _ring_plan(config, mesh, arg_shapes)
+  q_like, _, lse_like, _, _ = _plan_shardings(mesh, arg_shapes, seq)
   return q_like, lse_like
 
 
 def _fwd_partition(config, mesh, arg_shapes, result_shape):
   del result_shape
-  q_like, kv_like, lse_like, extras, _ = _plan_shardings(mesh, arg_shapes)
+  ring, seq = _ring_plan(config, mesh, arg_shapes)
+  q_like, kv_like, lse_like, extras, _ = _plan_shardings(mesh, arg_shapes, seq)
 
   def per_device(*args):
+    if ring is not None:
+      return sequence_parallel.sequence_forward(ring, config, *args[:3],
+                                               ExtraOperands(*args[3:]))
     return _fwd_local(config, *args)
 
   return mesh, per_device, (q_like, lse_like), (q_like, kv_like, kv_like, *extras)
 
 
 def _bwd_infer(config, mesh, arg_shapes, result_shape):
-  del config, result_shape
-  q_like, kv_like, _, _, _ = _plan_shardings(mesh, arg_shapes)
+  del result_shape
+  _, seq = _ring_plan(config, mesh, arg_shapes)
+  q_like, kv_like, _, _, _ = _plan_shardings(mesh, arg_shapes, seq)
   return q_like, kv_like, kv_like
 
 
 def _bwd_partition(config, mesh, arg_shapes, result_shape):
   del result_shape
-  q_like, kv_like, lse_like, extras, reduce_axes = _plan_shardings(mesh, arg_shapes)
+  ring, seq = _ring_plan(config, mesh, arg_shapes)
+  q_like, kv_like, lse_like, extras, reduce_axes = _plan_shardings(mesh, arg_shapes, seq)
 
   def per_device(*args):
-    dq, dk, dv = _bwd_local(config, *args)
+    if ring is not None:
+      dq, dk, dv = sequence_parallel.sequence_backward(ring, config, *args[:7],
+                                                      ExtraOperands(*args[7:]))
+    else:
+      dq, dk, dv = _bwd_local(config, *args)
     if reduce_axes:
       dk = jax.lax.psum(dk, reduce_axes)
       dv = jax.lax.psum(dv, reduce_axes)

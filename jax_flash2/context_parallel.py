@@ -55,6 +55,7 @@ import dataclasses
 import functools
 import math
 import numbers
+import sys
 from typing import Any
 
 import jax
@@ -62,7 +63,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flash2 import api
+from jax_flash2 import _sharding, api
 
 try:
   shard_map = jax.shard_map
@@ -283,8 +284,8 @@ def _block_forward(cfg, q, k, v, q_ids, kv_ids, pair):
 
 def _block_backward(cfg, q, k, v, out, lse, d_out, d_lse, q_ids, kv_ids, window):
   """(dq, dk, dv) of one block pair from the given (global) out and lse: the
-  package's backward kernel entry. The only use of jax_flash2 internals here."""
-  from jax_flash2 import _sharding
+  package's backward kernel entry. The only use of jax_flash2 internals here
+  (beside the registration at the end)."""
   ids = None if q_ids is None else (q_ids, kv_ids)
   config = api.make_config(q, k, v, softmax_scale=cfg.softmax_scale, window_size=window,
                            softcap=cfg.softcap, segment_ids=ids)
@@ -676,3 +677,8 @@ def sequence_backward(cfg: RingConfig, config, q, k, v, out, lse, d_out, d_lse, 
          _merged(lse, 2))
   grads = _ring_backward(cfg, res, (_merged(d_out, 3), _merged(d_lse, 2)))
   return tuple(g.reshape(lead + g.shape[1:]) for g in grads)
+
+
+# The custom partitioning of the kernels (jax_flash2._sharding) calls the
+# functions above when it meets q, k, v split along the sequence under jit.
+_sharding.sequence_parallel = sys.modules[__name__]

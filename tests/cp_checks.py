@@ -301,11 +301,7 @@ def export_round_trip():
 def jit_sequence_sharded():
   """Plain jax.jit of flash_attention on q, k, v split along the sequence
   (NamedSharding): the custom partitioning runs the ring (GQA) or the
-  all-gather of K/V (MQA) instead of gathering q; Shardy and GSPMD alike.
-  Skipped (reported, not failed) where jax_flash2._sharding has no such hook."""
-  from jax_flash2 import _sharding
-  if not hasattr(_sharding, "_ring_plan"):
-    return "skipped: no sequence hook in jax_flash2._sharding"
+  all-gather of K/V (MQA) instead of gathering q; Shardy and GSPMD alike."""
   mesh = seq_mesh(4, 2)
   sharding = NamedSharding(mesh, P("data", "seq"))
   details = []
