@@ -1,4 +1,4 @@
-"""The large cases of issue 3 on the GPU: T = 8192 causal and not, D = 128 and
+"""The large cases on the GPU: T = 8192 causal and not, D = 128 and
 256, GQA 8:1, B*H = 256, T != S, decode shapes. Kernel backend, float16 and
 bfloat16: forward, LSE and gradients (of loss = <out, d_out> + <lse, d_lse>)
 against a float64 oracle, with tests/oracle.py's tolerance rule.

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Packed sequences (segment ids) on the Hopper kernels, in one device call:
+# Packed sequences (segment ids) on the Hopper kernels, in one run on the GPU machine:
 # builds the package and both Hopper self-tests at once, then runs the
 # self-tests (their segment-id cases and the plain matrix), compute-sanitizer
 # memcheck and racecheck on --tiny, tests/test_packed_gpu.py, and
