@@ -194,6 +194,9 @@ inline std::string Sm90Unserved(const FlashParams& p, const DeviceInfo& dev,
   if (const char* option = Sm90UnservedOption(p)) {
     return std::string(option) + ": " + direction + " does not serve it";
   }
+  if (const char* option = backward ? Sm90BackwardUnservedOption(p) : nullptr) {
+    return std::string(option) + ": " + direction + " does not serve it";
+  }
   if (backward && p.deterministic) return std::string("deterministic: ") + direction + " does not serve it";
   if (cuda::sm90::Sm90HeadDimBucket(p.head_dim) == 0) {
     return "head_dim D=" + std::to_string(p.head_dim) + ": no Hopper tile";

@@ -11,10 +11,18 @@ namespace jax_flash2 {
 // nullptr when the Hopper kernels serve every option p asks for, else the
 // name of the first one they do not (the sm80 kernels run those calls).
 inline const char* Sm90UnservedOption(const FlashParams& p) {
-  // Softcap and ALiBi: served (sm90/score_options.h). Segment ids: served
-  // (sm90/segments.cuh), when given in pairs.
+  // Softcap, ALiBi and dropout: served (sm90/score_options.h,
+  // sm90/dropout.cuh). Segment ids: served (sm90/segments.cuh), when given
+  // in pairs.
   if ((p.q_segment_ids == nullptr) != (p.kv_segment_ids == nullptr)) return "segment_ids";
-  if (p.dropout_seeds != nullptr) return "dropout";
+  return nullptr;
+}
+
+// Beside Sm90UnservedOption, what only the backward refuses: dropout at
+// D > 128, where the D-split kernel (two consumers sharing one P^T tile in
+// shared memory) has no keep mask.
+inline const char* Sm90BackwardUnservedOption(const FlashParams& p) {
+  if (p.dropout_seeds != nullptr && p.head_dim > 128) return "dropout at D > 128";
   return nullptr;
 }
 

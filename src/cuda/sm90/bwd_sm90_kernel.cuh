@@ -58,6 +58,10 @@
 // Softcap and ALiBi (score_options.h, kernels with kScoreOptions): S^T
 // transformed before the exponentials as in the forward, and dS^T times the
 // cap's derivative 1 - th^2, th found again from P^T (see the loop).
+// Dropout (dropout.cuh, kernels with kScoreOptions), with Z the forward's
+// keep mask regenerated: dV += (Z o P^T) dO (1 / (1 - rate) in the
+// epilogue) and dS^T = P^T o (Z o dP^T / (1 - rate) - Dvec), Dvec being
+// rowsum(dO o O) of the dropped O.
 // Masking as in the sm80 backward: query blocks outside the key block's
 // window are skipped (QueryRange), and only blocks not fully visible to a
 // warpgroup's 64 keys pay for the per-element WindowMask predicate. TMA
@@ -81,6 +85,7 @@
 #include "../sm80/primitives.cuh"
 #include "bwd_sm90.h"
 #include "bwd_sm90_common.cuh"
+#include "dropout.cuh"
 #include "primitives.cuh"
 #include "segments.cuh"
 #include "score_options.h"
@@ -157,8 +162,8 @@ struct BwdSm90Smem {
   static_assert(Tr::kQBytes % 1024 == 0 && Tr::kDsBytes % 1024 == 0 && kBars % 8 == 0);
 };
 
-// kScoreOptions: softcap and / or ALiBi (score_options.h). A template flag,
-// not a runtime branch: the branch alone cost the plain D = 64 kernel 8-9%
+// kScoreOptions: softcap, ALiBi and / or dropout (score_options.h). A template
+// flag, not a runtime branch: the branch alone cost the plain D = 64 kernel 8-9%
 // (spills in its main loop; H200, B4 T=S=4096 H32, causal or not).
 template <typename Elem, int kHeadDim, bool kScoreOptions>
 __global__ void __launch_bounds__(kBwdSm90Threads, 1)
@@ -448,6 +453,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   const int t4 = lane % 4;       // accumulator column pair
   // The exp2 factor per unit of score (score_options.h).
   const float scale_log2 = kScoreOptions ? args.units.log2 : p.softmax_scale_log2;
+  const bool dropout = kScoreOptions && p.dropout_seeds != nullptr;
 
   // Descriptors of stage 0 / buffer 0: K and V rows of this warpgroup
   // (K-major, for S^T and dP^T), Q and dO (K-major for S^T and dP^T, MN-major
@@ -539,6 +545,11 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       const auto [h, m_begin] = query_block(tile, it);
       const uint32_t q_off = ring.stage * Tr::kQBytes;
       const int ds_buf = it % 2;
+      // With dropout, P^T's dropped elements carry a minus sign from the
+      // exponentials on (P^T >= 0 otherwise), so the keep bits die there:
+      // held to the dS^T math, they spilled the D = 64 consumers 40 bytes.
+      // Z o P^T = P^T where not negative; P^T = |P^T|.
+      const auto kept = [](float pt) { return !(pt < 0.f); };  // a NaN stays in
 
       // acc = (64 key rows of K or V) x (Q or dO of the stage)^T, both
       // K-major over D, committed as one group: S^T and dP^T (unscaled).
@@ -571,7 +582,10 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
         for (int kk = 0; kk < Tr::kSlices; ++kk) {
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
-            pa[kk][r] = PackFloat2<Elem>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+            const int i = 8 * kk + 2 * r;
+            const float p0 = s[i], p1 = s[i + 1];
+            pa[kk][r] = dropout ? PackFloat2<Elem>(kept(p0) ? p0 : 0.f, kept(p1) ? p1 : 0.f)
+                                : PackFloat2<Elem>(p0, p1);
           }
         }
         WgmmaFenceOperands(pa);
@@ -640,6 +654,22 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
             s[i] = FastExp2(fmaf(u, scale_log2, -((r & 1) ? l.y : l.x)));
           }
         }
+        if (dropout) {
+          // The keep bits while dP^T runs, between lse2's last use and
+          // Dvec's load (the fewest registers live). Indices through Opaque,
+          // as for ALiBi.
+          // Philox calls unrolled 8 deep at D = 128, 4 at D = 64 (8 spilled
+          // the D = 64 consumers 68 bytes more than 4).
+          constexpr int kUnroll = kBlockM == 64 ? 8 : 4;
+          uint32_t keep[KeepWords<Tr::kSAcc>()];
+          const DropoutMask drop_mask =
+              LoadDropoutMask(p, Opaque(tile.b) * static_cast<int>(p.num_heads_q) + Opaque(h));
+          BwdKeepBits<Tr::kSAcc, kUnroll>(keep, drop_mask, key0 + 16 * warp + g, Opaque(m_begin), g, t4);
+#pragma unroll
+          for (int i = 0; i < Tr::kSAcc; ++i) {
+            if (!BwdKeepBit<Tr::kSAcc>(keep, i)) s[i] = -s[i];
+          }
+        }
         load_rows(ring.stage, 1, dvec);
       }
       if (!full) {
@@ -651,14 +681,21 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       if constexpr (kDvUnderDs) issue_dv();
 
       WgmmaWaitFenced<kDvUnderDs ? 1 : 0>(dp);  // dP^T done; dV may still run
-      // dS^T = P^T o (dP^T - Dvec[query]).
+      // dS^T = P^T o (dP^T - Dvec[query]); with dropout P^T o (Z o dP^T /
+      // (1 - rate) - Dvec[query]).
+      const float dp_scale = dropout ? p.dropout_scale : 1.f;
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
         const float2 d = dvec[j];
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int i = 4 * j + r;
-          dp[i] = s[i] * (dp[i] - ((r & 1) ? d.y : d.x));
+          float pt = s[i], dpz = dp[i];
+          if (dropout) {
+            dpz = kept(pt) ? dpz * dp_scale : 0.f;
+            pt = fabsf(pt);
+          }
+          dp[i] = pt * (dpz - ((r & 1) ? d.y : d.x));
         }
       }
       if (options && p.softcap > 0.f) {  // (compiled out without the options)
@@ -673,12 +710,13 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
           for (int r = 0; r < 4; ++r) {
             const int i = 4 * j + r;
             // Where P^T is 0 (masked, past T, underflow) so is dS^T: the
-            // factor is not evaluated there (log2 0 = -inf).
+            // factor is not evaluated there (log2 0 = -inf). |P^T|: dropout's
+            // sign.
             const float column = static_cast<float>(8 * j + (r & 1));
             const float th =
-                fmaf(FastLog2(s[i]) + ((r & 1) ? l.y : l.x), args.units.inv_log2,
+                fmaf(FastLog2(fabsf(s[i])) + ((r & 1) ? l.y : l.x), args.units.inv_log2,
                      slope_u * fabsf(base[r / 2] + column));
-            dp[i] *= s[i] > 0.f ? fmaf(-th, th, 1.f) : 0.f;
+            dp[i] *= s[i] != 0.f ? fmaf(-th, th, 1.f) : 0.f;
           }
         }
       }
@@ -814,7 +852,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     wait_staging_read();  // (an item without iterations did not wait above)
     NamedBarrierSync(7, 256);
     const float dk_scale[2] = {p.softmax_scale, p.softmax_scale};
-    const float dv_scale[2] = {1.f, 1.f};
+    // dV = (Z o P)^T dO / (1 - rate) with dropout.
+    const float dv_scale[2] = {dropout ? p.dropout_scale : 1.f, dropout ? p.dropout_scale : 1.f};
     StageAccumulatorTile<Elem>(s_dk_stage, kDkPanelStride, warp, lane, acc_dk, dk_scale);
     StageAccumulatorTile<Elem>(s_dv_stage, kDvPanelStride, warp, lane, acc_dv, dv_scale);
     FenceProxyAsync();

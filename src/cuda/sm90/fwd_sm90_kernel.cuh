@@ -54,6 +54,9 @@
 // Softcap and ALiBi (score_options.h, kernels with kScoreOptions) transform S
 // before the mask: with softcap S holds tanh(S * scale / cap) and the cap
 // takes the scale's place in exp2 and in the LSE (FwdSm90Args::units).
+// Dropout (dropout.cuh, kernels with kScoreOptions): P <- Z o P after the row
+// sums, which stay those of the undropped softmax (as the LSE does), and
+// 1 / (1 - rate) joins 1 / l in the epilogue.
 // Masking follows WindowMask (flash_mask.h); key blocks outside the window of
 // every row are skipped, and only blocks not fully visible to all 64 rows of
 // a warpgroup pay for the per-element predicate. Ragged tails: TMA zero-fills
@@ -76,6 +79,7 @@
 
 #include "../../flash_mask.h"
 #include "../sm80/primitives.cuh"
+#include "dropout.cuh"
 #include "fwd_sm90.h"
 #include "primitives.cuh"
 #include "segments.cuh"
@@ -123,7 +127,7 @@ struct FwdSm90Smem {
 
 // kPersistent: the grid may be smaller than the tile count (see the top).
 // Otherwise each block runs its one tile, and the loops below compile to that.
-// kScoreOptions: softcap and / or ALiBi (score_options.h). A template flag,
+// kScoreOptions: softcap, ALiBi and / or dropout (score_options.h). A template flag,
 // not a runtime branch: the branch alone cost the plain kernels 2.5-3.7%
 // (H200, B4 T=S=4096 H16, D 64, 96, 128, causal or not, two runs of each
 // binary alternated).
@@ -414,12 +418,27 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
     TransformScores<Tr::kSAcc, -1>(s, p, args.units, slope_u, base);
   };
 
+  // Dropout's keep bits of key block n (dropout.cuh): this thread's rows
+  // are queries wg_row0 + 16 warp + g, + 8. Computed before S = Q K_n^T is
+  // issued, while S holds no registers: beside S (in the softmax) the Philox
+  // calls spilled the D 256 and 176-key consumers 12-64 bytes. Indices
+  // through Opaque, as for ALiBi.
+  const bool dropout = kScoreOptions && p.dropout_seeds != nullptr;
+  auto keep_bits = [&](uint32_t (&keep)[KeepWords<Tr::kSAcc>()], int n, const Tile& tl,
+                       int wg_row0) {
+    if (!dropout) return;
+    const int bh = Opaque(tl.b) * static_cast<int>(p.num_heads_q) + Opaque(tl.head);
+    FwdKeepBits<Tr::kSAcc>(keep, LoadDropoutMask(p, bh), Opaque(wg_row0) + 16 * warp + g,
+                           n * kBlockN, t4);
+  };
+
   // Score options, mask, then the online softmax in place (S becomes
-  // unnormalised P in fp32); returns in correction[] the factor the caller
-  // applies to O. seg_chunk(): the warpgroup's query chunk of the pre-pass
-  // (b * chunks + row chunk), evaluated only for the id test.
-  auto softmax = [&](float (&s)[Tr::kSAcc], int n, float (&correction)[2], auto&& seg_chunk,
-                     const Tile& tl, int wg_row0) {
+  // unnormalised P in fp32, dropped by Z with dropout after its row sums);
+  // returns in correction[] the factor the caller applies to O.
+  // seg_chunk(): the warpgroup's query chunk of the pre-pass (b * chunks +
+  // row chunk), evaluated only for the id test.
+  auto softmax = [&](float (&s)[Tr::kSAcc], const uint32_t (&keep)[KeepWords<Tr::kSAcc>()], int n,
+                     float (&correction)[2], auto&& seg_chunk, const Tile& tl, int wg_row0) {
     // Before the mask: its -inf must stay -inf (tanh would make it -1).
     if constexpr (kScoreOptions) transform_scores(s, n, tl, wg_row0);
     // Per-element mask only where some (row, key) pair of the warpgroup's
@@ -466,6 +485,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
         }
       }
     }
+    if (dropout) ApplyFwdKeepBits<Tr::kSAcc>(s, keep);
   };
 
   // P as the register A operand: n8 tiles 2kk and 2kk + 1 of S form k16
@@ -605,17 +625,19 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
       }
       const int n_end = wg_n_end;
       float s[Tr::kSAcc];
+      uint32_t keep[KeepWords<Tr::kSAcc>()];  // dropout's, of the block in s
       uint32_t pa[Tr::kPSlices][4];
       float correction[2];
       if constexpr (kSchedule == Sm90Schedule::kSerial) {
         // Per key block: S = Q K^T; wait; softmax; O *= c; O += P V; wait.
         for (int n = n_end - 1; n >= n_first; --n) {
+          keep_bits(keep, n, tl, wg_row0);
           MbarWait(&k_full[ring.stage], ring.phase);
           WgmmaFence();
           issue_s(s, ring.stage);
           WgmmaWaitFenced<0>(s);
           release(&k_empty[ring.stage]);
-          softmax(s, n, correction, seg_chunk, tl, wg_row0);
+          softmax(s, keep, n, correction, seg_chunk, tl, wg_row0);
           convert_p(s, pa);
           rescale_o(correction);
           MbarWait(&v_full[ring.stage], ring.phase);
@@ -636,6 +658,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
         // Epilogue: O += P V of the last block. The tensor cores run PV while
         // the softmax runs on the CUDA cores and MUFU.
         int n = n_end - 1;
+        keep_bits(keep, n, tl, wg_row0);
         MbarWait(&k_full[ring.stage], ring.phase);
         take_turn();
         WgmmaFence();
@@ -647,11 +670,12 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
         // soon as that S is done, its load starts a softmax and a PV earlier
         // than at the end of the tile.
         if (kPersistent && n == n_first) release(q_empty);
-        softmax(s, n, correction, seg_chunk, tl, wg_row0);  // correction is 0 here and O is still 0
+        softmax(s, keep, n, correction, seg_chunk, tl, wg_row0);  // correction is 0 here and O is still 0
         convert_p(s, pa);
         RingPos<kStages> v_ring = ring;  // the V tile of the block whose P is in pa
         ring.Advance();
         for (--n; n >= n_first; --n) {
+          keep_bits(keep, n, tl, wg_row0);
           // Both waits come before the fence: a wait loop between the fence
           // and a wgmma makes ptxas inject another fence (C7519).
           MbarWait(&k_full[ring.stage], ring.phase);
@@ -666,7 +690,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
           WgmmaWaitFenced<1>(s);  // S_n done; the PV group may still run
           release(&k_empty[ring.stage]);
           if (kPersistent && n == n_first) release(q_empty);
-          softmax(s, n, correction, seg_chunk, tl, wg_row0);
+          softmax(s, keep, n, correction, seg_chunk, tl, wg_row0);
           WgmmaWaitFenced<0>(o, pa);
           release(&v_empty[v_ring.stage]);
           rescale_o(correction);
@@ -760,7 +784,9 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
       // within a few ulp, without the IEEE forms' special-case paths. A NaN
       // score makes l NaN (fmaxf skips it in the row max, exp2 does not), and
       // the != test lets it through to O and the LSE.
-      inv_l[h] = l != 0.f ? __fdividef(1.f, l) : 0.f;
+      // Dropout's 1 / (1 - rate) goes with it (O sums Z o P, l the undropped P).
+      const float o_scale = dropout ? p.dropout_scale : 1.f;
+      inv_l[h] = l != 0.f ? __fdividef(o_scale, l) : 0.f;
       const float natural = kScoreOptions ? args.units.natural : p.softmax_scale;
       lse[h] = l != 0.f ? row_max[h] * natural + __logf(l) : -INFINITY;
       if constexpr (!kTmaStoreO) {

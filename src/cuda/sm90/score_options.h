@@ -40,12 +40,13 @@ inline Sm90ScoreUnits MakeSm90ScoreUnits(const FlashParams& p) {
   return u;
 }
 
-// Whether a call transforms its scores (the kernels' runtime branch).
+// Whether a call transforms its scores or drops them (dropout.cuh): the
+// kernels with kScoreOptions, inside which each option is a runtime branch.
 #if defined(__CUDACC__)
 __host__ __device__
 #endif
 inline bool HasSm90ScoreOptions(const FlashParams& p) {
-  return p.softcap > 0.f || p.alibi_slopes != nullptr;
+  return p.softcap > 0.f || p.alibi_slopes != nullptr || p.dropout_seeds != nullptr;
 }
 
 #if defined(__CUDACC__)
