@@ -296,10 +296,13 @@ def test_sm80_nan_row_propagates(rng, case):
   batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, options, _, (b, t, h) = case
   q, k, v = random_inputs(rng, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim,
                           jnp.bfloat16)
-  if "dropout_rate" in options:  # dropout keeps these calls on the sm80 forward
+  if "dropout_rate" in options:
     options = dict(options, dropout_rng=jax.random.key(0))
   plan = _device_plan(q, k, v, **options)
-  assert plan["forward"].kernel.startswith("sm80"), plan  # the backward: either kernel
+  # The backward: either kernel. On cc 9.0 the Hopper forward serves the
+  # dropout prefill case, so the NaN goes through its dropout path there.
+  assert plan["forward"].kernel.startswith("sm80") or (
+      "dropout_rate" in options and plan["forward"].kernel == "sm90"), plan
   q = q.at[b, t, h, 5].set(jnp.nan)
   fn = lambda q, k, v: jax_flash2.flash_attention(q, k, v, return_lse=True, **options)
   (out, lse), vjp = jax.vjp(fn, q, k, v)

@@ -125,14 +125,18 @@ def test_hopper_serves_plain_calls_and_says_why_not():
   assert _plan(8, 1000, 1000, 16, 16, 128)["forward"].kernel == "sm90"
   assert _plan(8, 1000, 1000, 16, 16, 128)["backward"].kernel == "sm90"
   for options in [{"softcap": 5.0}, {"alibi_slopes": jnp.full((16,), 0.1, jnp.float32)},
-                  {"softcap": 5.0, "segment_ids": (jnp.zeros((8, 1000), jnp.int32),) * 2}]:
-    plans = _plan(8, 1000, 1000, 16, 16, 128, **options)
-    assert plans["forward"].kernel == "sm90" and plans["backward"].kernel == "sm90", plans
-  for option, value, name in [("dropout_rate", 0.1, "dropout")]:
-    plans = _plan(8, 1000, 1000, 16, 16, 128, **{option: value})
-    assert plans["forward"].kernel == "sm80-prefill"
-    assert plans["forward"].reason == f"{name}: the Hopper forward does not serve it"
-    assert plans["backward"].reason == f"{name}: the Hopper backward does not serve it"
+                  {"softcap": 5.0, "segment_ids": (jnp.zeros((8, 1000), jnp.int32),) * 2},
+                  {"dropout_rate": 0.1}, {"dropout_rate": 0.1, "softcap": 5.0, "causal": True}]:
+    for d in (64, 128):
+      plans = _plan(8, 1000, 1000, 16, 16, d, **options)
+      assert plans["forward"].kernel == "sm90" and plans["backward"].kernel == "sm90", plans
+  # Dropout above D 128: the Hopper forward, the sm80 backward (the D-split
+  # backward has no keep mask).
+  plans = _plan(8, 1000, 1000, 16, 16, 256, dropout_rate=0.1)
+  assert plans["forward"].kernel == "sm90", plans
+  assert plans["backward"].kernel == "sm80", plans
+  assert plans["backward"].reason == "dropout at D > 128: the Hopper backward does not serve it"
+  assert _plan(8, 1000, 1000, 16, 16, 256)["backward"].kernel == "sm90"
   # A small grid: split-KV on the sm80 kernels.
   fwd = _plan(2, 300, 300, 4, 4, 128)["forward"]
   assert fwd.kernel == "sm80-prefill" and fwd.splits > 1 and "split-KV" in fwd.reason, fwd

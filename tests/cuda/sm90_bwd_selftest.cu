@@ -70,6 +70,7 @@ struct Case {
   float softcap = 0.f;
   bool alibi = false;
   float scale = 0.f;
+  float dropout = 0.f;  // dropout rate (0 = off; MakeHostDropout)
 };
 
 
@@ -163,6 +164,7 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
   {
     std::mt19937_64 option_rng(seed ^ 0xa11b1);
     MakeHostVariants(p, c.softcap, c.alibi, 0, option_rng, &var);
+    MakeHostDropout(p, c.dropout, option_rng, &var);
   }
   p.softcap = c.softcap;
   const DType dt = c.dtype;
@@ -229,8 +231,10 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
         for (int64_t s = 0; s < S; ++s) {
           if (sc[s] == -INFINITY) continue;
           const double w = std::exp(sc[s] - m);
-          l += w;
-          for (int64_t d = 0; d < D; ++d) acc[d] += w * v[ki(b, s, kh) + d];
+          l += w;  // undropped: the LSE is of the undropped softmax
+          // O = (Z o P / (1 - rate)) V (z = 1 without dropout).
+          const double wz = w * DropoutFactor(p, var, b, h, t, s);
+          for (int64_t d = 0; d < D; ++d) acc[d] += wz * v[ki(b, s, kh) + d];
         }
       }
       lse[li(b, h, t)] = m == -INFINITY ? -INFINITY : static_cast<float>(m + std::log(l));
@@ -246,7 +250,7 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
   std::vector<double> dq(nq, 0), dk(nk, 0), dv(nk, 0), dqn(nq, 0), dkn(nk, 0), dvn(nk, 0);
   ParallelFor(B * K, [&](int64_t bk) {
     const int64_t b = bk / K, kh = bk % K;
-    std::vector<double> pr(S), ds(S);
+    std::vector<double> pr(S), ds(S), z(S);
     for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
       for (int64_t t = 0; t < T; ++t) {
         const double L = lse[li(b, h, t)];
@@ -265,7 +269,9 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
           }
           double dcap;  // d score / d (scale q.k): the cap's 1 - tanh^2
           pr[s] = std::exp(VariantScore(p, var, b, t, h, s, dot * scale, &dcap) - L);
-          ds[s] = pr[s] * (dp - Di) * dcap;
+          // Dropout: dS = P o (Z o dP / (1 - rate) - D), dV = (Z o P / (1 - rate))^T dO.
+          z[s] = DropoutFactor(p, var, b, h, t, s);
+          ds[s] = pr[s] * (z[s] * dp - Di) * dcap;
         }
         for (int64_t s = 0; s < S; ++s) {
           if (pr[s] == 0 && ds[s] == 0) continue;
@@ -277,8 +283,8 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
             dqn[qi(b, t, h) + d] += scale * dsn * kr[d];
             dk[ki(b, s, kh) + d] += scale * ds[s] * qr[d];
             dkn[ki(b, s, kh) + d] += scale * dsn * qr[d];
-            dv[ki(b, s, kh) + d] += pr[s] * dor[d];
-            dvn[ki(b, s, kh) + d] += pn * dor[d];
+            dv[ki(b, s, kh) + d] += z[s] * pr[s] * dor[d];
+            dvn[ki(b, s, kh) + d] += z[s] * pn * dor[d];
           }
         }
       }
@@ -294,12 +300,21 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
     p.q_segment_ids = static_cast<const int32_t*>(d_ids);
     p.kv_segment_ids = kv;
   }
+  // One buffer: the dropout seeds [B, H, 2], then the ALiBi slopes.
   float* d_slopes = nullptr;
-  if (c.alibi) {
-    CHECK_CUDA(cudaMalloc(&d_slopes, var.alibi.size() * sizeof(float)));
-    CHECK_CUDA(cudaMemcpy(d_slopes, var.alibi.data(), var.alibi.size() * sizeof(float),
+  const size_t seed_words = var.dropout_seeds.size();
+  if (c.alibi || seed_words > 0) {
+    CHECK_CUDA(cudaMalloc(&d_slopes, (seed_words + var.alibi.size()) * sizeof(float)));
+  }
+  if (seed_words > 0) {
+    CHECK_CUDA(cudaMemcpy(d_slopes, var.dropout_seeds.data(), seed_words * 4,
                           cudaMemcpyHostToDevice));
-    p.alibi_slopes = d_slopes;
+    SetDropout(var, d_slopes, &p);
+  }
+  if (c.alibi) {
+    CHECK_CUDA(cudaMemcpy(d_slopes + seed_words, var.alibi.data(),
+                          var.alibi.size() * sizeof(float), cudaMemcpyHostToDevice));
+    p.alibi_slopes = d_slopes + seed_words;
   }
   if (!cuda::Sm90BackwardSupports(p)) {
     std::printf("FAIL %-57s Sm90BackwardSupports is false\n", c.name.c_str());
@@ -421,6 +436,17 @@ void TimeCase(const Case& c, const DeviceInfo& dev) {
     p.alibi_slopes = d_slopes;
     bufs.push_back(d_slopes);
   }
+  if (c.dropout > 0.f) {
+    HostVariants var;
+    std::mt19937_64 rng(7);
+    MakeHostDropout(p, c.dropout, rng, &var);
+    void* d_seeds;
+    CHECK_CUDA(cudaMalloc(&d_seeds, var.dropout_seeds.size() * 4));
+    CHECK_CUDA(cudaMemcpy(d_seeds, var.dropout_seeds.data(), var.dropout_seeds.size() * 4,
+                          cudaMemcpyHostToDevice));
+    SetDropout(var, d_seeds, &p);
+    bufs.push_back(d_seeds);
+  }
   if (!cuda::Sm90BackwardSupports(p)) {  // a build without the options (a baseline's)
     std::printf("SKIP %s: Sm90BackwardSupports is false\n", c.name.c_str());
     for (void* ptr : bufs) CHECK_CUDA(cudaFree(ptr));
@@ -513,6 +539,10 @@ int main(int argc, char** argv) {
         {"opt tiny fp16 d128 T100 S300 full softcap20 dlse (stream-K, 2 SMs) s1", fp, 1, 100, 300, 2, 1, 128, -1, -1, true, false, 2, SegKind::kNone, 0, 20.f, false, 1.f},
         {"opt tiny bf16 d256 T70 S130 causal gqa2 softcap30+alibi s1", bf, 1, 70, 130, 2, 1, 256, -1, 0, false, false, 0, SegKind::kNone, 0, 30.f, true, 1.f},
         {"opt tiny bf16 d128 T200 S100 causal alibi (empty rows)", bf, 1, 200, 100, 2, 2, 128, -1, 0, false, false, 0, SegKind::kNone, 0, 0.f, true},
+        {"drop tiny bf16 d64 T70 S300 causal gqa2 drop0.2", bf, 1, 70, 300, 2, 1, 64, -1, 0, false, false, 0, SegKind::kNone, 0, 0.f, false, 0.f, 0.2f},
+        {"drop tiny fp16 d128 T100 S300 full dlse drop0.1 (stream-K, 2 SMs)", fp, 1, 100, 300, 2, 1, 128, -1, -1, true, false, 2, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
+        {"drop tiny bf16 d128 T200 S100 causal softcap10+alibi drop0.3 (empty rows) s1", bf, 1, 200, 100, 2, 2, 128, -1, 0, false, false, 0, SegKind::kNone, 0, 10.f, true, 1.f, 0.3f},
+        {"drop tiny seg 7 docs bf16 d64 T300 causal drop0.1", bf, 1, 300, 300, 2, 2, 64, -1, 0, false, false, 0, SegKind::kPacked, 7, 0.f, false, 0.f, 0.1f},
     };
   } else if (!time_only) {
     cases = {
@@ -634,6 +664,22 @@ int main(int argc, char** argv) {
         {"opt bf16 d200 T300 S100 B2 causal alibi (empty rows)", bf, 2, 300, 100, 2, 2, 200, -1, 0, false, false, 0, SegKind::kNone, 0, 0.f, true},
         {"opt fp16 d256 T1000 S1000 window(128,32) bhtd softcap50+alibi s1", fp, 1, 1000, 1000, 2, 2, 256, 128, 32, false, true, 0, SegKind::kNone, 0, 50.f, true, 1.f},
         {"opt bf16 d64 T1000 S17 causal alibi", bf, 1, 1000, 17, 2, 2, 64, -1, 0, false, false, 0, SegKind::kNone, 0, 0.f, true},
+        // Dropout (--filter drop; the oracle applies flash_dropout.h's mask
+        // on the host): both tiles, causal, windows, GQA, dLSE, the
+        // persistent grid, stream-K, segment ids, softcap and ALiBi, bhtd.
+        {"drop bf16 d128 T257 S300 causal drop0.1", bf, 1, 257, 300, 2, 2, 128, -1, 0, false, false, 0, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
+        {"drop fp16 d64 T257 S300 full drop0.2", fp, 1, 257, 300, 2, 2, 64, -1, -1, false, false, 0, SegKind::kNone, 0, 0.f, false, 0.f, 0.2f},
+        {"drop bf16 d64 T1000 S1000 causal gqa4 dlse drop0.3", bf, 1, 1000, 1000, 8, 2, 64, -1, 0, true, false, 0, SegKind::kNone, 0, 0.f, false, 0.f, 0.3f},
+        {"drop fp16 d128 T1000 S257 full gqa4 dlse drop0.1", fp, 1, 1000, 257, 8, 2, 128, -1, -1, true, false, 0, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
+        {"drop bf16 d128 T1000 S1000 window(128,32) drop0.5", bf, 1, 1000, 1000, 2, 2, 128, 128, 32, false, false, 0, SegKind::kNone, 0, 0.f, false, 0.f, 0.5f},
+        {"drop bf16 d64 T300 S700 B2 H4 gqa2 full drop0.1 (3 CTAs)", bf, 2, 300, 700, 4, 2, 64, -1, -1, false, false, 3, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
+        {"drop bf16 d128 T300 S1000 B2 H4 gqa2 drop0.1 (stream-K, 3 SMs)", bf, 2, 300, 1000, 4, 2, 128, -1, -1, false, false, 3, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
+        {"drop fp16 d128 T257 S257 causal gqa2 bhtd softcap15+alibi drop0.2 s0.5", fp, 1, 257, 257, 4, 2, 128, -1, 0, false, true, 0, SegKind::kNone, 0, 15.f, true, 0.5f, 0.2f},
+        {"drop bf16 d64 T300 S1000 window(64,0) softcap50+alibi drop0.1 s1", bf, 1, 300, 1000, 2, 2, 64, 64, 0, false, false, 0, SegKind::kNone, 0, 50.f, true, 1.f, 0.1f},
+        {"drop bf16 d96 T257 S300 causal gqa2 drop0.1", bf, 1, 257, 300, 4, 2, 96, -1, 0, false, false, 0, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
+        {"drop seg 7 docs bf16 d128 T2000 causal gqa4 drop0.1", bf, 1, 2000, 2000, 8, 2, 128, -1, 0, false, false, 0, SegKind::kPacked, 7, 0.f, false, 0.f, 0.1f},
+        {"drop seg random ids bf16 d64 T300 full dlse drop0.2", bf, 1, 300, 300, 2, 2, 64, -1, -1, true, false, 0, SegKind::kRandom, 0, 0.f, false, 0.f, 0.2f},
+        {"drop bf16 d64 T1000 S17 causal drop0.1", bf, 1, 1000, 17, 2, 2, 64, -1, 0, false, false, 0, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
     };
   }
   int failed = 0, run = 0;
@@ -666,10 +712,15 @@ int main(int argc, char** argv) {
         {"B1 T=S=16384 H8 D256", bf, 1, 16384, 16384, 8, 8, 256, -1, -1},
         {"B16 T=S=1024 H8 D256 causal", bf, 16, 1024, 1024, 8, 8, 256, -1, 0},
         // The score options beside their plain rows above.
-        {"B4 T=S=4096 H16 D128 softcap50", bf, 4, 4096, 4096, 16, 16, 128, -1, -1, false, false, 0, 50.f},
-        {"B4 T=S=4096 H16 D128 causal alibi", bf, 4, 4096, 4096, 16, 16, 128, -1, 0, false, false, 0, 0.f, true},
-        {"B4 T=S=4096 H32 D64 softcap50+alibi", bf, 4, 4096, 4096, 32, 32, 64, -1, -1, false, false, 0, 50.f, true},
-        {"B4 T=S=4096 H8 D256 causal softcap50", bf, 4, 4096, 4096, 8, 8, 256, -1, 0, false, false, 0, 50.f},
+        {"B4 T=S=4096 H16 D128 softcap50", bf, 4, 4096, 4096, 16, 16, 128, -1, -1, false, false, 0, SegKind::kNone, 0, 50.f},
+        {"B4 T=S=4096 H16 D128 causal alibi", bf, 4, 4096, 4096, 16, 16, 128, -1, 0, false, false, 0, SegKind::kNone, 0, 0.f, true},
+        {"B4 T=S=4096 H32 D64 softcap50+alibi", bf, 4, 4096, 4096, 32, 32, 64, -1, -1, false, false, 0, SegKind::kNone, 0, 50.f, true},
+        {"B4 T=S=4096 H8 D256 causal softcap50", bf, 4, 4096, 4096, 8, 8, 256, -1, 0, false, false, 0, SegKind::kNone, 0, 50.f},
+        // Dropout beside its plain rows (--filter T8k).
+        {"B2 T=S=8192 H16 D128 causal T8k", bf, 2, 8192, 8192, 16, 16, 128, -1, 0},
+        {"B2 T=S=8192 H16 D128 causal T8k drop0.1", bf, 2, 8192, 8192, 16, 16, 128, -1, 0, false, false, 0, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
+        {"B2 T=S=8192 H16 D64 causal T8k", bf, 2, 8192, 8192, 16, 16, 64, -1, 0},
+        {"B2 T=S=8192 H16 D64 causal T8k drop0.1", bf, 2, 8192, 8192, 16, 16, 64, -1, 0, false, false, 0, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
     };
     for (const Case& c : timed) {
       if (filter.empty() || c.name.find(filter) != std::string::npos) TimeCase(c, dev);

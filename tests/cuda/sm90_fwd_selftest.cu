@@ -80,10 +80,12 @@ struct Case {
   float softcap = 0.f;
   bool alibi = false;
   float scale = 0.f;
+  float dropout = 0.f;  // dropout rate (0 = off; MakeHostDropout)
 };
 
-// p with c's score options: var gets the host copies (slopes from rng), and
-// *slopes the device copy of the slopes (null without ALiBi; the caller frees).
+// p with c's score options: var gets the host copies (slopes and dropout
+// seeds from rng), and *slopes one device buffer holding the seeds [B, H, 2]
+// and then the slopes (null without either; the caller frees).
 template <class Rng>
 FlashParams OptionParams(const Case& c, Rng& rng, HostVariants* var, float** slopes) {
   FlashParams p = CaseParams(c);
@@ -92,13 +94,22 @@ FlashParams OptionParams(const Case& c, Rng& rng, HostVariants* var, float** slo
     p.softmax_scale_log2 = c.scale * 1.4426950408889634f;
   }
   MakeHostVariants(p, c.softcap, c.alibi, 0, rng, var);
+  MakeHostDropout(p, c.dropout, rng, var);
   p.softcap = c.softcap;
   *slopes = nullptr;
-  if (c.alibi) {
-    CHECK_CUDA(cudaMalloc(slopes, var->alibi.size() * sizeof(float)));
-    CHECK_CUDA(cudaMemcpy(*slopes, var->alibi.data(), var->alibi.size() * sizeof(float),
+  const size_t seed_words = var->dropout_seeds.size();
+  if (c.alibi || seed_words > 0) {
+    CHECK_CUDA(cudaMalloc(slopes, (seed_words + var->alibi.size()) * sizeof(float)));
+  }
+  if (seed_words > 0) {
+    CHECK_CUDA(cudaMemcpy(*slopes, var->dropout_seeds.data(), seed_words * 4,
                           cudaMemcpyHostToDevice));
-    p.alibi_slopes = *slopes;
+    SetDropout(*var, *slopes, &p);
+  }
+  if (c.alibi) {
+    CHECK_CUDA(cudaMemcpy(*slopes + seed_words, var->alibi.data(),
+                          var->alibi.size() * sizeof(float), cudaMemcpyHostToDevice));
+    p.alibi_slopes = *slopes + seed_words;
   }
   return p;
 }
@@ -476,9 +487,11 @@ int main(int argc, char** argv) {
     FlashParams p = CaseParams(c);
     p.softcap = 30.f;
     p.alibi_slopes = reinterpret_cast<const float*>(&p);  // host-only check: any non-null
+    p.dropout_seeds = reinterpret_cast<const uint32_t*>(&p);
     const bool options = cuda::Sm90ForwardSupports(p);
     p.softcap = 0.f;
     p.alibi_slopes = nullptr;
+    p.dropout_seeds = nullptr;
     const int32_t ids = 0;
     p.q_segment_ids = p.kv_segment_ids = &ids;
     const bool segments = !cuda::Sm90ForwardSupports(p);
@@ -489,7 +502,7 @@ int main(int argc, char** argv) {
       accepted = accepted && cuda::Sm90ForwardSupports(p);
     }
     const bool ok = f32 && d264 && options && segments && accepted;
-    std::printf("%s supports: float32, D=264, segment ids declined; softcap + ALiBi, bf16 "
+    std::printf("%s supports: float32, D=264, segment ids declined; softcap + ALiBi + dropout, bf16 "
                 "D=8..256 accepted\n",
                 ok ? "PASS" : "FAIL");
     failures += !ok;
@@ -605,6 +618,27 @@ int main(int argc, char** argv) {
       {"opt softcap50+alibi T777 S555 D200 causal fp16 bhtd", fp, 1, 777, 555, 3, 3, 200, -1, 0, true, SegKind::kNone, 0, 50.f, true},
   };
   cases.insert(cases.end(), options.begin(), options.end());
+  // Dropout (--filter drop; the oracle applies flash_dropout.h's mask on the
+  // host): every tile (D 64, 128 at 128 and 176 keys, the masked 128-key row
+  // above 8192 keys, 256), causal, windows, GQA, the persistent grid,
+  // stream-K, segment ids, with softcap and ALiBi, bhtd, T != S both ways.
+  const std::vector<Case> dropped = {
+      {"drop0.1 T1000 S1000 D128 causal bf16", bf, 1, 1000, 1000, 2, 2, 128, -1, 0, false, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
+      {"drop0.2 T17 S1000 D64 fp16", fp, 1, 17, 1000, 2, 2, 64, -1, -1, false, SegKind::kNone, 0, 0.f, false, 0.f, 0.2f},
+      {"drop0.3 T1000 S1000 D64 causal GQA4 bf16 B2", bf, 2, 1000, 1000, 8, 2, 64, -1, 0, false, SegKind::kNone, 0, 0.f, false, 0.f, 0.3f},
+      {"drop0.1 T1000 S5000 D128 bf16 (176 keys)", bf, 1, 1000, 5000, 2, 2, 128, -1, -1, false, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
+      {"drop0.5 T300 S9000 D128 window(700,0) fp16", fp, 1, 300, 9000, 2, 2, 128, 700, 0, false, SegKind::kNone, 0, 0.f, false, 0.f, 0.5f},
+      {"drop0.1 T1000 S1000 D128 bf16 B2 H40 (stream-K)", bf, 2, 1000, 1000, 40, 40, 128, -1, -1, false, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
+      {"drop0.2 T600 S400 D64 GQA4 bf16 B4 H16 (persistent)", bf, 4, 600, 400, 16, 4, 64, -1, -1, false, SegKind::kNone, 0, 0.f, false, 0.f, 0.2f},
+      {"drop0.1 T1000 S1000 D256 causal GQA4 bf16 B2", bf, 2, 1000, 1000, 8, 2, 256, -1, 0, false, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
+      {"drop0.3 T161 S4097 D256 window(300,20) fp16 bhtd", fp, 1, 161, 4097, 2, 2, 256, 300, 20, true, SegKind::kNone, 0, 0.f, false, 0.f, 0.3f},
+      {"drop0.1 softcap20+alibi T1000 S1000 D96 bf16 B2 s0.5", bf, 2, 1000, 1000, 2, 2, 96, -1, -1, false, SegKind::kNone, 0, 20.f, true, 0.5f, 0.1f},
+      {"drop0.2 softcap50+alibi T777 S555 D200 causal fp16 bhtd", fp, 1, 777, 555, 3, 3, 200, -1, 0, true, SegKind::kNone, 0, 50.f, true, 0.f, 0.2f},
+      {"drop0.1 seg 7 docs T2000 D128 causal bf16", bf, 1, 2000, 2000, 2, 2, 128, -1, 0, false, SegKind::kPacked, 7, 0.f, false, 0.f, 0.1f},
+      {"drop0.1 seg random T700 S500 D64 fp16", fp, 1, 700, 500, 2, 1, 64, -1, -1, false, SegKind::kRandom, 0, 0.f, false, 0.f, 0.1f},
+      {"drop0.1 T1000 S17 D128 bf16 (T > S)", bf, 1, 1000, 17, 2, 2, 128, -1, -1, false, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
+  };
+  cases.insert(cases.end(), dropped.begin(), dropped.end());
   if (tiny) {
     cases = {
         {"tiny T128 S128 D128 bf16", bf, 1, 128, 128, 1, 1, 128, -1, -1},
@@ -625,6 +659,11 @@ int main(int argc, char** argv) {
         {"opt tiny softcap30 T150 S170 D256 fp16 s1", fp, 1, 150, 170, 2, 2, 256, -1, -1, false, SegKind::kNone, 0, 30.f, false, 1.f},
         {"opt tiny alibi T200 S100 D128 causal bf16 (empty rows)", bf, 1, 200, 100, 2, 2, 128, -1, 0, false, SegKind::kNone, 0, 0.f, true},
         {"opt tiny softcap20+alibi T130 S200 D128 H140 bf16 (persistent)", bf, 1, 130, 200, 140, 140, 128, -1, -1, false, SegKind::kNone, 0, 20.f, true},
+        {"drop tiny T130 S200 D64 causal GQA2 bf16", bf, 1, 130, 200, 2, 1, 64, -1, 0, false, SegKind::kNone, 0, 0.f, false, 0.f, 0.2f},
+        {"drop tiny T150 S170 D256 fp16", fp, 1, 150, 170, 2, 2, 256, -1, -1, false, SegKind::kNone, 0, 0.f, false, 0.f, 0.3f},
+        {"drop tiny softcap10 T200 S100 D128 causal bf16 (empty rows)", bf, 1, 200, 100, 2, 2, 128, -1, 0, false, SegKind::kNone, 0, 10.f, false, 1.f, 0.1f},
+        {"drop tiny T130 S200 D128 H140 bf16 (persistent)", bf, 1, 130, 200, 140, 140, 128, -1, -1, false, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
+        {"drop tiny seg 7 docs T300 D64 causal bf16", bf, 1, 300, 300, 2, 2, 64, -1, 0, false, SegKind::kPacked, 7, 0.f, false, 0.f, 0.1f},
     };
   } else if (small) {
     std::vector<Case> keep;
@@ -663,9 +702,14 @@ int main(int argc, char** argv) {
         {"B8 T=S=2048 H8 D256 bf16", bf, 8, 2048, 2048, 8, 8, 256, -1, -1},
         {"B4 T=S=4096 H16 D96 bf16", bf, 4, 4096, 4096, 16, 16, 96, -1, -1},
         // The score options beside their plain rows above.
-        {"B4 T=S=4096 H16 D128 bf16 softcap50", bf, 4, 4096, 4096, 16, 16, 128, -1, -1, false, 50.f},
-        {"B4 T=S=4096 H16 D128 bf16 causal alibi", bf, 4, 4096, 4096, 16, 16, 128, -1, 0, false, 0.f, true},
-        {"B4 T=S=4096 H16 D64 bf16 softcap50+alibi", bf, 4, 4096, 4096, 16, 16, 64, -1, -1, false, 50.f, true},
+        {"B4 T=S=4096 H16 D128 bf16 softcap50", bf, 4, 4096, 4096, 16, 16, 128, -1, -1, false, SegKind::kNone, 0, 50.f},
+        {"B4 T=S=4096 H16 D128 bf16 causal alibi", bf, 4, 4096, 4096, 16, 16, 128, -1, 0, false, SegKind::kNone, 0, 0.f, true},
+        {"B4 T=S=4096 H16 D64 bf16 softcap50+alibi", bf, 4, 4096, 4096, 16, 16, 64, -1, -1, false, SegKind::kNone, 0, 50.f, true},
+        // Dropout beside its plain rows (--filter T8k).
+        {"B2 T=S=8192 H16 D128 bf16 causal T8k", bf, 2, 8192, 8192, 16, 16, 128, -1, 0},
+        {"B2 T=S=8192 H16 D128 bf16 causal T8k dropout0.1", bf, 2, 8192, 8192, 16, 16, 128, -1, 0, false, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
+        {"B2 T=S=8192 H16 D64 bf16 causal T8k", bf, 2, 8192, 8192, 16, 16, 64, -1, 0},
+        {"B2 T=S=8192 H16 D64 bf16 causal T8k dropout0.1", bf, 2, 8192, 8192, 16, 16, 64, -1, 0, false, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
     };
     if (grid) {
       for (int64_t d : {64, 128, 256}) {

@@ -54,7 +54,7 @@ __device__ __forceinline__ void FwdKeepBits(uint32_t (&keep)[KeepWords<kAcc>()],
 #pragma unroll
   for (int w = 0; w < KeepWords<kAcc>(); ++w) {
     uint32_t mine = 0;
-#pragma unroll
+#pragma unroll 4
     for (int jj = 0; jj < 8 && 8 * w + jj < kTiles; ++jj) {
       mine |= mask.Keep4(query, key4 + 2 * (8 * w + jj)) << (4 * jj);
     }
