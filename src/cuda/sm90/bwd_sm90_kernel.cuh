@@ -546,9 +546,10 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       const uint32_t q_off = ring.stage * Tr::kQBytes;
       const int ds_buf = it % 2;
       // With dropout, P^T's dropped elements carry a minus sign from the
-      // exponentials on (P^T >= 0 otherwise), so the keep bits die there:
-      // held to the dS^T math, they spilled the D = 64 consumers 40 bytes.
-      // Z o P^T = P^T where not negative; P^T = |P^T|.
+      // exponentials on (P^T >= 0 otherwise), so no keep bits are held
+      // through the dS^T math, the consumers' register peak (held there, they
+      // spilled the D = 64 consumers 12 bytes more). Z o P^T = P^T where not
+      // negative; P^T = |P^T|.
       const auto kept = [](float pt) { return !(pt < 0.f); };  // a NaN stays in
 
       // acc = (64 key rows of K or V) x (Q or dO of the stage)^T, both
@@ -659,12 +660,14 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
           // Dvec's load (the fewest registers live). Indices through Opaque,
           // as for ALiBi.
           // Philox calls unrolled 8 deep at D = 128, 4 at D = 64 (8 spilled
-          // the D = 64 consumers 68 bytes more than 4).
+          // the D = 64 consumers 60 bytes more than 4; 4 at D = 128, 38 more
+          // than 8).
           constexpr int kUnroll = kBlockM == 64 ? 8 : 4;
           uint32_t keep[KeepWords<Tr::kSAcc>()];
           const DropoutMask drop_mask =
               LoadDropoutMask(p, Opaque(tile.b) * static_cast<int>(p.num_heads_q) + Opaque(h));
-          BwdKeepBits<Tr::kSAcc, kUnroll>(keep, drop_mask, key0 + 16 * warp + g, Opaque(m_begin), g, t4);
+          BwdKeepBits<Tr::kSAcc, kUnroll>(keep, drop_mask, key0 + 16 * warp + g, Opaque(m_begin),
+                                          g, t4);
 #pragma unroll
           for (int i = 0; i < Tr::kSAcc; ++i) {
             if (!BwdKeepBit<Tr::kSAcc>(keep, i)) s[i] = -s[i];

@@ -437,8 +437,9 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
   // returns in correction[] the factor the caller applies to O.
   // seg_chunk(): the warpgroup's query chunk of the pre-pass (b * chunks +
   // row chunk), evaluated only for the id test.
-  auto softmax = [&](float (&s)[Tr::kSAcc], const uint32_t (&keep)[KeepWords<Tr::kSAcc>()], int n,
-                     float (&correction)[2], auto&& seg_chunk, const Tile& tl, int wg_row0) {
+  auto softmax = [&](float (&s)[Tr::kSAcc], const uint32_t (&keep)[KeepWords<Tr::kSAcc>()],
+                     int n, float (&correction)[2], auto&& seg_chunk, const Tile& tl,
+                     int wg_row0) {
     // Before the mask: its -inf must stay -inf (tanh would make it -1).
     if constexpr (kScoreOptions) transform_scores(s, n, tl, wg_row0);
     // Per-element mask only where some (row, key) pair of the warpgroup's
@@ -670,7 +671,8 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
         // soon as that S is done, its load starts a softmax and a PV earlier
         // than at the end of the tile.
         if (kPersistent && n == n_first) release(q_empty);
-        softmax(s, keep, n, correction, seg_chunk, tl, wg_row0);  // correction is 0 here and O is still 0
+        // (correction is 0 here and O is still 0)
+        softmax(s, keep, n, correction, seg_chunk, tl, wg_row0);
         convert_p(s, pa);
         RingPos<kStages> v_ring = ring;  // the V tile of the block whose P is in pa
         ring.Advance();
