@@ -6,7 +6,9 @@
 #   bash tests/cuda/run_sm90_fwd_selftest.sh
 # Logs go to $OUT (or /tmp/sm90_fwd_selftest_out). REBUILD=1 forces a build,
 # SANITIZE=0 skips the sanitizer runs, TIME=0 the timings, FILTER=str runs
-# only the cases whose name contains str.
+# only the cases whose name contains str (FILTER=opt: softcap and ALiBi,
+# FILTER=drop: dropout; the sanitizers' --tiny set has cases of both, and
+# the timings rows of dropout beside the plain kernel, B2 T8k).
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/sm90_fwd_selftest_out}
