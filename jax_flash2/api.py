@@ -149,19 +149,28 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
       q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] against
       k, v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]. Checked when known at trace
       time (concrete arrays); traced values are trusted.
+      Rows past cu_seqlens[-1] (padding) see no key and are seen by no
+      query: out 0, LSE -inf.
     max_seqlen_q, max_seqlen_k: static ints, at least every sequence's length.
     causal, window_size: per sequence, aligned bottom-right within each
       sequence (query i of a sequence with T_b queries and S_b keys sees keys
       j <= i + S_b - T_b), as FlashAttention-2's varlen.
     dropout_rate, dropout_rng: as flash_attention; the mask is a function of
-      the position in the padded batch (sequence b, right-aligned slot).
+      the token's position in the row it runs in (see below).
     Other arguments: as flash_attention.
 
   Returns:
     out [total_q, H, D]; with return_lse, (out, lse [H, total_q]).
 
-  Built on segment ids over a padded [n, max_seqlen] batch (see _varlen.py),
-  so it runs where segment ids do (CPU kernels, reference).
+  Runs on the packed tensors as one row [1, total, ...] with segment ids
+  computed on the device from cu_seqlens (O(total) memory, no copy), so the
+  kernels skip the blocks of different sequences. Exact whenever neither
+  causal nor window_size is set, or when the offsets are equal: concrete
+  cu_seqlens_q, cu_seqlens_k with equal values, or the same array passed
+  twice (also traced). Causal or window with offsets that differ, or that
+  are traced distinct arrays, gathers the sequences into a right-aligned
+  padded [n, max_seqlen] batch instead (O(n * max_seqlen) memory), since
+  one row's diagonal cannot follow every sequence's bottom-right one.
   """
   check_bool("return_lse", return_lse)
   for name, x, expected in (("q", q, "[total_q, H, D]"), ("k", k, "[total_k, K, D]"),
@@ -184,8 +193,10 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                            deterministic=deterministic, dropout_rate=dropout_rate,
                            dropout_rng=dropout_rng, implementation=implementation, **kwargs)
 
+  unbounded = isinstance(window_size, (tuple, list)) and tuple(window_size) == (-1, -1)
   return _varlen.varlen_attention(attention, q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                  int(max_seqlen_q), int(max_seqlen_k), return_lse)
+                                  int(max_seqlen_q), int(max_seqlen_k), return_lse,
+                                  positional=causal is not False or not unbounded)
 
 
 def _cuda_kernel_info() -> str | None:
