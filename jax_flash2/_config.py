@@ -257,6 +257,28 @@ def _check_alibi_slopes(alibi_slopes, batch: int, num_heads: int) -> None:
                        f"{values.tolist() if values.size <= 16 else 'non-finite values'}")
 
 
+def check_sinks(sinks, num_heads: int, dtype) -> None:
+  """sinks: None or float32 [H] (float64 too for float64 inputs, the
+  reference's oracle mode); concrete values must be finite (a NaN or inf sink
+  would silently empty or NaN its head), traced ones are trusted."""
+  if sinks is None:
+    return
+  if not hasattr(sinks, "shape") or not hasattr(sinks, "dtype"):
+    raise TypeError("flash_attention: sinks must be a float32 [H] array or None; got "
+                    f"{type(sinks).__name__}")
+  allowed = (jnp.float32, jnp.float64) if jnp.dtype(dtype) == jnp.float64 else (jnp.float32,)
+  if sinks.dtype not in allowed:
+    raise TypeError(f"flash_attention: sinks.dtype must be float32; got {sinks.dtype}")
+  if tuple(sinks.shape) != (num_heads,):
+    raise shape_error("sinks.shape", tuple(sinks.shape),
+                       f"must be [H] = ({num_heads},), one logit per query head")
+  if not isinstance(sinks, jax.core.Tracer):
+    values = np.asarray(sinks)
+    if not np.all(np.isfinite(values)):
+      raise ValueError("flash_attention: sinks must be finite; got "
+                       f"{values.tolist() if values.size <= 16 else 'non-finite values'}")
+
+
 def _check_segment_ids(segment_ids, batch: int, seqlen_q: int, seqlen_k: int) -> None:
   if segment_ids is None:
     return
@@ -317,11 +339,15 @@ def extra_operands(q, k, alibi_slopes=None, segment_ids=None, dropout_rng=None,
 
 def make_config(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                 softcap=0.0, alibi_slopes=None, segment_ids=None, deterministic=False,
-                dropout_rate=0.0, dropout_rng=None, implementation=None,
+                dropout_rate=0.0, dropout_rng=None, implementation=None, sinks=None,
                 dtypes=SUPPORTED_DTYPES) -> AttentionConfig:
-  """Checks the arguments of flash_attention and returns its static config."""
+  """Checks the arguments of flash_attention and returns its static config.
+
+  sinks is checked but not part of the config: the kernels never see it (it
+  rescales their results, _scores.add_sinks)."""
   _check_arrays(q, k, v, dtypes)
   _check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2])
+  check_sinks(sinks, q.shape[2], q.dtype)
   _check_segment_ids(segment_ids, q.shape[0], q.shape[1], k.shape[1])
   check_bool("causal", causal)
   check_bool("deterministic", deterministic)

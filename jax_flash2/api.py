@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash2 import _autodiff, _ext, _varlen, reference
+from jax_flash2 import _autodiff, _ext, _scores, _varlen, reference
 from jax_flash2._config import (AttentionConfig, ExtraOperands, SUPPORTED_DTYPES, check_bool,
-                                extra_operands, kernel_head_dim, make_config, shape_error)
+                                check_sinks, extra_operands, kernel_head_dim, make_config,
+                                shape_error)
 
 __all__ = ["AttentionConfig", "ExtraOperands", "SUPPORTED_DTYPES", "extra_operands",
            "flash_attention", "flash_attention_varlen", "kernel_info", "make_config"]
@@ -28,7 +29,7 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
                     return_lse: bool = False, window_size: tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, alibi_slopes=None, segment_ids=None,
                     deterministic: bool = False, dropout_rate: float = 0.0,
-                    dropout_rng: jax.Array | None = None,
+                    dropout_rng: jax.Array | None = None, sinks=None,
                     implementation: str | None = None):
   """FlashAttention-2: softmax(q k^T * scale [masked]) v without the T x S matrix.
 
@@ -91,6 +92,17 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
       default implementation's shape, (2,) for threefry); required when
       dropout_rate > 0. The same key gives the same mask on
       every backend; it gets no gradient.
+    sinks: None, or float32 [H]: attention sinks (gpt-oss), one learnable
+      logit per query head that joins every row's softmax denominator
+      without a value: P_ij = exp(s_ij) / (exp(sinks[h]) + sum_j exp(s_ij)),
+      s the final score (scaled, capped, ALiBi-biased, masked); the sink is
+      used as given (not scaled, capped or biased). The LSE includes it; a
+      row that sees no key returns 0 and LSE sinks[h]. Differentiable
+      (reverse and forward mode). With dropout, the keep mask applies to
+      this P. On every backend: the kernels compute the attention without
+      the sink and one elementwise pass rescales out and the LSE (exact).
+      Concrete sinks must be finite (checked); a traced NaN gives its head
+      NaN rows.
     implementation: None or "kernel" (the compiled kernels of the platform),
       or "reference" (plain JAX, materializes the T x S scores).
 
@@ -116,10 +128,10 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                        segment_ids=segment_ids, deterministic=deterministic,
                        dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                       implementation=implementation)
+                       implementation=implementation, sinks=sinks)
   extras = extra_operands(q, k, alibi_slopes, segment_ids, dropout_rng, config.dropout_rate)
   if config.implementation == "reference":
-    out, lse = reference.forward_from_config(q, k, v, extras, config)
+    out, lse = reference.forward_from_config(q, k, v, extras, config, sinks=sinks)
   else:
     head_dim = q.shape[3]
     padded = kernel_head_dim(head_dim)
@@ -129,6 +141,10 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
       q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
     out, lse = _autodiff.attention(q, k, v, extras, config)
     out = out[..., :head_dim]
+    if sinks is not None:
+      # Outside the custom_jvp: JAX differentiates the rescale through the
+      # kernels' differentiable (out, lse); sinks get their gradient here.
+      out, lse = _scores.add_sinks(out, lse, sinks)
   return (out, lse) if return_lse else out
 
 
@@ -137,7 +153,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                            softmax_scale: float | None = None, return_lse: bool = False,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            deterministic: bool = False, dropout_rate: float = 0.0,
-                           dropout_rng: jax.Array | None = None,
+                           dropout_rng: jax.Array | None = None, sinks=None,
                            implementation: str | None = None):
   """Packed variable-length sequences, FlashAttention's varlen convention.
 
@@ -191,8 +207,16 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     return flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                            window_size=window_size, softcap=softcap,
                            deterministic=deterministic, dropout_rate=dropout_rate,
-                           dropout_rng=dropout_rng, implementation=implementation, **kwargs)
+                           dropout_rng=dropout_rng, sinks=sinks,
+                           implementation=implementation, **kwargs)
 
+  if sinks is not None and k.shape[0] == 0:
+    # No key at all: every query sees no key, out 0 and LSE the sink (the
+    # gathered batch would have nothing to gather from).
+    check_sinks(sinks, q.shape[1], q.dtype)
+    out = jnp.zeros(q.shape, q.dtype)
+    lse = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None], (q.shape[1], q.shape[0]))
+    return (out, lse) if return_lse else out
   unbounded = isinstance(window_size, (tuple, list)) and tuple(window_size) == (-1, -1)
   return _varlen.varlen_attention(attention, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                   int(max_seqlen_q), int(max_seqlen_k), return_lse,

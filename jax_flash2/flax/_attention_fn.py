@@ -16,13 +16,14 @@ from jax_flash2 import api
 def attend(query, key, value, *, causal: bool, softmax_scale=None, dtype=None,
            window_size=(-1, -1), softcap: float = 0.0, dropout_rate: float = 0.0,
            dropout_rng=None, deterministic_backward: bool = False,
-           causal_top_left: bool = False):
+           causal_top_left: bool = False, sinks=None):
   """flash_attention on Flax's layout: query [..., T, H, D], key, value [..., S, K, D].
 
   dtype, when given, is the computation dtype (as in Flax); otherwise the three
   are promoted to a common dtype. dropout_rate > 0 drops attention weights with
   masks drawn from dropout_rng (see flash_attention). deterministic_backward is
-  flash_attention's `deterministic` (a bit-identical backward).
+  flash_attention's `deterministic` (a bit-identical backward). sinks: None
+  or [H], flash_attention's attention sinks (taken as float32).
 
   causal is bottom-right aligned (query i sees keys j <= i + S - T), unless
   causal_top_left: then query i sees keys j <= i, as Flax's and jax.nn's
@@ -54,7 +55,8 @@ def attend(query, key, value, *, causal: bool, softmax_scale=None, dtype=None,
   out = api.flash_attention(
       merged(query), merged(key), merged(value), causal=causal, softmax_scale=softmax_scale,
       window_size=window_size, softcap=softcap, dropout_rate=dropout_rate,
-      dropout_rng=dropout_rng, deterministic=deterministic_backward)
+      dropout_rng=dropout_rng, deterministic=deterministic_backward,
+      sinks=None if sinks is None else jnp.asarray(sinks).astype(jnp.float32))
   return out.reshape(batch + out.shape[1:])
 
 

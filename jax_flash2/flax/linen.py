@@ -20,7 +20,7 @@ class MultiHeadAttention(nn.Module):
   arguments; the dropout key comes from the 'dropout' rng collection).
   Parameters are named as in flax.linen.MultiHeadDotProductAttention
   (query, key, value, out; kernel, bias) with key and value projecting to
-  `num_kv_heads` heads only.
+  `num_kv_heads` heads only; with use_sinks, a parameter `sinks` [num_heads].
   """
 
   num_heads: int
@@ -31,6 +31,8 @@ class MultiHeadAttention(nn.Module):
   softmax_scale: float | None = None
   window_size: tuple[int, int] = (-1, -1)
   softcap: float = 0.0
+  use_sinks: bool = False
+  sinks_init: Callable = nn.initializers.zeros_init()
   dropout_rate: float = 0.0
   deterministic: bool | None = None
   deterministic_backward: bool = False
@@ -55,6 +57,8 @@ class MultiHeadAttention(nn.Module):
     out_features = self.out_features or inputs_q.shape[-1]
     _check_heads(self.num_heads, num_kv_heads, qkv_features)
     head_dim = qkv_features // self.num_heads
+    sinks = (self.param("sinks", self.sinks_init, (self.num_heads,), self.param_dtype)
+             if self.use_sinks else None)
 
     def dense(features, name, axis=-1):
       return nn.DenseGeneral(
@@ -68,5 +72,5 @@ class MultiHeadAttention(nn.Module):
         dense((num_kv_heads, head_dim), "value")(inputs_kv),
         causal=self.causal, softmax_scale=self.softmax_scale, window_size=self.window_size,
         softcap=self.softcap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-        deterministic_backward=self.deterministic_backward)
+        deterministic_backward=self.deterministic_backward, sinks=sinks)
     return dense(out_features, "out", axis=(-2, -1))(x)
