@@ -263,7 +263,7 @@ def _gathered(cache, block_table, layout):
 
 
 def reference_with_kvcache(q, k_cache, v_cache, lengths, block_table, config, layout,
-                           alibi_slopes=None, k_scale=None, v_scale=None):
+                           alibi_slopes=None, k_scale=None, v_scale=None, sinks=None):
   """(out [B, T, H, D], lse [B, H, T]) in plain JAX, over the updated cache.
 
   lengths [B]: each sequence's visible keys. The pages are gathered, the
@@ -317,7 +317,9 @@ def reference_with_kvcache(q, k_cache, v_cache, lengths, block_table, config, la
   if config.window_right >= 0:
     mask &= distance >= -config.window_right
   scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-  probs, lse = _scores.normalize(scores)  # [B, K, G, T, S], [B, K, G, T]
+  if sinks is not None:  # in the softmax, as reference.py
+    sinks = jnp.asarray(sinks).astype(compute).reshape(1, num_kv_heads, group, 1, 1)
+  probs, lse = _scores.normalize(scores, sinks)  # [B, K, G, T, S], [B, K, G, T]
   out = jnp.einsum("bkgts,bskd->btkgd", probs, values, precision=jax.lax.Precision.HIGHEST)
   out = out.reshape(batch, seqlen_q, num_heads, head_dim).astype(q.dtype)
   return out, lse.reshape(batch, num_heads, seqlen_q)
@@ -349,7 +351,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
                                  block_table=None, causal: bool = True,
                                  softmax_scale: float | None = None,
                                  window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                                 alibi_slopes=None, return_lse: bool = False, k_scale=None,
+                                 alibi_slopes=None, sinks=None, return_lse: bool = False,
+                                 k_scale=None,
                                  v_scale=None, implementation: str | None = None):
   """Attention of T new queries per sequence over a KV cache; forward only.
 
@@ -384,6 +387,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     softmax_scale, window_size, softcap, alibi_slopes: as flash_attention,
       with S - T replaced by L_b - T: the window around that diagonal, the
       ALiBi bias -slope * |t + L_b - T - j|.
+    sinks: None or float32 [H], attention sinks as flash_attention (a query
+      with no visible key then returns 0 and LSE the sink).
     return_lse: also return the LSE [B, H, T] float32.
     k_scale, v_scale: float32 scales of a quantized cache: [K] (per KV head)
       or, for a paged cache, [num_pages, K] (per page and KV head). The
@@ -415,7 +420,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
                               q.dtype)
   config = _config.make_config(q, view, view, causal=causal, softmax_scale=softmax_scale,
                                window_size=window_size, softcap=softcap,
-                               alibi_slopes=alibi_slopes, implementation=implementation)
+                               alibi_slopes=alibi_slopes, implementation=implementation,
+                               sinks=sinks)
   config = dataclasses.replace(config, has_kv_seqlens=True, page_size=layout.page_size)
 
   if layout.append:
@@ -424,9 +430,14 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     lengths = cache_seqlens + layout.seqlen_q
   else:
     lengths = cache_seqlens
-  attend = reference_with_kvcache if config.implementation == "reference" else _kernel
-  out, lse = attend(q, k_cache, v_cache, lengths, block_table, config, layout, alibi_slopes,
-                    k_scale, v_scale)
+  if config.implementation == "reference":
+    out, lse = reference_with_kvcache(q, k_cache, v_cache, lengths, block_table, config, layout,
+                                      alibi_slopes, k_scale, v_scale, sinks=sinks)
+  else:
+    out, lse = _kernel(q, k_cache, v_cache, lengths, block_table, config, layout, alibi_slopes,
+                       k_scale, v_scale)
+    if sinks is not None:  # the exact rescale of flash_attention (_scores.add_sinks)
+      out, lse = _scores.add_sinks(out, lse, sinks)
   result = (out, lse) if return_lse else (out,)
   if layout.append:
     result += (k_cache, v_cache)

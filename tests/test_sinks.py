@@ -1,8 +1,8 @@
 """Attention sinks (`sinks`, one logit per query head in every row's softmax
 denominator): forward, LSE and the gradients of q, k, v and the sinks against
 the float64 oracle on every backend, alone and with the other options;
-forward mode, rows that see no key, NaN, bad arguments, varlen, the ring, the
-Flax modules and the GPU plans.
+forward mode, rows that see no key, NaN, bad arguments, varlen, the KV
+cache, the ring, the Flax modules and the GPU plans.
 
 The kernels rescale a softmax computed without the sinks (_scores.add_sinks),
 the reference puts the sink inside its softmax (_scores.normalize) and the
@@ -369,6 +369,36 @@ def test_one_elementwise_pass_outside_the_kernels(rng):
       q, k, v, sinks).as_text()
   assert text.count("jax_flash2_attention_fwd") == 1
   assert "64x80" not in text and "80x64" not in text
+
+
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+@pytest.mark.parametrize("seqlen_q", [1, 5])
+def test_kvcache(backend, seqlen_q, rng):
+  """flash_attention_with_kvcache with sinks against the oracle of each
+  sequence's visible keys (causal, aligned to each sequence's end); a
+  sequence with an empty cache gets out 0 and LSE the sink."""
+  b, s_max, h, hk, d = 3, 40, 4, 2, 16
+  lengths = [17, 0, 33] if seqlen_q == 1 else [17, 3, 33]
+  q, k_cache, v_cache = random_inputs(rng, b, seqlen_q, s_max, h, hk, d, jnp.float32)
+  sinks = _sinks(rng, h, 20)
+  out, lse = jax.jit(lambda q, kc, vc, n, s: jax_flash2.flash_attention_with_kvcache(
+      q, kc, vc, cache_seqlens=n, sinks=s, softcap=6.0, return_lse=True,
+      implementation=backend))(q, k_cache, v_cache, jnp.asarray(lengths, jnp.int32), sinks)
+  for i, length in enumerate(lengths):
+    if length == 0:
+      assert np.all(np.asarray(out[i]) == 0)
+      np.testing.assert_array_equal(lse[i], np.broadcast_to(
+          np.asarray(sinks)[:, None], (h, seqlen_q)))
+      continue
+    (ro, rl), _ = oracle(q[i:i + 1], k_cache[i:i + 1, :length], v_cache[i:i + 1, :length],
+                         np.zeros((1, seqlen_q, h, d)), np.zeros((1, h, seqlen_q)), causal=True,
+                         softcap=6.0, sinks=sinks)
+    np.testing.assert_allclose(out[i], ro[0], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(lse[i], rl[0], rtol=2e-5, atol=2e-5)
+  with pytest.raises(ValueError, match="sinks.shape"):
+    jax_flash2.flash_attention_with_kvcache(q, k_cache, v_cache,
+                                            cache_seqlens=jnp.asarray(lengths, jnp.int32),
+                                            sinks=jnp.zeros((3,), jnp.float32))
 
 
 # The ring: several CPU devices need a fresh process (the device count is
