@@ -31,7 +31,7 @@ import numpy as np
 from jax_flash2 import _config, _primitives, _scores
 from jax_flash2._config import SUPPORTED_DTYPES
 
-__all__ = ["PAGE_SIZE_MULTIPLE", "QUANTIZED_DTYPES", "flash_attention_with_kvcache",
+__all__ = ["PAGE_SIZE_MULTIPLE", "QUANTIZED_DTYPES", "flash_attention_with_kvcache", "plan",
            "quantize", "reference_with_kvcache"]
 
 # A page holds whole 16-key steps of the decode kernel (its smallest warp
@@ -51,13 +51,11 @@ def _is_array(x) -> bool:
 
 
 def _concrete(x) -> np.ndarray | None:
-  """x as a numpy array when its value is known at trace time, else None."""
-  if isinstance(x, jax.core.Tracer):
+  """x as a numpy array when its value is known at trace time, else None
+  (traced, or abstract: a jax.ShapeDtypeStruct)."""
+  if isinstance(x, jax.core.Tracer) or not isinstance(x, (jax.Array, np.ndarray)):
     return None
-  try:
-    return np.asarray(x)
-  except Exception:  # an abstract value (ShapeDtypeStruct) has no data
-    return None
+  return np.asarray(x)
 
 
 class _Layout(NamedTuple):
@@ -325,9 +323,74 @@ def reference_with_kvcache(q, k_cache, v_cache, lengths, block_table, config, la
   return out, lse.reshape(batch, num_heads, seqlen_q)
 
 
+def _kernel_direct(q, k_cache, v_cache, lengths, block_table, config, layout, alibi_slopes):
+  """(out, lse) from the platform's forward kernel with the KV-cache operands
+  (the CPU kernels; on CUDA the decode kernel)."""
+  view = jax.ShapeDtypeStruct((layout.batch, layout.capacity, layout.num_kv_heads, q.shape[3]),
+                              q.dtype)
+  extras = _config.extra_operands(q, view, alibi_slopes)
+  table = block_table if layout.page_size else jnp.zeros((layout.batch, 1), jnp.int32)
+  extras = extras._replace(kv_seqlens=jnp.clip(lengths, 0, layout.capacity).astype(jnp.int32),
+                           block_table=table)
+  out, lse = _primitives.flash_fwd_p.bind(q, k_cache, v_cache, *extras, config=config)
+  return out, lse
+
+
+def _kernel_gathered(q, k_cache, v_cache, lengths, block_table, config, layout, alibi_slopes):
+  """(out, lse) from flash_attention's kernels over a gathered copy of the
+  visible cache: for the CUDA calls the decode kernel cannot serve (more
+  packed rows than it holds, softcap, ALiBi). Each sequence's L_b visible keys
+  are right-aligned in an [B, S_max, K, D] copy, so that the kernels' one
+  bottom-right diagonal (offset S_max - T) is each sequence's own
+  (t + L_b - T), ALiBi distances included; the slots before them hold zeros
+  under a segment id no query has."""
+  from jax_flash2 import api
+  capacity = layout.capacity
+  lengths = jnp.clip(lengths, 0, capacity)
+  source = jnp.arange(capacity)[None, :] - (capacity - lengths)[:, None]  # [B, S_max]; < 0: pad
+  present = source >= 0
+  index = jnp.clip(source, 0, capacity - 1)[:, :, None, None]
+
+  def aligned(cache):
+    full = _gathered(cache, block_table, layout)
+    return jnp.where(present[:, :, None, None], jnp.take_along_axis(full, index, axis=1), 0)
+
+  q_ids = jnp.zeros(q.shape[:2], jnp.int32)
+  kv_ids = jnp.where(present, 0, 1).astype(jnp.int32)
+  left, right = config.window_left, config.window_right
+  return api.flash_attention(q, aligned(k_cache), aligned(v_cache), causal=False,
+                             softmax_scale=config.softmax_scale, window_size=(left, right),
+                             softcap=config.softcap, alibi_slopes=alibi_slopes,
+                             segment_ids=(q_ids, kv_ids), return_lse=True)
+
+
+def _decode_kernel_serves(q, k_cache, v_cache, block_table, config, alibi_slopes) -> bool:
+  """Whether the CUDA decode kernel serves the call on this host's GPUs (on
+  a (9, 0) GPU when there is none to ask, as the lowering plans)."""
+  try:
+    gpus = jax.local_devices(backend="gpu")
+  except RuntimeError:
+    gpus = []
+  ccs = {tuple(int(x) for x in str(getattr(d, "compute_capability", "9.0")).split("."))
+         for d in gpus} or {(9, 0)}
+  options = dict(softmax_scale=config.softmax_scale,
+                 window_size=(config.window_left, config.window_right), softcap=config.softcap,
+                 alibi_slopes=alibi_slopes, causal=False)
+  for cc in ccs:
+    if cc not in __import__("jax_flash2._plan", fromlist=["x"]).MAX_SMEM_PER_BLOCK:
+      return False
+    kernel = plan(q, k_cache, v_cache, block_table=block_table, compute_capability=cc,
+                  **options)["forward"].kernel
+    if kernel != "sm80-decode":
+      return False
+  return True
+
+
 def _kernel(q, k_cache, v_cache, lengths, block_table, config, layout, alibi_slopes,
             k_scale, v_scale):
-  """(out, lse) from the platform's forward kernel with the KV-cache operands."""
+  """(out, lse) from the platform's kernels: the CPU kernels read the cache
+  directly; on CUDA the decode kernel does where it serves the call, else
+  flash_attention's kernels over a gathered copy (_kernel_gathered)."""
   head_dim = q.shape[3]
   if head_dim % 8:
     raise _err(NotImplementedError,
@@ -337,14 +400,52 @@ def _kernel(q, k_cache, v_cache, lengths, block_table, config, layout, alibi_slo
     # The kernels do not dequantize yet: they read a q-dtype copy of the cache.
     k_cache = _dequantize(k_cache, k_scale, layout, q.dtype)
     v_cache = _dequantize(v_cache, v_scale, layout, q.dtype)
-  view = jax.ShapeDtypeStruct((layout.batch, layout.capacity, layout.num_kv_heads, head_dim),
+  args = (q, k_cache, v_cache, lengths, block_table, config, layout, alibi_slopes)
+  direct = lambda: _kernel_direct(*args)
+  if q.dtype == jnp.float32 or _decode_kernel_serves(q, k_cache, v_cache, block_table, config,
+                                                     alibi_slopes):
+    return direct()  # (float32 on CUDA raises when lowered: no CUDA kernel takes it)
+  return jax.lax.platform_dependent(cpu=direct, cuda=lambda: _kernel_gathered(*args))
+
+
+def plan(q, k_cache, v_cache, *, block_table=None, compute_capability: tuple[int, int] | None = (9, 0),
+         sm_count: int = 132, max_smem_per_block: int | None = None, causal: bool = True,
+         softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+  """The kernel flash_attention_with_kvcache(q, k_cache, v_cache, ...) runs on a
+  given GPU, from src/plan.h as jax_flash2.plan (arrays or
+  jax.ShapeDtypeStruct; cache_seqlens and the appended k, v do not change it).
+
+  Returns {"forward": jax_flash2._plan.KernelPlan}: on CUDA always the decode
+  kernel ("sm80-decode", on Hopper too: it is the one kernel that reads
+  per-sequence lengths and block tables), or "unsupported" with the reason
+  (more than its packed-row limit of T * H / K, softcap or ALiBi).
+  """
+  from jax_flash2 import _ext, _plan
+  lengths = jax.ShapeDtypeStruct((q.shape[0],), jnp.int32)
+  layout = _check(q, k_cache, v_cache, lengths, None, None, block_table,
+                  *((jax.ShapeDtypeStruct((k_cache.shape[2],), jnp.float32),) * 2
+                    if k_cache.dtype in QUANTIZED_DTYPES else (None, None)))
+  view = jax.ShapeDtypeStruct((layout.batch, layout.capacity, layout.num_kv_heads, q.shape[3]),
                               q.dtype)
-  extras = _config.extra_operands(q, view, alibi_slopes)
-  table = block_table if layout.page_size else jnp.zeros((layout.batch, 1), jnp.int32)
-  extras = extras._replace(kv_seqlens=jnp.clip(lengths, 0, layout.capacity).astype(jnp.int32),
-                           block_table=table)
-  out, lse = _primitives.flash_fwd_p.bind(q, k_cache, v_cache, *extras, config=config)
-  return out, lse
+  config = _config.make_config(q, view, view, causal=causal, softmax_scale=softmax_scale,
+                               window_size=window_size, softcap=softcap,
+                               alibi_slopes=alibi_slopes)
+  if compute_capability is None:
+    return {"forward": _plan.KernelPlan(kernel="cpu")}
+  major, minor = (int(x) for x in compute_capability)
+  if max_smem_per_block is None:
+    max_smem_per_block = _plan.MAX_SMEM_PER_BLOCK[(major, minor)]
+  have_sm90 = _ext.cuda_ext.has_sm90() if _ext.cuda_ext is not None else True
+  d = _ext.cpu_ext.plan(
+      backward=False, dtype=_plan._DTYPES.get(np.dtype(q.dtype), 2), batch=layout.batch,
+      seqlen_q=layout.seqlen_q, seqlen_k=layout.capacity, heads_q=q.shape[2],
+      heads_kv=layout.num_kv_heads, head_dim=-(-q.shape[3] // 8) * 8,
+      window_left=config.window_left, window_right=config.window_right, softcap=config.softcap,
+      has_alibi=config.has_alibi, has_segment_ids=False, dropout_rate=0.0, deterministic=False,
+      cc_major=major, cc_minor=minor, sm_count=int(sm_count),
+      max_smem_per_block=int(max_smem_per_block), have_sm90=have_sm90, has_kv_seqlens=True,
+      page_size=layout.page_size)
+  return {"forward": _plan._kernel_plan(d)}
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None,

@@ -330,6 +330,35 @@ inline std::string Sm90ForwardUnserved(const FlashParams& p, const DeviceInfo& d
   return "";
 }
 
+// Empty when the decode kernel serves a KV-cache call (per-sequence lengths,
+// maybe a block table), else why not. Only the decode kernel reads those
+// operands, on every GPU: the prefill and Hopper kernels never see them.
+inline std::string KvCacheUnserved(const FlashParams& p, const DeviceInfo& dev) {
+  const int64_t rows = p.seqlen_q * p.group_size;
+  const int64_t max_rows = cuda::DecodeMaxRows(cuda::DecodeTileFor(p.head_dim));
+  if (rows > max_rows) {
+    return "KV cache: T * H / K = " + std::to_string(rows) +
+           " packed rows exceed the decode kernel's " + std::to_string(max_rows) + " at D=" +
+           std::to_string(p.head_dim) + " (the one CUDA kernel that reads per-sequence lengths "
+           "and block tables); split the T new queries into chunks of at most " +
+           std::to_string(max_rows / p.group_size > 0 ? max_rows / p.group_size : 1);
+  }
+  if (p.softcap > 0.f || p.alibi_slopes != nullptr || p.q_segment_ids != nullptr ||
+      p.dropout_seeds != nullptr) {
+    return std::string("KV cache: ") +
+           (p.softcap > 0.f ? "softcap" : p.alibi_slopes ? "alibi_slopes" : "segment ids/dropout") +
+           " is not served by the decode kernel (the one CUDA kernel that reads per-sequence "
+           "lengths and block tables)";
+  }
+  bool small_smem = false;
+  if (ChooseDecodeTile(p, dev, &small_smem).head_dim == 0) {
+    return "KV cache: the decode kernel's tile does not fit this GPU's shared memory (" +
+           std::to_string(dev.max_smem_per_block_optin) + " bytes) at D=" +
+           std::to_string(p.head_dim);
+  }
+  return "";
+}
+
 }  // namespace plan_detail
 
 // The one support check of a forward call: empty when the CUDA kernels serve
@@ -343,6 +372,7 @@ inline std::string ForwardUnsupported(const FlashParams& p, const DeviceInfo& de
            " (max 65535), H=" + std::to_string(p.num_heads_q) + " (max 65535), T=" +
            std::to_string(p.seqlen_q) + ", S=" + std::to_string(p.seqlen_k);
   }
+  if (p.kv_seqlens != nullptr) return plan_detail::KvCacheUnserved(p, dev);
   const int smem = cuda::FwdSmemBytes(cuda::FwdTileFor(p.head_dim), 1, p.dropout_seeds != nullptr);
   if (static_cast<size_t>(smem) > dev.max_smem_per_block_optin) {
     return "head_dim D=" + std::to_string(p.head_dim) + (p.dropout_seeds ? " with dropout" : "") +
@@ -360,6 +390,14 @@ inline FwdPlan MakeForwardPlan(const FlashParams& p, const DeviceInfo& dev,
   FwdPlan plan;
   if (std::string why = ForwardUnsupported(p, dev); !why.empty()) {
     plan.reason = why;
+    return plan;
+  }
+  if (p.kv_seqlens != nullptr) {  // served by the decode kernel only (KvCacheUnserved)
+    bool small_smem = false;
+    const cuda::DecodeTileSizes tile = plan_detail::ChooseDecodeTile(p, dev, &small_smem);
+    plan = plan_detail::MakeDecodePlan(p, dev, tile, small_smem);
+    plan.reason = "KV cache: the decode kernel is the one that reads per-sequence lengths and "
+                  "block tables";
     return plan;
   }
   std::string not_decode;

@@ -353,3 +353,48 @@ def test_forward_only():
       q, kc, vc, cache_seqlens=jnp.asarray(case["lengths"])).sum()
   with pytest.raises(Exception):
     jax.grad(fn)(q)
+
+
+@pytest.mark.parametrize("index", [0, 4, 6, 8, 9, 10])
+def test_gathered_fallback_against_oracle(index):
+  """The path CUDA takes where the decode kernel cannot serve a call
+  (flash_attention over the right-aligned visible keys), run on the CPU
+  kernels here."""
+  seqlen_q, heads, kv_heads, append, options = CASES[index]
+  case = _case(200 + index, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads, append=False)
+  expected_out, expected_lse = _oracle(
+      case["q"], case["keys"], case["values"], case["lengths"],
+      causal=options.get("causal", True), window_size=options.get("window_size", (-1, -1)),
+      softcap=options.get("softcap", 0.0), softmax_scale=options.get("softmax_scale"),
+      alibi_slopes=options.get("alibi_slopes"))
+  pool, table = _paged(case["k_cache"], case["max_pages"], np.random.default_rng(1))
+  vpool, _ = _paged(case["v_cache"], case["max_pages"], np.random.default_rng(1))
+  q = jnp.asarray(case["q"])
+  view = jax.ShapeDtypeStruct((3, case["max_pages"] * PAGE, kv_heads, q.shape[3]), q.dtype)
+  config = jax_flash2.api.make_config(
+      q, view, view, causal=options.get("causal", True),
+      window_size=options.get("window_size", (-1, -1)), softcap=options.get("softcap", 0.0),
+      softmax_scale=options.get("softmax_scale"), alibi_slopes=options.get("alibi_slopes"))
+  layout = kvcache._Layout(3, seqlen_q, kv_heads, case["max_pages"] * PAGE, PAGE, pool.shape[0],
+                           False, False)
+  slopes = options.get("alibi_slopes")
+  out, lse = jax.jit(lambda *a: kvcache._kernel_gathered(*a[:5], config, layout, a[5]))(
+      q, jnp.asarray(pool), jnp.asarray(vpool), jnp.asarray(case["lengths"]), jnp.asarray(table),
+      None if slopes is None else jnp.asarray(slopes))
+  assert np.all(np.isfinite(np.asarray(out)))
+  _close(np.asarray(out), expected_out)
+  _close(np.asarray(lse), expected_lse)
+
+
+def test_plan_names_the_decode_kernel():
+  q = jax.ShapeDtypeStruct((8, 1, 32, 128), jnp.bfloat16)
+  pool = jax.ShapeDtypeStruct((2048, 16, 8, 128), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((8, 256), jnp.int32)
+  for cc in ((8, 0), (8, 6), (9, 0)):
+    forward = kvcache.plan(q, pool, pool, block_table=table, compute_capability=cc)["forward"]
+    assert forward.kernel == "sm80-decode" and "KV cache" in forward.reason
+  too_many = jax.ShapeDtypeStruct((8, 9, 32, 128), jnp.bfloat16)  # 36 packed rows > 32
+  forward = kvcache.plan(too_many, pool, pool, block_table=table)["forward"]
+  assert forward.kernel == "unsupported" and "packed rows" in forward.reason
+  forward = kvcache.plan(q, pool, pool, block_table=table, softcap=2.0)["forward"]
+  assert forward.kernel == "unsupported" and "softcap" in forward.reason
