@@ -152,9 +152,11 @@ def test_against_oracle(implementation, index):
                         alibi_slopes=options.get("alibi_slopes"))
   expected_out, expected_lse = _oracle(case["q"], case["keys"], case["values"], case["visible"],
                                        **oracle_options)
-  contiguous = _run(case, implementation, False, **options)
-  paged = _run(case, implementation, True, **options)
-  for out, lse, caches in (contiguous, paged):
+  # The reference compiles slowly on CPU (~2 s a program): one layout per
+  # case there, alternating; the kernels run both and compare them.
+  layouts = (False, True) if implementation == "kernel" else (index % 2 == 1,)
+  results = [_run(case, implementation, paged, **options) for paged in layouts]
+  for out, lse, caches in results:
     assert np.all(np.isfinite(out)), "NaN from an unused slot or page reached the output"
     _close(out, expected_out)
     _close(lse, expected_lse)
@@ -162,9 +164,9 @@ def test_against_oracle(implementation, index):
       for cache, full in zip(caches, (case["keys"], case["values"])):
         for b, n in enumerate(case["visible"]):
           np.testing.assert_array_equal(cache[b, :n], full[b, :n])
-  # Same keys in the same order, the same math: bit for bit.
-  np.testing.assert_array_equal(contiguous[0], paged[0])
-  np.testing.assert_array_equal(contiguous[1], paged[1])
+  if len(results) == 2:  # same keys in the same order, the same math: bit for bit
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
 
 
 def test_empty_sequence_and_query_before_the_cache():
@@ -182,7 +184,7 @@ def test_bfloat16_within_plain_attention_error():
   """bf16 inputs: error against the float64 oracle within 2x (plus slack) of
   a plain bf16 attention's."""
   from oracle import assert_close_to_oracle, naive_same_dtype
-  case = _case(11, seqlen_q=3, append=True, lengths=[5, 40, 17])
+  case = _case(11, batch=2, seqlen_q=3, append=True, lengths=[5, 40])
   bf16 = {name: (None if case[name] is None else
                  np.asarray(jnp.asarray(case[name], jnp.bfloat16).astype(jnp.float32)))
           for name in ("q", "keys", "values", "k_new", "v_new")}
@@ -250,10 +252,10 @@ def test_append_in_place_when_donated(paged):
   assert not copies, copies
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("dtype,per_page", [(jnp.int8, False), (jnp.int8, True),
-                                            (jnp.float8_e4m3fn, False),
-                                            (jnp.float8_e4m3fn, True)])
+@pytest.mark.parametrize("implementation,dtype,per_page", [
+    ("kernel", jnp.int8, False), ("kernel", jnp.int8, True), ("kernel", jnp.float8_e4m3fn, False),
+    ("kernel", jnp.float8_e4m3fn, True), ("reference", jnp.int8, True),
+    ("reference", jnp.float8_e4m3fn, False)])
 def test_quantized_cache_against_oracle_on_dequantized_values(implementation, dtype, per_page):
   case = _case(21, seqlen_q=3, append=True, lengths=[4, 30, 45])
   rng = np.random.default_rng(5)
