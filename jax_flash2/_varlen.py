@@ -43,9 +43,9 @@ def check_cu_seqlens(name: str, cu_seqlens, total: int, max_seqlen) -> None:
     return  # values unknown until run time
   values = np.asarray(cu_seqlens)
   lengths = np.diff(values)
-  if values[0] != 0 or values[-1] != total or np.any(lengths < 0):
+  if values[0] != 0 or values[-1] > total or np.any(lengths < 0):
     raise ValueError(f"flash_attention_varlen: {name} must start at 0, be non-decreasing and end "
-                     f"at the number of tokens ({total}); got {values.tolist()}")
+                     f"at most at the number of tokens ({total}); got {values.tolist()}")
   if lengths.max(initial=0) > max_seqlen:
     raise ValueError(f"flash_attention_varlen: a sequence of {name} has {int(lengths.max())} "
                      f"tokens, more than max_seqlen = {max_seqlen}")
@@ -140,6 +140,11 @@ def _padded(attention, q, k, v, cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int
   n = cu_q.shape[0] - 1
   out = jnp.take(out.reshape((n * max_seqlen_q,) + out.shape[2:]), slots, axis=0)
   lse = jnp.take(lse.transpose(1, 0, 2).reshape(lse.shape[1], n * max_seqlen_q), slots, axis=1)
+  # Rows past cu_q[-1] belong to no sequence (their slot index is clamped
+  # garbage): out 0, LSE -inf, and no gradient through them.
+  real = jnp.arange(q.shape[0]) < cu_q[-1]
+  out = jnp.where(real[:, None, None], out, jnp.zeros((), out.dtype))
+  lse = jnp.where(real[None, :], lse, -jnp.inf)
   return out, lse
 
 
