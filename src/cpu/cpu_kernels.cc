@@ -13,6 +13,7 @@
 
 #include "../flash_dropout.h"
 #include "../flash_mask.h"
+#include "../online_softmax.h"
 #include "convert.h"
 #include "cpu_kernels.h"
 
@@ -47,6 +48,8 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kLog2e = 1.4426950408889634f;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+inline float Exp2Scalar(float x) { return std::exp2(x); }
 
 // max(a, b) that returns NaN when either is NaN. std::max(-inf, NaN) is -inf,
 // which would make a row whose scores are NaN look like a row that sees no key
@@ -298,7 +301,8 @@ void ForwardBlock(const FlashParams& p, float* ws, int64_t b, int64_t h, int64_t
         row_max[r] = kNaN;
         continue;
       }
-      const float alpha = std::exp2(row_max[r] - new_max);  // 0 on the first visible block
+      // Scores are pre-scaled into log2 units here: scale 1.
+      const float alpha = RescaleFactor(row_max[r], new_max, 1.0f, Exp2Scalar);
       Vec sum = Splat(0.0f);
       for (int64_t j = 0; j < kBlockN; j += kLanes) {
         const Vec pv = Exp2(Load(s_row + j) - new_max);
@@ -330,13 +334,10 @@ void ForwardBlock(const FlashParams& p, float* ws, int64_t b, int64_t h, int64_t
   float* lse = p.lse + (b * p.num_heads_q + h) * p.seqlen_q + m0;
   for (int64_t r = 0; r < rows; ++r) {
     float* o_row = o + r * dp;
-    if (row_sum[r] > 0.0f || row_sum[r] != row_sum[r]) {
-      const float inv = p.dropout_scale / row_sum[r];
-      for (int64_t c = 0; c < d; ++c) o_row[c] *= inv;
-      lse[r] = row_max[r] * kLn2 + std::log(row_sum[r]);
-    } else {
-      lse[r] = kNegInf;
-    }
+    const float l = row_sum[r];
+    const float inv = RowNormalizer(l, p.dropout_scale, IeeeDivide{});
+    for (int64_t c = 0; c < d; ++c) o_row[c] *= inv;
+    lse[r] = RowLse(row_max[r] * kLn2, l, IeeeLog{});
     StoreRow(o_row, d, p.o, p.dtype, o_offset + r * p.o_row_stride);
   }
 }
