@@ -21,9 +21,10 @@ struct BwdScratchPtrs;  // bwd_kernel.cuh
 
 // True when the Hopper backward can serve p: bf16/fp16, D <= 256 (by the
 // tile of D's bucket, head_dim.h), only the score options
-// src/sm90_options.h lists (softcap, ALiBi, segment ids in pairs), not
-// deterministic, every stride a multiple of 8 elements and
-// every pointer 16-byte aligned (TMA), sizes within the grid limits.
+// src/sm90_options.h lists (softcap, ALiBi, segment ids in pairs), every
+// stride a multiple of 8 elements and every pointer 16-byte aligned (TMA),
+// sizes within the grid limits. Deterministic calls included (see
+// Sm90BackwardDqTurns).
 bool Sm90BackwardSupports(const FlashParams& p);
 
 // False when the environment variable JAX_FLASH2_SM90_BACKWARD is "0": a
@@ -38,8 +39,8 @@ bool Sm90BackwardEnabled();
 // against 450 TFLOP/s at B4 T=S=4096 H16 D128 (and an earlier per-row bulk
 // reduction was slower than the atomics). The D-split kernel (D > 128)
 // stages its dQ over the Q and dO stages it has just used.
-// Returns cudaErrorInvalidValue when !Sm90BackwardSupports(p) or s has more
-// than one dQ slice.
+// Returns cudaErrorInvalidValue when !Sm90BackwardSupports(p), s has more
+// than one dQ slice, or s lacks the dq_turns p needs.
 cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const DeviceInfo& dev,
                             cudaStream_t stream);
 
@@ -47,6 +48,22 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
 // dev: 0 when the call's tiles fill whole rounds of the SMs or differ in
 // length (a mask). With fewer in the scratch it runs whole tiles only.
 int64_t Sm90BackwardStreamKSlots(const FlashParams& p, const DeviceInfo& dev);
+
+// The deterministic backward (p.deterministic): dQ in one accumulator, each
+// element summed in one fixed order. Every (batch, query head, query block)
+// has a counter in the scratch (BwdScratchLayout::dq_turns, zeroed per call):
+// how many key blocks have added their dQ to that block so far. The key
+// blocks that see a query block are a contiguous run n0, n0 + 1, ... (window
+// masks are bands; segment ids do not narrow a tile's query blocks here), and
+// key block n0 + j adds its dQ as the j-th: the dQ warp waits (acquire) until
+// the counter is j, issues the reductions, waits until they have landed, and
+// stores j + 1 (release). A CTA thus waits only on tiles of lower index of
+// the same (batch, K/V head): launched before it (one CTA per tile, started
+// in blockIdx order), or taken earlier in the persistent grid's walk, whose
+// CTAs are all resident. No stream-K (a tile's pieces would run out of that
+// order). Counters needed by p (0 unless deterministic), counted with the
+// smallest block_m of the tiles (64).
+int64_t Sm90BackwardDqTurns(const FlashParams& p);
 
 namespace sm90 {
 
@@ -205,6 +222,10 @@ struct BwdSm90Args {
   int sk_ctas = 0;
   int* sk_flags = nullptr;
   float* sk_partial = nullptr;
+  // Deterministic dQ (Sm90BackwardDqTurns): counter (b H + h) num_q_blocks +
+  // m of query block m (of the tile's block_m rows); nullptr: any order.
+  int* dq_turns = nullptr;
+  int num_q_blocks = 0;
   bool q_heads_inner = true;
   bool do_heads_inner = true;
   bool k_heads_inner = true;

@@ -129,4 +129,34 @@ __device__ __forceinline__ void ZeroUnequalIds(float (&pt)[kAcc], const SegmentB
                  0.f);
 }
 
+// The deterministic dQ order (Sm90BackwardDqTurns, bwd_sm90.h): the first
+// key block (of block_n keys) whose QueryRange reaches the query block from
+// m_begin. QueryRange's end grows with the key block and its start never
+// passes the query block of a later key block, so the key blocks that visit
+// the block are first, first + 1, ...: key block n adds its dQ as the
+// (n - first)-th. Only the window's left edge bounds the earliest one: key
+// block n reaches the block when its end passes m_begin + S - T - left.
+__device__ __forceinline__ int FirstKeyBlockOf(const WindowMask& mask, int m_begin, int block_n) {
+  if (mask.left < 0) return 0;
+  const int64_t x = m_begin + mask.offset - mask.left;
+  return x > 0 ? static_cast<int>(x / block_n) : 0;
+}
+
+// The dQ warp's turn on a query block's counter: spin (acquire) until `turn`
+// earlier key blocks have added theirs, then order the reductions that
+// follow (async proxy) after that.
+__device__ __forceinline__ void WaitDqTurn(const int* counter, int turn) {
+  while (LoadAcquire(counter) != turn) {
+  }
+  FenceProxyAsyncGlobal();
+}
+
+// Once this thread's reductions have landed (BulkWaitGroup<0>), hands the
+// block to the next key block: counter = turn + 1 (release), after the
+// async proxy's writes.
+__device__ __forceinline__ void PassDqTurn(int* counter, int next_turn) {
+  FenceProxyAsyncGlobal();
+  StoreRelease(counter, next_turn);
+}
+
 }  // namespace jax_flash2::cuda::sm90
