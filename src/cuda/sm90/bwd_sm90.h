@@ -53,16 +53,23 @@ int64_t Sm90BackwardStreamKSlots(const FlashParams& p, const DeviceInfo& dev);
 // element summed in one fixed order. Every (batch, query head, query block)
 // has a counter in the scratch (BwdScratchLayout::dq_turns, zeroed per call):
 // how many key blocks have added their dQ to that block so far. The key
-// blocks that see a query block are a contiguous run n0, n0 + 1, ... (window
+// blocks that see a query block are a contiguous run ..., n1 - 1, n1 (window
 // masks are bands; segment ids do not narrow a tile's query blocks here), and
-// key block n0 + j adds its dQ as the j-th: the dQ warp waits (acquire) until
+// key block n1 - j adds its dQ as the j-th: the dQ warp waits (acquire) until
 // the counter is j, issues the reductions, waits until they have landed, and
-// stores j + 1 (release). A CTA thus waits only on tiles of lower index of
-// the same (batch, K/V head): launched before it (one CTA per tile, started
-// in blockIdx order), or taken earlier in the persistent grid's walk, whose
-// CTAs are all resident. No stream-K (a tile's pieces would run out of that
-// order). Counters needed by p (0 unless deterministic), counted with the
-// smallest block_m of the tiles (64).
+// stores j + 1 (release). Tiles take a (batch, K/V head)'s key blocks from
+// the last (BwdSm90Args::key_block_flip), so a CTA waits only on tiles of
+// lower index: launched before it (one CTA per tile, started in blockIdx
+// order), or taken earlier in the persistent grid's walk, whose CTAs are
+// all resident. Under a causal mask each query block's first writer is then
+// its diagonal key block, and key block n, whose first query block comes
+// before n + 1's, meets each later one after n + 1 has: no waiting. (In
+// ascending order key block n would wait for key block 0 to reach its first
+// query block, holding its SM meanwhile.) Unmasked, key
+// block n's first reduction waits for those of the n' > n of its group
+// (once per tile, a chain of reduction latencies). No stream-K (a tile's
+// pieces would run out of that order). Counters needed by p (0 unless
+// deterministic), counted with the smallest block_m of the tiles (64).
 int64_t Sm90BackwardDqTurns(const FlashParams& p);
 
 namespace sm90 {
@@ -226,6 +233,9 @@ struct BwdSm90Args {
   // m of query block m (of the tile's block_m rows); nullptr: any order.
   int* dq_turns = nullptr;
   int num_q_blocks = 0;
+  // Tiles' key blocks (KeyBlockAt): 0, in order; num_n_blocks - 1 when
+  // deterministic, from the last.
+  int key_block_flip = 0;
   bool q_heads_inner = true;
   bool do_heads_inner = true;
   bool k_heads_inner = true;

@@ -129,18 +129,29 @@ __device__ __forceinline__ void ZeroUnequalIds(float (&pt)[kAcc], const SegmentB
                  0.f);
 }
 
-// The deterministic dQ order (Sm90BackwardDqTurns, bwd_sm90.h): the first
-// key block (of block_n keys) whose QueryRange reaches the query block from
-// m_begin. QueryRange's end grows with the key block and its start never
-// passes the query block of a later key block, so the key blocks that visit
-// the block are first, first + 1, ...: key block n adds its dQ as the
-// (n - first)-th. Only the window's left edge bounds the earliest one: key
-// block n reaches the block when its end passes m_begin + S - T - left.
-__device__ __forceinline__ int FirstKeyBlockOf(const WindowMask& mask, int m_begin, int block_n) {
-  if (mask.left < 0) return 0;
-  const int64_t x = m_begin + mask.offset - mask.left;
-  return x > 0 ? static_cast<int>(x / block_n) : 0;
+// The deterministic dQ order (Sm90BackwardDqTurns, bwd_sm90.h): the last
+// of the key blocks (of block_n keys, num_n_blocks of them) whose QueryRange
+// reaches the query block [m_begin, + block_m); it adds its dQ first, key
+// block n as the (last - n)-th. QueryRange's start and end grow with the key
+// block (and its start stays below T), so the key blocks that reach a query
+// block are a contiguous run; only the window's right edge bounds its end:
+// key block n reaches the block when n block_n < m_begin + block_m + S - T
+// + right.
+__device__ __forceinline__ int LastKeyBlockOf(const WindowMask& mask, int m_begin, int block_m,
+                                              int block_n, int num_n_blocks) {
+  if (mask.right < 0) return num_n_blocks - 1;
+  const int64_t y = m_begin + block_m + mask.offset + mask.right;  // >= 1 for a reached block
+  return static_cast<int>(min(static_cast<int64_t>(num_n_blocks - 1), (y - 1) / block_n));
 }
+
+// The key block of tile index t's position i = t % num_n_blocks within its
+// (batch, K/V head), flip = BwdSm90Args::key_block_flip: i itself (flip 0),
+// or in the deterministic backward flip - i, the key blocks from the last,
+// so that each query block's first writer (the last key block that reaches
+// it) is the first launched (bwd_sm90.h). (Of the forms tried, this one
+// left ptxas's spills in the main loops as they were; a test of
+// args.dq_turns here added some to the score options' kernels.)
+__device__ __forceinline__ int KeyBlockAt(int i, int flip) { return flip + (flip > 0 ? -i : i); }
 
 // The dQ warp's turn on a query block's counter: spin (acquire) until `turn`
 // earlier key blocks have added theirs, then order the reductions that

@@ -165,7 +165,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   // query blocks [m_block_begin, + num_m_blocks) that may see one of its
   // keys, once per query head of the group: num_iters iterations, heads outer.
   const int tile = static_cast<int>(blockIdx.x);
-  const int n_begin = tile % args.num_n_blocks * kBlockN;
+  const int n_begin =
+      KeyBlockAt(tile % args.num_n_blocks, args.key_block_flip) * kBlockN;
   const int b = tile / args.num_n_blocks % static_cast<int>(p.batch);
   const int kv_head = tile / args.num_n_blocks / static_cast<int>(p.batch);
   int m_block_begin, num_m_blocks;
@@ -191,8 +192,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   // apart, so that their dQ reductions do not all land on the same rows at
   // once (+2-3% unmasked with the earlier dQ atomics; not
   // re-measured since). None in the deterministic backward: there key block
-  // n adds its dQ after key block n - 1, so starting where n - 1 does
-  // lets n follow it block by block.
+  // n adds its dQ after key block n + 1, so starting where n + 1 does lets
+  // n follow it block by block.
   const int rotation =
       num_iters > 0 && args.dq_turns == nullptr ? tile % args.num_n_blocks % num_iters : 0;
   const auto visit = [&](int it) {
@@ -279,7 +280,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
             turn_counter = args.dq_turns +
                            (b * static_cast<int>(p.num_heads_q) + h) * args.num_q_blocks +
                            m_begin / kBlockM;
-            turn = n_begin / kBlockN - FirstKeyBlockOf(mask, m_begin, kBlockN);
+            turn = LastKeyBlockOf(mask, m_begin, kBlockM, kBlockN, args.num_n_blocks) -
+                   n_begin / kBlockN;
             WaitDqTurn(turn_counter, turn);
           }
 #pragma unroll

@@ -67,7 +67,8 @@
 //
 // Deterministic backward (args.dq_turns; Sm90BackwardDqTurns, bwd_sm90.h):
 // the dQ warp takes turns with the other key blocks of the (batch, K/V head)
-// on a counter per (batch, query head, query block), key block order; no
+// on a counter per (batch, query head, query block), in descending key block
+// order, and tiles take a group's key blocks from the last (KeyBlockAt); no
 // stream-K; no segment-id narrowing of the tile's query blocks.
 //
 // Segment ids (segments.cuh): a tile's query blocks are narrowed to those
@@ -205,7 +206,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   };
   const auto locate = [&](int t) {
     Tile tile;
-    tile.n_begin = t % args.num_n_blocks * kBlockN;
+    tile.n_begin = KeyBlockAt(t % args.num_n_blocks, args.key_block_flip) * kBlockN;
     const int bk = t / args.num_n_blocks;
     tile.b = bk % static_cast<int>(p.batch);
     tile.kv_head = bk / static_cast<int>(p.batch);
@@ -448,7 +449,9 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
                 turn_counter = args.dq_turns +
                                (tile.b * static_cast<int>(p.num_heads_q) + h) * args.num_q_blocks +
                                m_begin / kBlockM;
-                const int turn = tile.n_begin / kBlockN - FirstKeyBlockOf(mask, m_begin, kBlockN);
+                const int turn =
+                    LastKeyBlockOf(mask, m_begin, kBlockM, kBlockN, args.num_n_blocks) -
+                    tile.n_begin / kBlockN;
                 WaitDqTurn(turn_counter, turn);
                 next_turn = turn + 1;
               }

@@ -206,6 +206,7 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
   if (p.deterministic) {
     args.dq_turns = s.dq_turns;
     args.num_q_blocks = static_cast<int>((p.seqlen_q + tile.block_m - 1) / tile.block_m);
+    args.key_block_flip = args.num_n_blocks - 1;
   }
   const int num_ctas = grid.num_ctas;
   cudaError_t err = cudaSuccess;
