@@ -76,10 +76,12 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
       given its own id.
     deterministic: a backward with a fixed summation order, bit-identical run
       to run. The CPU kernels always are (dQ partials are summed in a fixed
-      order), so this costs nothing there. The CUDA backward then sums dQ in
-      per-CTA slices added in a fixed order instead of with free-running
-      atomics: more workspace (up to 1 GiB) and a grid of about one CTA per
-      multiprocessor.
+      order), so this costs nothing there. On Hopper (cc 9.0) the CUDA
+      backward then has the key blocks add into each query block's dQ one
+      after another, in key-block order, instead of in any order; the sm80
+      kernels sum dQ in per-CTA slices added in a fixed order, with a grid of
+      about one CTA per multiprocessor. Either way the workspace covers those
+      slices (up to 1 GiB).
     dropout_rate: static float in [0, 1), 0 = off: dropout on the attention
       weights, out = (Z o P / (1 - dropout_rate)) v with P the softmax and Z
       a keep mask, P(keep) = 1 - dropout_rate. The LSE stays that of the

@@ -194,7 +194,6 @@ inline std::string Sm90Unserved(const FlashParams& p, const DeviceInfo& dev,
   if (const char* option = Sm90UnservedOption(p)) {
     return std::string(option) + ": " + direction + " does not serve it";
   }
-  if (backward && p.deterministic) return std::string("deterministic: ") + direction + " does not serve it";
   if (cuda::sm90::Sm90HeadDimBucket(p.head_dim) == 0) {
     return "head_dim D=" + std::to_string(p.head_dim) + ": no Hopper tile";
   }
@@ -493,17 +492,19 @@ inline BwdPlan MakeBackwardPlan(const FlashParams& p, const DeviceInfo& dev,
     plan.reason = why;
     return plan;
   }
+  const std::string not_sm90 = plan_detail::Sm90Unserved(p, dev, opts, true);
+  if (not_sm90.empty()) {
+    // Deterministic calls too: one dQ accumulator, summed in a fixed order
+    // (cuda/sm90/bwd_sm90.h, Sm90BackwardDqTurns).
+    plan.kernel = BwdKernel::kSm90;
+    plan.bucket = static_cast<int>(cuda::sm90::Sm90HeadDimBucket(p.head_dim));
+    return plan;
+  }
   // The dQ slices are counted with the default row's block_n on every device
   // so that the workspace the lowering sizes (for any GPU of a compute
   // capability) is never short; a smaller block_n only has more key blocks.
   plan.dq_splits = cuda::BwdDqSplits(p.deterministic, p.batch, p.seqlen_q, p.seqlen_k,
                                      p.num_heads_q, p.num_heads_kv, p.head_dim, dev.sm_count);
-  const std::string not_sm90 = plan_detail::Sm90Unserved(p, dev, opts, true);
-  if (not_sm90.empty()) {
-    plan.kernel = BwdKernel::kSm90;
-    plan.bucket = static_cast<int>(cuda::sm90::Sm90HeadDimBucket(p.head_dim));
-    return plan;
-  }
   plan.kernel = BwdKernel::kSm80;
   plan.reason = not_sm90;
   const Sm80BwdTile choice = ChooseSm80BwdTile(p.head_dim, dev.max_smem_per_block_optin);
