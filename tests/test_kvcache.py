@@ -395,6 +395,12 @@ def test_plan_names_the_decode_kernel():
   for cc in ((8, 0), (8, 6), (9, 0)):
     forward = kvcache.plan(q, pool, pool, block_table=table, compute_capability=cc)["forward"]
     assert forward.kernel == "sm80-decode" and "KV cache" in forward.reason
+  # Lengths are known only on the device: splits of at most 2048 keys of the
+  # 4096-key capacity here, at any batch, so that short sequences leave no SM idle.
+  wide = jax.ShapeDtypeStruct((64, 1, 32, 128), jnp.bfloat16)
+  wide_table = jax.ShapeDtypeStruct((64, 256), jnp.int32)
+  forward = kvcache.plan(wide, pool, pool, block_table=wide_table)["forward"]
+  assert forward.splits >= 2 and forward.grid == (forward.splits, 64, 8)
   too_many = jax.ShapeDtypeStruct((8, 9, 32, 128), jnp.bfloat16)  # 36 packed rows > 32
   forward = kvcache.plan(too_many, pool, pool, block_table=table)["forward"]
   assert forward.kernel == "unsupported" and "packed rows" in forward.reason
