@@ -175,25 +175,22 @@ def add_sinks(out, lse, sinks):
 
   out [..., T, H, D], lse [..., H, T] float32, sinks [H]. A sink only adds
   exp(sink) to each row's denominator, so the probabilities of every key
-  shrink by one factor per row, c = exp(lse - lse') with
-  lse' = logaddexp(lse, sink), and out' = c * out exactly (with dropout too:
-  the keep mask multiplies P elementwise). One elementwise pass over out,
-  outside the kernels: their differentiable (out, lse) carry the gradients,
-  and d sink = sum_rows P_sink (dlse' - rowsum(dO * out')) comes from this
-  plain JAX. In float32, cast back to out's dtype.
+  shrink by one factor per row, c = exp(lse) / (exp(lse) + exp(sink)) =
+  sigmoid(lse - sink), and out' = c * out, lse' = logaddexp(lse, sink)
+  exactly (with dropout too: the keep mask multiplies P elementwise). One
+  elementwise pass over out, outside the kernels: their differentiable
+  (out, lse) carry the gradients, and d sink = sum_rows P_sink (dlse' -
+  rowsum(dO * out')) comes from this plain JAX. In float32, cast back to
+  out's dtype.
   """
   sink = jnp.asarray(sinks, jnp.float32)[:, None]  # [H, 1] against lse [..., H, T]
-  # The shift needs no gradient (lse' does not depend on it). A row that sees
-  # no key (lse -inf) gets c = 0 and lse' = sink; with a sink of -inf too
-  # (traced), shift 0, c = 0 and lse' = -inf, as without sinks.
-  shift = jax.lax.stop_gradient(jnp.maximum(lse, sink))
-  shift = jnp.where(shift == -jnp.inf, 0.0, shift)
-  keys = jnp.exp(lse - shift)
-  total = keys + jnp.exp(sink - shift)
-  seen = total != 0  # a NaN total (NaN row or sink) counts as seen: NaN out
-  total = jnp.where(seen, total, 1.0)
-  new_lse = jnp.where(seen, shift + jnp.log(total), -jnp.inf)
-  factor = jnp.where(seen, keys / total, 0.0)
+  # A row that sees no key (lse -inf): c = 0, lse' = sink. A sink of -inf
+  # (traced; concrete ones are refused) is no sink: c = 1 and lse' = lse, the
+  # unselected logaddexp fed a finite stand-in so that no NaN reaches the
+  # gradient of a row that sees no key either. NaN in lse or sink: NaN.
+  no_sink = sink == -jnp.inf
+  factor = jax.nn.sigmoid(jnp.where(no_sink, jnp.inf, lse - sink))
+  new_lse = jnp.where(no_sink, lse, jnp.logaddexp(lse, jnp.where(no_sink, 0.0, sink)))
   scaled = out.astype(jnp.float32) * jnp.swapaxes(factor, -1, -2)[..., None]
   return scaled.astype(out.dtype), new_lse
 
