@@ -43,10 +43,12 @@ class MultiHeadAttention(nn.Module):
   use_bias: bool = True
 
   @nn.compact
-  def __call__(self, inputs_q, inputs_kv=None, deterministic: bool | None = None):
+  def __call__(self, inputs_q, inputs_kv=None, deterministic: bool | None = None,
+               segment_ids=None):
     """inputs_q [..., T, F] -> [..., T, out_features]; cross-attention on
     inputs_kv [..., S, F_kv] when given. deterministic (here or as a field)
-    is needed when dropout_rate > 0."""
+    is needed when dropout_rate > 0. segment_ids: packed documents, as in
+    jax_flash2.flax.MultiHeadAttention."""
     inputs_kv = inputs_q if inputs_kv is None else inputs_kv
     dropout_rate, dropout_rng = 0.0, None
     if self.dropout_rate > 0 and not nn.merge_param("deterministic", self.deterministic,
@@ -72,5 +74,6 @@ class MultiHeadAttention(nn.Module):
         dense((num_kv_heads, head_dim), "value")(inputs_kv),
         causal=self.causal, softmax_scale=self.softmax_scale, window_size=self.window_size,
         softcap=self.softcap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-        deterministic_backward=self.deterministic_backward, sinks=sinks)
+        deterministic_backward=self.deterministic_backward, sinks=sinks,
+        segment_ids=segment_ids)
     return dense(out_features, "out", axis=(-2, -1))(x)
