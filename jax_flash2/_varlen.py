@@ -119,15 +119,27 @@ def _padded_index(cu_seqlens, max_seqlen: int):
 
 
 def _slot_of_token(cu_seqlens, max_seqlen: int, total: int):
-  """Flat index into [n * P] of each packed token."""
+  """Flat index into [n * P] of each packed token; tokens past cu[-1] get
+  slot 0, a padding slot when P exceeds every length."""
   token = jnp.arange(total)
   seq = jnp.searchsorted(cu_seqlens[1:], token, side="right")
   lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-  return seq * max_seqlen + (max_seqlen - lengths[seq]) + (token - cu_seqlens[seq])
+  slot = seq * max_seqlen + (max_seqlen - lengths[seq]) + (token - cu_seqlens[seq])
+  return jnp.where(token < cu_seqlens[-1], slot, 0)
 
 
-def _padded(attention, q, k, v, cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int):
-  """out [total_q, H, D], lse [H, total_q] through a right-aligned padded batch."""
+def _padded(attention, q, k, v, cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int,
+            all_real: bool):
+  """out [total_q, H, D], lse [H, total_q] through a right-aligned padded batch.
+
+  all_real: every query token is known to be inside a sequence (concrete
+  cu_q[-1] == total_q). Otherwise the rows get one more slot, so slot 0 of
+  row 0 is padding: a query that sees no key, from which the tokens past
+  cu_q[-1] take their out 0 and LSE (-inf, or the sink with sinks) and get
+  no gradient. (Right alignment keeps every sequence's diagonal whatever P.)
+  """
+  if not all_real:
+    max_seqlen_q += 1
   q_index, q_real = _padded_index(cu_q, max_seqlen_q)
   k_index, k_real = _padded_index(cu_k, max_seqlen_k)
   q_pad = jnp.take(q, jnp.clip(q_index, 0, q.shape[0] - 1), axis=0)   # [n, P, H, D]
@@ -140,11 +152,6 @@ def _padded(attention, q, k, v, cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int
   n = cu_q.shape[0] - 1
   out = jnp.take(out.reshape((n * max_seqlen_q,) + out.shape[2:]), slots, axis=0)
   lse = jnp.take(lse.transpose(1, 0, 2).reshape(lse.shape[1], n * max_seqlen_q), slots, axis=1)
-  # Rows past cu_q[-1] belong to no sequence (their slot index is clamped
-  # garbage): out 0, LSE -inf, and no gradient through them.
-  real = jnp.arange(q.shape[0]) < cu_q[-1]
-  out = jnp.where(real[:, None, None], out, jnp.zeros((), out.dtype))
-  lse = jnp.where(real[None, :], lse, -jnp.inf)
   return out, lse
 
 
@@ -169,7 +176,9 @@ def varlen_attention(attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
   if path == "packed":
     out, lse = _packed(attention, q, k, v, cu_q, cu_k, positional)
   elif path == "padded":
-    out, lse = _padded(attention, q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k)
+    all_real = (not isinstance(cu_seqlens_q, jax.core.Tracer)
+                and int(np.asarray(cu_seqlens_q)[-1]) == q.shape[0])
+    out, lse = _padded(attention, q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, all_real)
   else:
     raise ValueError(f"varlen_attention: path must be None, 'packed' or 'padded'; got {path!r}")
   return (out, lse) if return_lse else out

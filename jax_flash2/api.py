@@ -163,12 +163,13 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     q: [total_q, H, D]; k, v: [total_k, K, D]: the tokens of n sequences,
       one after the other.
     cu_seqlens_q, cu_seqlens_k: integer [n + 1], cumulative lengths starting
-      at 0 and ending at total_q / total_k; sequence b is
+      at 0, non-decreasing, ending at most at total_q / total_k; sequence b is
       q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] against
       k, v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]. Checked when known at trace
-      time (concrete arrays); traced values are trusted.
-      Rows past cu_seqlens[-1] (padding) see no key and are seen by no
-      query: out 0, LSE -inf.
+      time (concrete arrays); traced values are trusted (offsets out of
+      order give wrong sequences, never an out-of-bounds access). Rows past
+      cu_seqlens[-1] (padding) see no key and are seen by no query: out 0,
+      LSE -inf (with sinks, the sink).
     max_seqlen_q, max_seqlen_k: static ints, at least every sequence's length.
     causal, window_size: per sequence, aligned bottom-right within each
       sequence (query i of a sequence with T_b queries and S_b keys sees keys

@@ -313,29 +313,42 @@ def test_traced_offsets_under_jit(backend, rng):
       assert max_err(g, r) <= 1e-4 * max(1.0, float(np.max(np.abs(r))))
 
 
-def test_packed_and_padded_paths_agree(rng):
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
+def test_packed_and_padded_paths_agree(rng, with_sinks):
   """The two paths forced on the same causal call (equal offsets, padding rows
-  past cu_seqlens[-1] on both sides): the same out, LSE and gradients."""
+  past cu_seqlens[-1] on both sides): the same out, LSE and gradients; the
+  padding rows give out 0 and the LSE of a row that sees no key (-inf, or
+  the sink)."""
   lens = [9, 0, 31, 2, 17]
   h, d = 2, 16
   q = jnp.asarray(rng.standard_normal((sum(lens) + 3, h, d)), jnp.float32)
   k, v = (jnp.asarray(rng.standard_normal((sum(lens) + 6, h, d)), jnp.float32) for _ in "kv")
   d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  sinks = jnp.asarray([0.5, -1.0], jnp.float32) if with_sinks else None
   cu = _cu(lens)
 
-  def run(path):
-    def f(q, k, v):
+  def run(path, traced):
+    def f(q, k, v, cu_arg):
+      offsets = cu_arg if traced else cu
       return jax_flash2._varlen.varlen_attention(
-          functools.partial(jax_flash2.flash_attention, causal=True, window_size=(5, -1)),
-          q, k, v, cu, cu, max(lens), max(lens), True, positional=True, path=path)
-    (out, lse), vjp = jax.vjp(jax.jit(f), q, k, v)
-    return out, lse, vjp((d_out, jnp.zeros_like(lse)))
+          functools.partial(jax_flash2.flash_attention, causal=True, window_size=(5, -1),
+                            sinks=sinks),
+          q, k, v, offsets, offsets, max(lens), max(lens), True, positional=True, path=path)
+    (out, lse), vjp = jax.vjp(jax.jit(f), q, k, v, cu)
+    return out, lse, vjp((d_out, jnp.zeros_like(lse)))[:3]
 
-  packed, padded = run("packed"), run("padded")
-  for a, b in zip(jax.tree.leaves(packed), jax.tree.leaves(padded)):
-    assert max_err(a, b) <= 2e-5
+  packed = run("packed", traced=True)
+  # Offsets traced (jit arguments) or concrete (closed over).
+  for padded in (run("padded", traced=True), run("padded", traced=False)):
+    for a, b in zip(jax.tree.leaves(packed), jax.tree.leaves(padded)):
+      assert max_err(a, b) <= 2e-5
   assert np.all(np.asarray(packed[0])[sum(lens):] == 0)
-  assert np.all(np.isneginf(np.asarray(packed[1])[:, sum(lens):]))
+  pad_lse = np.asarray(packed[1])[:, sum(lens):]
+  if with_sinks:
+    np.testing.assert_allclose(pad_lse, np.broadcast_to(np.asarray(sinks)[:, None],
+                                                         pad_lse.shape), rtol=1e-6)
+  else:
+    assert np.all(np.isneginf(pad_lse))
 
 
 def test_zero_tokens_and_empty_sequences(backend):
