@@ -1,11 +1,13 @@
-"""GPU benchmark of the score options (softcap, ALiBi, both) beside the plain
-path, in one run, with cuDNN (jax.nn.dot_product_attention) where it can
-express the option: plain, and ALiBi as a [1, H, T, S] bias tensor (cuDNN has
-no softcap). bf16, B = 2, H = 16; forward and forward+backward TFLOP/s, FLOPs
+"""GPU benchmark of the score options (softcap, ALiBi, both, attention sinks)
+beside the plain path, in one run, with cuDNN (jax.nn.dot_product_attention)
+where it can express the option: plain, and ALiBi as a [1, H, T, S] bias
+tensor (cuDNN has no softcap). The sinks' forward+backward includes their
+gradient (they are learnable). bf16, B = 2, H = 16; forward and forward+backward TFLOP/s, FLOPs
 4 B T S H D forward (halved when causal), 2.5x that backward, so 3.5x for
 forward+backward; each option's ratio to the plain path of the same shape.
 
   python benchmarks/options_bench.py --out benchmarks/results/h200_options.md
+  python benchmarks/options_bench.py --only plain sinks --no-cudnn
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ def alibi_slopes():
 
 
 def variants(causal):
-  """name -> (fn(q, k, v, *extra), needs the slopes (ours) / the bias (cuDNN))."""
-  def ours(**kw):
+  """name -> (fn(q, k, v, *extra), the extra array: the slopes (ours), the bias
+  (cuDNN) or the sinks)."""
+  def ours(array="alibi_slopes", **kw):
     def fn(q, k, v, *extra):
       return jax_flash2.flash_attention(q, k, v, causal=causal, **kw,
-                                        **({"alibi_slopes": extra[0]} if extra else {}))
+                                        **({array: extra[0]} if extra else {}))
     return fn
 
   def cudnn(q, k, v, *bias):
@@ -49,14 +52,15 @@ def variants(causal):
       f"softcap {SOFTCAP:g}": (ours(softcap=SOFTCAP), None),
       "ALiBi": (ours(), "slopes"),
       f"softcap {SOFTCAP:g} + ALiBi": (ours(softcap=SOFTCAP), "slopes"),
+      "sinks": (ours("sinks"), "sinks"),
       "cuDNN plain": (cudnn, None),
       "cuDNN ALiBi (bias)": (cudnn, "bias"),
   }
 
 
-def measure(fn, args, flops, warmup_s, iters):
+def measure(fn, args, flops, warmup_s, iters, extra_grad=False):
   grads = jax.grad(lambda q, k, v, *extra: jnp.sum(fn(q, k, v, *extra).astype(jnp.float32)),
-                   argnums=(0, 1, 2))
+                   argnums=(0, 1, 2, 3) if extra_grad else (0, 1, 2))
   try:
     tf = time_jax(jax.jit(fn), args, warmup_s, iters=iters)
     tb = time_jax(jax.jit(grads), args, warmup_s, iters=iters)
@@ -73,12 +77,19 @@ def main():
   parser.add_argument("--warmup-s", type=float, default=0.3)
   parser.add_argument("--iters", type=int, default=5, help="calls per timed sample (median of 3)")
   parser.add_argument("--no-cudnn", action="store_true")
+  parser.add_argument("--only", nargs="+", default=None,
+                      help="variant names to run (plain always runs: the ratios need it)")
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
   command = "python " + " ".join(sys.argv)
   names = list(variants(False))
   if args.no_cudnn:
     names = [n for n in names if not n.startswith("cuDNN")]
+  if args.only:
+    unknown = set(args.only) - set(names)
+    if unknown:
+      parser.error(f"--only: unknown variants {sorted(unknown)}; known: {names}")
+    names = [n for n in names if n == "plain" or n in args.only]
   lines = [f"Command: `{command}`",
            f"Device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
            f"{jax_flash2.kernel_info()['cuda']}", "",
@@ -87,6 +98,7 @@ def main():
            "| D | T | causal | " + " | ".join(names) + " |",
            "|---|---|---|" + "---|" * len(names)]
   slopes = alibi_slopes()
+  sinks = jnp.ones((HEADS,), jnp.float32)
   start = time.perf_counter()
   for head_dim in args.head_dims:
     for seqlen in args.seqlens:
@@ -102,8 +114,9 @@ def main():
             continue
           if extra == "bias" and bias is None:
             bias = reference.alibi_bias(slopes[None], seqlen, seqlen).astype(jnp.bfloat16)
-          more = {"slopes": (slopes,), "bias": (bias,), None: ()}[extra]
-          results[name] = measure(fn, qkv + more, flops, args.warmup_s, args.iters)
+          more = {"slopes": (slopes,), "bias": (bias,), "sinks": (sinks,), None: ()}[extra]
+          results[name] = measure(fn, qkv + more, flops, args.warmup_s, args.iters,
+                                  extra_grad=extra == "sinks")
           r = results[name]
           print(f"D{head_dim} T{seqlen} causal={causal} {name}: "
                 + ("failed" if r is None else f"{r[0]:.0f} / {r[1]:.0f}")

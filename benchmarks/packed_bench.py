@@ -1,14 +1,20 @@
 """Packed sequences on the GPU: documents packed into rows of 16k tokens with
-segment ids, beside the same documents run as a batch, ours and cuDNN's
-(cuDNN's packed layout: per-row document lengths and offsets), forward and
-forward+backward, bf16, causal.
+segment ids, the same tokens through flash_attention_varlen (the packed
+[total, H, D] tensors and cu_seqlens), beside the same documents run as a
+batch, ours and cuDNN's (cuDNN's packed layout: per-row document lengths and
+offsets), forward and forward+backward, bf16, causal.
 
 TFLOP/s count useful work only: the visible (query, key) pairs of each
 document, 4 D H per pair forward (two products of 2 D H), 2.5 times that for
-forward+backward. Printed as a markdown table.
+forward+backward. Printed as a markdown table, then a second one with the
+temporary memory XLA allocates for our packed calls (the compiled program's
+memory_analysis().temp_size_in_bytes, kernel workspace included; the inputs
+and outputs are the same for both), which for varlen shows that no padded
+[n, max_seqlen] copy is made, and the device's peak_bytes_in_use after the run.
 
   python3 benchmarks/packed_bench.py                 # 8x2048, 64x256, mixed; D 64, 128
   python3 benchmarks/packed_bench.py --cases 8x2048 --head-dims 128
+  python3 benchmarks/packed_bench.py --row 1024 --heads 2 --head-dims 64 --warmup-s 0  # smoke
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ import numpy as np
 
 import jax_flash2
 
-ROW = 16384
+ROW = 16384  # tokens per packed row; --row changes it (the uniform cases keep 8 and 64
+#              documents per row, so 8x2048 means 8 documents of ROW / 8)
 
 
 def warm_up(call, seconds):
@@ -56,6 +63,7 @@ def mixed_lengths(rng, rows, lo=32, hi=8192):
   """Rows of ROW tokens filled with document lengths from a long-tailed
   (log-uniform) distribution in [lo, hi]; the last document of a row is cut
   to fit. Returns one list of lengths per row."""
+  hi = min(hi, ROW // 2)
   out = []
   for _ in range(rows):
     lengths, used = [], 0
@@ -111,6 +119,22 @@ def seqlen_offsets(rows):
   return jnp.asarray(seqlen), jnp.asarray(offsets)
 
 
+def cu_seqlens(rows):
+  """[n + 1] int32 offsets of every document of every row, rows one after the
+  other: the varlen view of the packed [B * ROW] tokens."""
+  return jnp.asarray(np.concatenate([[0], np.cumsum([n for row in rows for n in row])]),
+                     jnp.int32)
+
+
+def temp_bytes(fn, args):
+  """Temporary bytes of the compiled fn(*args) (memory_analysis), or None."""
+  try:
+    analysis = jax.jit(fn).lower(*args).compile().memory_analysis()
+    return None if analysis is None else int(analysis.temp_size_in_bytes)
+  except Exception:  # a backend without the analysis
+    return None
+
+
 def fwd_bwd(fn):
   def loss(*args):
     return jnp.sum(fn(*args).astype(jnp.float32))
@@ -142,10 +166,25 @@ def bench_case(name, rows, heads, head_dim, warmup_s, rng):
   def ours_packed(q, k, v, ids):
     return jax_flash2.flash_attention(q, k, v, causal=True, segment_ids=(ids, ids))
   results["ours packed"] = both(ours_packed, (q, k, v, ids))
+  memory = {"ours packed": tuple(temp_bytes(f, (q, k, v, ids))
+                                 for f in (ours_packed, fwd_bwd(ours_packed)))}
   plan = jax_flash2.plan(q, k, v, causal=True, segment_ids=(ids, ids),
-                         compute_capability=(9, 0), sm_count=jax.devices()[0].core_count)
+                         compute_capability=(9, 0),
+                         sm_count=getattr(jax.devices()[0], "core_count", 132))
   notes.append(f"{name}: packed plan forward {plan['forward'].kernel}, "
                f"backward {plan['backward'].kernel}")
+
+  # varlen on the same tokens: [B * ROW, H, D] and the offsets of all
+  # documents; one offsets array for q and k (equal offsets: the packed path).
+  cu = cu_seqlens(rows)
+  longest = max(n for row in rows for n in row)
+
+  def ours_varlen(q, k, v, cu):
+    return jax_flash2.flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=True)
+  flat = tuple(x.reshape((b * ROW,) + x.shape[2:]) for x in (q, k, v))
+  results["ours varlen"] = both(ours_varlen, flat + (cu,))
+  memory["ours varlen"] = tuple(temp_bytes(f, flat + (cu,))
+                                for f in (ours_varlen, fwd_bwd(ours_varlen)))
 
   # The same documents as a batch: one batch per document length (uniform
   # cases are a single batch of B * ROW / n documents). Mixed lengths: one
@@ -181,37 +220,53 @@ def bench_case(name, rows, heads, head_dim, warmup_s, rng):
   else:
     seqlen, offsets = seqlen_offsets(rows)
     results["cuDNN packed"] = both(cudnn_packed, (q, k, v, seqlen, offsets))
-  return results, notes
+  return results, memory, notes
 
 
 CASES = {
-    "8x2048": lambda rng: [[2048] * 8],
-    "64x256": lambda rng: [[256] * 64],
+    "8x2048": lambda rng: [[ROW // 8] * 8],
+    "64x256": lambda rng: [[ROW // 64] * 64],
     "mixed": lambda rng: mixed_lengths(rng, 4),
 }
-IMPLS = ["ours packed", "ours batch", "cuDNN packed", "cuDNN batch"]
+IMPLS = ["ours packed", "ours varlen", "ours batch", "cuDNN packed", "cuDNN batch"]
+MEMORY_IMPLS = ["ours packed", "ours varlen"]
 
 
-def main():
+def peak_bytes_in_use():
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use")
+
+
+def main(argv=None):
+  global ROW
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--cases", default="8x2048,64x256,mixed")
   ap.add_argument("--head-dims", default="64,128")
   ap.add_argument("--heads", type=int, default=16)
   ap.add_argument("--warmup-s", type=float, default=0.5)
-  args = ap.parse_args()
+  ap.add_argument("--row", type=int, default=ROW, help="tokens per packed row (a multiple of 64)")
+  args = ap.parse_args(argv)
+  if args.row < 64 or args.row % 64:
+    ap.error(f"--row must be a positive multiple of 64; got {args.row}")
+  unknown = sorted(set(args.cases.split(",")) - set(CASES))
+  if unknown:
+    ap.error(f"unknown --cases {unknown}; known: {sorted(CASES)}")
+  ROW = args.row
   rng = np.random.default_rng(0)
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
         f"jax_flash2 {jax_flash2.kernel_info()}", flush=True)
   lines = ["| case | D | " + " | ".join(f"{i} fwd / fwd+bwd" for i in IMPLS)
-           + " | packed / batch (ours) | ours / cuDNN packed |",
-           "|---|---|" + "---|" * (len(IMPLS) + 2)]
+           + " | packed / batch (ours) | ours / cuDNN packed | varlen / packed |",
+           "|---|---|" + "---|" * (len(IMPLS) + 3)]
+  memory_lines = ["| case | D | " + " | ".join(f"{i} temp MiB fwd / fwd+bwd" for i in MEMORY_IMPLS)
+                  + " | q, k, v MiB |", "|---|---|" + "---|" * (len(MEMORY_IMPLS) + 1)]
   all_notes = []
   for case in args.cases.split(","):
     rows = CASES[case](rng)
     pairs = useful_pairs(rows)
     for d in (int(x) for x in args.head_dims.split(",")):
       flops = 4 * pairs * d * args.heads
-      res, notes = bench_case(f"{case} D{d}", rows, args.heads, d, args.warmup_s, rng)
+      res, memory, notes = bench_case(f"{case} D{d}", rows, args.heads, d, args.warmup_s, rng)
       all_notes += notes
 
       def tf(impl, i):
@@ -231,13 +286,29 @@ def main():
 
       lines.append(f"| {case} | {d} | " + " | ".join(cell(i) for i in IMPLS)
                    + f" | {ratio('ours packed', 'ours batch')} | "
-                   f"{ratio('ours packed', 'cuDNN packed')} |")
+                   f"{ratio('ours packed', 'cuDNN packed')} | "
+                   f"{ratio('ours varlen', 'ours packed')} |")
       print(lines[-1], flush=True)
+
+      def mib(impl):
+        return " / ".join("-" if x is None else f"{x / 2**20:,.1f}"
+                          for x in memory.get(impl, (None, None)))
+      qkv = 3 * len(rows) * ROW * args.heads * d * 2  # bf16
+      memory_lines.append(f"| {case} | {d} | " + " | ".join(mib(i) for i in MEMORY_IMPLS)
+                          + f" | {qkv / 2**20:,.1f} |")
+      print(memory_lines[-1], flush=True)
   print()
   print(f"`{' '.join([sys.executable.split('/')[-1]] + sys.argv)}`, bf16, H {args.heads}, causal, "
         "TFLOP/s of useful work (visible pairs only):")
   print()
   print("\n".join(lines))
+  print()
+  print("Temporary memory of the compiled calls (memory_analysis().temp_size_in_bytes):")
+  print()
+  print("\n".join(memory_lines))
+  peak = peak_bytes_in_use()
+  if peak is not None:
+    print(f"\ndevice peak_bytes_in_use over the whole run: {peak / 2**30:.2f} GiB")
   for n in all_notes:
     print(f"- {n}")
 

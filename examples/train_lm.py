@@ -11,6 +11,7 @@ repository's own Python source (shipped with it), so nothing is downloaded.
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/train_lm.py
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/train_lm.py \
       --context-parallel 4    # sequence over 4 devices (ring attention), batch over 2
+  python examples/train_lm.py --pack --seq-len 1024    # packed documents vs padded rows
 
 Each step logs the loss; at the end, tokens/s (compilation excluded) and peak
 memory (the device's peak_bytes_in_use where it reports one, else the process's
@@ -19,6 +20,14 @@ kernels' custom call and its input dtype, which the run reports (and a flash
 run without it fails): on GPU with --dtype bfloat16 it is bf16. --compare trains the same model, from the same initial weights on
 the same batches, once per attention implementation, each in its own process
 so that peak memory is its own, and prints both loss curves side by side.
+
+--pack trains on documents of mixed lengths (log-uniform between
+--min-doc-len and --seq-len: many short ones, a few long), twice: packed into
+rows of --seq-len tokens with segment ids (attention stays within each
+document) and positions restarting at every document (rotary embeddings),
+and unpacked, each document padded to a row of its own (the padding weighs
+nothing in the loss). Both see the same document stream; the run reports
+each one's useful (document) tokens/s and their ratio.
 """
 
 from __future__ import annotations
@@ -69,15 +78,64 @@ def batches(data: np.ndarray, batch: int, seq_len: int, seed: int):
     yield np.stack([data[s:s + seq_len + 1] for s in starts]).astype(np.int32)
 
 
+def documents(data: np.ndarray, min_len: int, max_len: int, seed: int):
+  """An endless stream of documents: random windows of the corpus of
+  log-uniform lengths in [min_len, max_len], plus one byte for the target."""
+  rng = np.random.default_rng(seed)
+  while True:
+    n = int(np.exp(rng.uniform(np.log(min_len), np.log(max_len + 1))))
+    n = min(max(n, min_len), max_len)
+    start = rng.integers(0, len(data) - n - 1)
+    yield data[start:start + n + 1].astype(np.int32)
+
+
+def packed_batches(docs, batch: int, seq_len: int):
+  """Rows of seq_len tokens filled with whole documents (the last one of a row
+  cut to fit): dict of inputs, targets, segment_ids, positions (restarting
+  at 0 in every document) and weights (all 1: every token is useful), each
+  [batch, seq_len], and the number of documents."""
+  while True:
+    fields = {k: np.zeros((batch, seq_len), np.int32)
+              for k in ("inputs", "targets", "segment_ids", "positions")}
+    count = 0
+    for b in range(batch):
+      used = 0
+      while used < seq_len:
+        doc = next(docs)
+        n = min(len(doc) - 1, seq_len - used)
+        row = slice(used, used + n)
+        fields["inputs"][b, row], fields["targets"][b, row] = doc[:n], doc[1:n + 1]
+        fields["segment_ids"][b, row] = count
+        fields["positions"][b, row] = np.arange(n)
+        used, count = used + n, count + 1
+    fields["weights"] = np.ones((batch, seq_len), np.float32)
+    yield fields, count
+
+
+def padded_batches(docs, batch: int, seq_len: int):
+  """One document per row, padded at the end (weight 0; causal attention keeps
+  the padding out of the document's tokens)."""
+  while True:
+    fields = {k: np.zeros((batch, seq_len), np.int32) for k in ("inputs", "targets")}
+    fields["weights"] = np.zeros((batch, seq_len), np.float32)
+    for b in range(batch):
+      doc = next(docs)
+      n = len(doc) - 1
+      fields["inputs"][b, :n], fields["targets"][b, :n] = doc[:-1], doc[1:]
+      fields["weights"][b, :n] = 1.0
+    yield fields, batch
+
+
 # Model
 
 
 def rotary(x, positions, base: float = 10000.0):
-  """Rotary position embedding of x [B, T, H, D] at positions [T] (halves layout)."""
+  """Rotary position embedding of x [B, T, H, D] at positions [T] or [B, T]
+  (halves layout)."""
   half = x.shape[-1] // 2
   freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angles = positions.astype(jnp.float32)[:, None] * freqs  # [T, D/2]
-  sin, cos = jnp.sin(angles)[:, None, :], jnp.cos(angles)[:, None, :]  # [T, 1, D/2]
+  angles = positions.astype(jnp.float32)[..., None] * freqs  # [(B,) T, D/2]
+  sin, cos = jnp.sin(angles)[..., None, :], jnp.cos(angles)[..., None, :]  # [(B,) T, 1, D/2]
   x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -99,11 +157,14 @@ class RotaryAttention(jf.MultiHeadAttention):
     super().__init__(*args, **kwargs)
     self.attention_fn = attention_fn
 
-  def __call__(self, x):
-    positions = jnp.arange(x.shape[-2])
+  def __call__(self, x, segment_ids=None, positions=None):
+    """x [B, T, F]; segment_ids [B, T] for packed documents (attention within
+    each), positions [B, T] (default 0..T-1 in every row)."""
+    positions = jnp.arange(x.shape[-2]) if positions is None else positions
     q = rotary(self.query(x), positions)
     k = rotary(self.key(x), positions)
-    return self.out(self.attention_fn(q, k, self.value(x), is_causal=True))
+    extra = {} if segment_ids is None else {"segment_ids": segment_ids}
+    return self.out(self.attention_fn(q, k, self.value(x), is_causal=True, **extra))
 
 
 class Block(nnx.Module):
@@ -118,8 +179,8 @@ class Block(nnx.Module):
     self.up = nnx.Linear(dim, 4 * dim, use_bias=False, dtype=dtype, rngs=rngs)
     self.down = nnx.Linear(4 * dim, dim, use_bias=False, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x):
-    x = x + self.attn(self.attn_norm(x))
+  def __call__(self, x, segment_ids=None, positions=None):
+    x = x + self.attn(self.attn_norm(x), segment_ids, positions)
     return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
 
 
@@ -131,10 +192,10 @@ class LanguageModel(nnx.Module):
     self.blocks = nnx.List([Block(cfg, attention_fn, rngs) for _ in range(cfg.layers)])
     self.norm = nnx.RMSNorm(cfg.dim, dtype=dtype, rngs=rngs)
 
-  def __call__(self, tokens):
+  def __call__(self, tokens, segment_ids=None, positions=None):
     x = self.embed(tokens)
     for block in self.blocks:
-      x = block(x)
+      x = block(x, segment_ids, positions)
     # Logits in float32 against the (tied) embedding.
     return self.embed.attend(self.norm(x)).astype(jnp.float32)
 
@@ -257,6 +318,80 @@ def train(cfg, attention: str = "flash", log=print) -> dict:
               config={k: v for k, v in vars(cfg).items() if k not in ("compare", "json_out")})
 
 
+def train_documents(cfg, layout: str, log=print) -> dict:
+  """--pack: trains on the document stream, packed into rows with segment ids
+  and per-document positions (layout "packed") or one document per padded
+  row ("padded"), data-parallel; returns the losses and useful tokens/s."""
+  devices = jax.devices()
+  if cfg.batch % len(devices):
+    raise ValueError(f"--batch {cfg.batch} must be a multiple of the {len(devices)} devices")
+  mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  data_sharding, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+  model = LanguageModel(cfg, jf.dot_product_attention, nnx.Rngs(cfg.seed))
+  optimizer = nnx.Optimizer(model, optax.adamw(cfg.lr, weight_decay=0.01), wrt=nnx.Param)
+  nnx.update((model, optimizer), jax.device_put(nnx.state((model, optimizer)), replicated))
+
+  @nnx.jit
+  def step(model, optimizer, batch):
+    def loss_fn(model):
+      logits = model(batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+      return jnp.sum(loss * batch["weights"]) / jnp.sum(batch["weights"])
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  docs = documents(corpus(), cfg.min_doc_len, cfg.seq_len, cfg.seed)
+  make = packed_batches if layout == "packed" else padded_batches
+  stream = make(docs, cfg.batch, cfg.seq_len)
+  losses, times, useful, counts = [], [], [], []
+  for i in range(cfg.steps):
+    fields, count = next(stream)
+    batch = jax.device_put(fields, data_sharding)
+    start = time.perf_counter()
+    loss = float(step(model, optimizer, batch))  # float() waits for the step
+    times.append(time.perf_counter() - start)
+    losses.append(loss)
+    useful.append(float(fields["weights"].sum()))
+    counts.append(count)
+    if i % cfg.log_every == 0 or i == cfg.steps - 1:
+      note = "  (includes compilation)" if i == 0 else ""
+      log(f"[{layout}] step {i + 1:4d}/{cfg.steps}  loss {loss:.4f}  "
+          f"{useful[-1] / times[-1]:,.0f} useful tok/s{note}")
+  # The first step compiles; leave it out of the throughput.
+  timed = slice(1, None) if cfg.steps > 1 else slice(None)
+  peak, peak_source = peak_memory_bytes()
+  return dict(layout=layout, losses=losses,
+              useful_tokens_per_s=sum(useful[timed]) / sum(times[timed]),
+              useful_fraction=sum(useful) / (cfg.steps * cfg.batch * cfg.seq_len),
+              documents_per_step=float(np.mean(counts)),
+              median_step_s=float(np.median(times[timed])), first_step_s=times[0],
+              peak_memory_bytes=peak, peak_memory_source=peak_source,
+              devices=len(devices), platform=jax.default_backend(),
+              config={k: v for k, v in vars(cfg).items() if k not in ("compare", "json_out")})
+
+
+def pack_compare(cfg) -> dict:
+  """--pack: the packed and the padded run of the same document stream."""
+  if cfg.context_parallel != 1 or cfg.compare:
+    raise ValueError("--pack runs alone (not with --context-parallel or --compare)")
+  if not 1 <= cfg.min_doc_len <= cfg.seq_len:
+    raise ValueError(f"--min-doc-len {cfg.min_doc_len} must be in [1, --seq-len {cfg.seq_len}]")
+  results = {layout: train_documents(cfg, layout) for layout in ("packed", "padded")}
+  packed, padded = results["packed"], results["padded"]
+  print(f"\ndocuments of {cfg.min_doc_len}..{cfg.seq_len} tokens (log-uniform), rows of "
+        f"{cfg.seq_len}, batch {cfg.batch}:")
+  print(f"{'':10s}{'useful tok/s':>14s}{'useful share':>14s}{'docs/step':>11s}{'final loss':>12s}")
+  for name, r in results.items():
+    print(f"{name:10s}{r['useful_tokens_per_s']:14,.0f}{r['useful_fraction']:14.2f}"
+          f"{r['documents_per_step']:11.1f}{r['losses'][-1]:12.4f}")
+  ratio = packed["useful_tokens_per_s"] / padded["useful_tokens_per_s"]
+  print(f"packed / padded useful tokens/s: {ratio:.2f}x")
+  results["speedup"] = ratio
+  return results
+
+
 def summary(result: dict) -> str:
   return (f"[{result['attention']}] {result['devices']} {result['platform']} device(s): "
           f"final loss {result['losses'][-1]:.4f}, {result['tokens_per_s']:,.0f} tok/s, "
@@ -326,6 +461,12 @@ def parse_args(argv=None):
   p.add_argument("--context-parallel", type=int, default=1, metavar="N",
                  help="split the sequence over N devices (ring attention; the batch goes "
                       "over the others)")
+  p.add_argument("--pack", action="store_true",
+                 help="train on documents of mixed lengths packed into rows (segment ids, "
+                      "per-document positions) and, for comparison, one padded row per "
+                      "document; report useful tokens/s of both")
+  p.add_argument("--min-doc-len", type=int, default=32,
+                 help="--pack: shortest document (the longest is --seq-len)")
   p.add_argument("--compare", action="store_true",
                  help="also train with jax.nn.dot_product_attention and compare")
   p.add_argument("--attention", choices=("flash", "xla"), default="flash",
@@ -338,6 +479,11 @@ def parse_args(argv=None):
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else list(argv)
   cfg = parse_args(argv)
+  if cfg.pack:
+    result = pack_compare(cfg)
+    if cfg.json_out:
+      pathlib.Path(cfg.json_out).write_text(json.dumps(result))
+    return result
   if cfg.compare:
     return compare(cfg, argv)
   result = train(cfg, cfg.attention)

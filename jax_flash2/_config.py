@@ -50,6 +50,11 @@ class AttentionConfig:
   deterministic: bool = False
   dropout_rate: float = 0.0
   implementation: str = "kernel"
+  # KV cache (jax_flash2.kvcache, forward only): the kv_seqlens operand gives
+  # each sequence's valid key count (the window aligns to it, not to S);
+  # page_size > 0: k, v are a page pool read through the block_table operand.
+  has_kv_seqlens: bool = False
+  page_size: int = 0
 
 
 class ExtraOperands(NamedTuple):
@@ -64,18 +69,22 @@ class ExtraOperands(NamedTuple):
   q_segment_ids: Any   # [B, T] int32
   kv_segment_ids: Any  # [B, S] int32
   dropout_seeds: Any   # [B, H, 2] uint32: one 64-bit Philox key per (batch, head)
+  kv_seqlens: Any      # [B] int32: valid keys of each sequence (KV cache)
+  block_table: Any     # [B, P] int32: page ids of each sequence (paged KV cache)
 
   @staticmethod
   def trailing_ranks() -> "ExtraOperands":
     """Rank of each operand after its batch axes."""
-    return ExtraOperands(alibi_slopes=1, q_segment_ids=1, kv_segment_ids=1, dropout_seeds=2)
+    return ExtraOperands(alibi_slopes=1, q_segment_ids=1, kv_segment_ids=1, dropout_seeds=2,
+                         kv_seqlens=0, block_table=1)
 
   @staticmethod
   def used(config: "AttentionConfig") -> "ExtraOperands":
     """Whether the call reads each operand (an unread one may be a stand-in)."""
     return ExtraOperands(alibi_slopes=config.has_alibi, q_segment_ids=config.has_segment_ids,
                          kv_segment_ids=config.has_segment_ids,
-                         dropout_seeds=config.dropout_rate > 0)
+                         dropout_seeds=config.dropout_rate > 0,
+                         kv_seqlens=config.has_kv_seqlens, block_table=config.page_size > 0)
 
   @classmethod
   def split(cls, args) -> tuple[tuple, "ExtraOperands"]:
@@ -257,6 +266,28 @@ def _check_alibi_slopes(alibi_slopes, batch: int, num_heads: int) -> None:
                        f"{values.tolist() if values.size <= 16 else 'non-finite values'}")
 
 
+def check_sinks(sinks, num_heads: int, dtype) -> None:
+  """sinks: None or float32 [H] (float64 too for float64 inputs, the
+  reference's oracle mode); concrete values must be finite (a NaN or inf sink
+  would silently empty or NaN its head), traced ones are trusted."""
+  if sinks is None:
+    return
+  if not hasattr(sinks, "shape") or not hasattr(sinks, "dtype"):
+    raise TypeError("flash_attention: sinks must be a float32 [H] array or None; got "
+                    f"{type(sinks).__name__}")
+  allowed = (jnp.float32, jnp.float64) if jnp.dtype(dtype) == jnp.float64 else (jnp.float32,)
+  if sinks.dtype not in allowed:
+    raise TypeError(f"flash_attention: sinks.dtype must be float32; got {sinks.dtype}")
+  if tuple(sinks.shape) != (num_heads,):
+    raise shape_error("sinks.shape", tuple(sinks.shape),
+                       f"must be [H] = ({num_heads},), one logit per query head")
+  if not isinstance(sinks, jax.core.Tracer):
+    values = np.asarray(sinks)
+    if not np.all(np.isfinite(values)):
+      raise ValueError("flash_attention: sinks must be finite; got "
+                       f"{values.tolist() if values.size <= 16 else 'non-finite values'}")
+
+
 def _check_segment_ids(segment_ids, batch: int, seqlen_q: int, seqlen_k: int) -> None:
   if segment_ids is None:
     return
@@ -311,17 +342,23 @@ def extra_operands(q, k, alibi_slopes=None, segment_ids=None, dropout_rng=None,
     seeds = jax.random.bits(dropout_rng, (batch, num_heads, 2), jnp.uint32)
   else:
     seeds = jnp.zeros((batch, num_heads, 2), jnp.uint32)
+  # The KV-cache operands only jax_flash2.kvcache sets (with _replace).
   return ExtraOperands(alibi_slopes=slopes, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-                       dropout_seeds=seeds)
+                       dropout_seeds=seeds, kv_seqlens=jnp.zeros((batch,), jnp.int32),
+                       block_table=jnp.zeros((batch, 1), jnp.int32))
 
 
 def make_config(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                 softcap=0.0, alibi_slopes=None, segment_ids=None, deterministic=False,
-                dropout_rate=0.0, dropout_rng=None, implementation=None,
+                dropout_rate=0.0, dropout_rng=None, implementation=None, sinks=None,
                 dtypes=SUPPORTED_DTYPES) -> AttentionConfig:
-  """Checks the arguments of flash_attention and returns its static config."""
+  """Checks the arguments of flash_attention and returns its static config.
+
+  sinks is checked but not part of the config: the kernels never see it (it
+  rescales their results, _scores.add_sinks)."""
   _check_arrays(q, k, v, dtypes)
   _check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2])
+  check_sinks(sinks, q.shape[2], q.dtype)
   _check_segment_ids(segment_ids, q.shape[0], q.shape[1], k.shape[1])
   check_bool("causal", causal)
   check_bool("deterministic", deterministic)

@@ -35,6 +35,8 @@ def _attributes(config) -> dict:
       has_alibi=np.bool_(config.has_alibi),
       has_segment_ids=np.bool_(config.has_segment_ids),
       dropout_rate=np.float32(config.dropout_rate),
+      has_kv_seqlens=np.bool_(config.has_kv_seqlens),
+      page_size=np.int64(config.page_size),
   )
 
 
@@ -77,7 +79,8 @@ def _cpu_rule(target: str, backward: bool):
   blockwise_rule = _blockwise_rule(backward)
 
   def rule(ctx, *args, config):
-    if _BLOCKWISE_FLOAT32_ON_CPU and ctx.avals_in[0].dtype == np.float32:
+    if (_BLOCKWISE_FLOAT32_ON_CPU and ctx.avals_in[0].dtype == np.float32
+        and not config.has_kv_seqlens):
       return blockwise_rule(ctx, *args, config=config)
     ctx, args = _without_unused_inputs(ctx, args, config)
     return ffi_rule(ctx, *args, **_attributes(config))
@@ -111,6 +114,10 @@ def _cuda_rule(target: str, backward: bool):
 
   def rule(ctx, *args, config):
     if ctx.avals_in[0].dtype == np.float32:
+      if config.has_kv_seqlens:  # the blockwise path has no per-sequence lengths
+        raise NotImplementedError(
+            "jax_flash2: a KV-cache call in float32 has no CUDA kernel; use bfloat16/float16 "
+            "or implementation='reference'")
       return blockwise_rule(ctx, *args, config=config)
     # Only the backward's dQ sum has an order to fix (the forward has no atomics).
     deterministic = bool(config.deterministic and backward)
@@ -123,6 +130,8 @@ def _cuda_rule(target: str, backward: bool):
       )
     batch, seqlen_q, heads_q, head_dim = ctx.avals_in[0].shape
     seqlen_k, heads_kv = ctx.avals_in[1].shape[1:3]
+    if config.page_size > 0:  # k is a page pool: S is the block table's pages
+      seqlen_k = ctx.avals_in[-1].shape[1] * config.page_size
     ctx, args = _without_unused_inputs(ctx, args, config)
     sm_count, cc_major = _gpu_plan()
     # Scratch (split-KV partials; D and the fp32 dQ accumulator) is an extra
@@ -144,7 +153,7 @@ def _missing_rule(platform: str, backward: bool):
   blockwise_rule = _blockwise_rule(backward)
 
   def rule(ctx, *args, config):
-    if ctx.avals_in[0].dtype == np.float32:  # needs no compiled kernel
+    if ctx.avals_in[0].dtype == np.float32 and not config.has_kv_seqlens:  # no kernel needed
       return blockwise_rule(ctx, *args, config=config)
     raise NotImplementedError(
         f"jax_flash2 was built without {platform} kernels (reinstall with nvcc on PATH, or "

@@ -74,6 +74,9 @@ def _unfold(results, size):
 
 
 def _fwd_batch(args, dims, *, config):
+  if config.page_size > 0:  # folding would mix the page pools of the mapped entries
+    raise NotImplementedError("flash_attention_with_kvcache: vmap of a paged KV-cache call is "
+                              "not supported; give the batch as B with one page pool")
   folded, size = _fold_batch(args, dims)
   return _unfold(flash_fwd_p.bind(*folded, config=config), size)
 

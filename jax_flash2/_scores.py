@@ -1,6 +1,7 @@
 """Score math shared by the reference, the blockwise float32 path and the
 forward-mode tangents: scale, softcap, ALiBi bias, the window and segment
-masks, the softmax normalization and the dropout keep mask.
+masks, the softmax normalization, the dropout keep mask, and the attention
+sinks joined to a finished (out, lse).
 
 Every function takes query rows `rows` (default all T) so that blockwise
 callers compute one block of query rows at a time with the same code.
@@ -135,16 +136,23 @@ def dropout_keep(seeds, seqlen_q: int, seqlen_k: int, rate: float, rows=None):
   return words >= jnp.uint32(dropout_threshold(rate))
 
 
-def normalize(scores):
+def normalize(scores, sinks=None):
   """(probs, lse [..., R]) of masked scores [..., R, S] (-inf where not visible).
 
+  sinks, if given, broadcasts against [..., R, 1]: one logit per row that
+  joins the denominator without a value (attention sinks), so the probs of a
+  row sum to 1 - exp(sink - lse) and the LSE includes it.
+
   The softmax and the LSE do not depend on the shift, so the row max needs no
-  gradient. Rows that see no key: shift 0, probs 0, LSE -inf. A NaN score is
-  visible (it is not -inf): its row gets NaN probs and a NaN LSE, as in the
-  kernels, so that a diverging run shows NaN instead of a silent 0.
+  gradient. Rows that see no key: probs 0, LSE -inf (the sink, with sinks).
+  A NaN score is visible (it is not -inf): its row gets NaN probs and a NaN
+  LSE, as in the kernels, so that a diverging run shows NaN instead of a
+  silent 0; so does a NaN sink for its rows.
   """
   visible_ = scores != -jnp.inf
   row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+  if sinks is not None:
+    row_max = jnp.maximum(row_max, jax.lax.stop_gradient(sinks).astype(row_max.dtype))
   safe_max = jnp.where(row_max == -jnp.inf, 0.0, row_max)
   # exp only of visible scores, selected on both sides: no -inf enters exp or
   # its derivative. (With exp(scores - max) over the -inf entries, XLA's GPU
@@ -152,12 +160,39 @@ def normalize(scores):
   # passes that test there.)
   weights = jnp.where(visible_, jnp.exp(jnp.where(visible_, scores - safe_max, 0.0)), 0.0)
   row_sum = jnp.sum(weights, axis=-1, keepdims=True)
+  if sinks is not None:
+    row_sum = row_sum + jnp.exp(sinks.astype(row_sum.dtype) - safe_max)
   seen = row_sum != 0  # NaN sums (NaN rows) count as seen
   probs = weights / jnp.where(seen, row_sum, 1.0)
   # -inf for empty rows, set by a select rather than log(0) so that their LSE
   # tangent is 0, not 0 / 0.
   lse = jnp.where(seen, safe_max + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)[..., 0]
   return probs, lse
+
+
+def add_sinks(out, lse, sinks):
+  """(out, lse) of attention with sinks from (out, lse) computed without them.
+
+  out [..., T, H, D], lse [..., H, T] float32, sinks [H]. A sink only adds
+  exp(sink) to each row's denominator, so the probabilities of every key
+  shrink by one factor per row, c = exp(lse) / (exp(lse) + exp(sink)) =
+  sigmoid(lse - sink), and out' = c * out, lse' = logaddexp(lse, sink)
+  exactly (with dropout too: the keep mask multiplies P elementwise). One
+  elementwise pass over out, outside the kernels: their differentiable
+  (out, lse) carry the gradients, and d sink = sum_rows P_sink (dlse' -
+  rowsum(dO * out')) comes from this plain JAX. In float32, cast back to
+  out's dtype.
+  """
+  sink = jnp.asarray(sinks, jnp.float32)[:, None]  # [H, 1] against lse [..., H, T]
+  # A row that sees no key (lse -inf): c = 0, lse' = sink. A sink of -inf
+  # (traced; concrete ones are refused) is no sink: c = 1 and lse' = lse, the
+  # unselected logaddexp fed a finite stand-in so that no NaN reaches the
+  # gradient of a row that sees no key either. NaN in lse or sink: NaN.
+  no_sink = sink == -jnp.inf
+  factor = jax.nn.sigmoid(jnp.where(no_sink, jnp.inf, lse - sink))
+  new_lse = jnp.where(no_sink, lse, jnp.logaddexp(lse, jnp.where(no_sink, 0.0, sink)))
+  scaled = out.astype(jnp.float32) * jnp.swapaxes(factor, -1, -2)[..., None]
+  return scaled.astype(out.dtype), new_lse
 
 
 def dropout_scale(probs, seeds, config, *, seqlen_q: int, rows=None):

@@ -138,7 +138,8 @@ def _specs(lead: tuple, heads: tuple, kv_heads: tuple, seq: tuple = ()):
   lead = tuple(_entry(a) for a in lead)
   h, kh, s = _entry(heads), _entry(kv_heads), _entry(seq)
   extras = ExtraOperands(alibi_slopes=P(*lead, h), q_segment_ids=P(*lead, s),
-                         kv_segment_ids=P(*lead, s), dropout_seeds=P(*lead, h, None))
+                         kv_segment_ids=P(*lead, s), dropout_seeds=P(*lead, h, None),
+                         kv_seqlens=P(*lead), block_table=P(*lead, None))
   return P(*lead, s, h, None), P(*lead, s, kh, None), P(*lead, h, s), extras
 
 
@@ -187,13 +188,14 @@ def _shardy_rule(backward: bool):
   q, k, v, o, lse = "... t h d", "... s kv d", "... s kv e", "... t h e", "... h t"
   extras = ", ".join(ExtraOperands(alibi_slopes="... h", q_segment_ids="... t",
                                    kv_segment_ids="... s",
-                                   dropout_seeds="... h w"))  # a seed is 2 words
+                                   dropout_seeds="... h w",  # a seed is 2 words
+                                   kv_seqlens="...", block_table="... pg"))
   if backward:
     rule = f"{q}, {k}, {v}, {o}, {lse}, {o}, {lse}, {extras} -> {q}, {k}, {v}"
   else:
     rule = f"{q}, {k}, {v}, {extras} -> {o}, {lse}"
   # Shardy wants special factors in the order they first appear.
-  return dict(sharding_rule=rule, need_replication_factors=("t", "d", "s", "e", "w"))
+  return dict(sharding_rule=rule, need_replication_factors=("t", "d", "s", "e", "w", "pg"))
 
 
 # The per-device functions: merge the leading axes into B, call the kernels.

@@ -2,13 +2,23 @@
 flash_attention with segment ids.
 
 The tokens of n sequences are packed along one axis and delimited by
-cu_seqlens (cumulative lengths, [n + 1], starting at 0). Each sequence is
-gathered into one row of a padded [n, max_seqlen, ...] batch, *right-aligned*
-(padding first), and padding gets segment ids that match nothing. Right
-alignment makes the padded problem's bottom-right diagonal coincide with every
-sequence's own bottom-right diagonal, so causal and window masks follow each
-sequence, as in FlashAttention-2's varlen kernels. The kernels skip the key
-blocks that hold only padding.
+cu_seqlens (cumulative lengths, [n + 1], starting at 0). Two paths:
+
+- Packed (the default): the packed tensors run as one row [1, total, ...]
+  with segment ids derived on the device from cu_seqlens (token t of q gets
+  the b with cu_seqlens_q[b] <= t < cu_seqlens_q[b + 1], likewise for k), so
+  the kernels' segment-id block skipping does the work: O(total) memory, no
+  copy. Causal and window masks are then relative to the row's diagonal,
+  which is every sequence's own exactly when each sequence has as many
+  queries as keys at the same offsets (cu_seqlens_q == cu_seqlens_k); without
+  causal or window no mask is positional and any offsets work
+  (cross-attention packing).
+- Padded: for causal or window with offsets that differ (or that are traced
+  and not the same array, so cannot be compared), each sequence is gathered
+  into one row of a padded [n, max_seqlen, ...] batch, *right-aligned*
+  (padding first): the padded problem's bottom-right diagonal is then every
+  sequence's own, as in FlashAttention-2's varlen kernels. O(n * max_seqlen)
+  memory.
 """
 
 from __future__ import annotations
@@ -17,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_Q_PAD_ID = -1  # padding queries and keys never share an id with each other
-_KV_PAD_ID = -2  # or with real tokens (id 0)
+_Q_PAD_ID = -1  # padded path: padding queries and keys never share an id
+_KV_PAD_ID = -2  # with each other or with real tokens (id 0)
 
 
 def check_cu_seqlens(name: str, cu_seqlens, total: int, max_seqlen) -> None:
@@ -33,12 +43,70 @@ def check_cu_seqlens(name: str, cu_seqlens, total: int, max_seqlen) -> None:
     return  # values unknown until run time
   values = np.asarray(cu_seqlens)
   lengths = np.diff(values)
-  if values[0] != 0 or values[-1] != total or np.any(lengths < 0):
+  if values[0] != 0 or values[-1] > total or np.any(lengths < 0):
     raise ValueError(f"flash_attention_varlen: {name} must start at 0, be non-decreasing and end "
-                     f"at the number of tokens ({total}); got {values.tolist()}")
+                     f"at most at the number of tokens ({total}); got {values.tolist()}")
   if lengths.max(initial=0) > max_seqlen:
     raise ValueError(f"flash_attention_varlen: a sequence of {name} has {int(lengths.max())} "
                      f"tokens, more than max_seqlen = {max_seqlen}")
+
+
+def same_offsets(cu_seqlens_q, cu_seqlens_k) -> bool:
+  """Whether the two offsets are known at trace time to be equal: the same
+  array object (also a tracer), or concrete arrays with equal values."""
+  if cu_seqlens_q is cu_seqlens_k:
+    return True
+  if isinstance(cu_seqlens_q, jax.core.Tracer) or isinstance(cu_seqlens_k, jax.core.Tracer):
+    return False
+  return (cu_seqlens_q.shape == cu_seqlens_k.shape
+          and bool(np.array_equal(np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k))))
+
+
+def choose_path(cu_seqlens_q, cu_seqlens_k, positional: bool) -> str:
+  """"packed" where one row with segment ids is exact, else "padded".
+
+  positional: causal or a window, masks that depend on the positions.
+  """
+  return "packed" if not positional or same_offsets(cu_seqlens_q, cu_seqlens_k) else "padded"
+
+
+def segment_ids_from_offsets(cu_seqlens, total: int, pad_id: int):
+  """[total] int32: the sequence of each token, pad_id outside [cu[0], cu[-1]).
+
+  O(total log n) on the device; a length-0 sequence owns no token (the
+  search picks the last b with cu[b] <= t). Contents are trusted: offsets
+  that are not non-decreasing give ids that are not the sequences.
+  """
+  token = jnp.arange(total, dtype=jnp.int32)
+  ids = jnp.searchsorted(cu_seqlens, token, side="right").astype(jnp.int32) - 1
+  inside = (token >= cu_seqlens[0]) & (token < cu_seqlens[-1])
+  return jnp.where(inside, ids, jnp.int32(pad_id))
+
+
+def _packed(attention, q, k, v, cu_q, cu_k, positional: bool):
+  """out [total_q, H, D], lse [H, total_q] on one row [1, total, ...]."""
+  total_q, total_k = q.shape[0], k.shape[0]
+  n = cu_q.shape[0] - 1
+  # Tokens past cu[-1] (padding rows) get ids that nothing on the other side
+  # has: n for queries, n + 1 for keys. Both are above every real id, so the
+  # ids stay non-decreasing along the row and the kernels' per-block id ranges
+  # stay tight.
+  q_ids = segment_ids_from_offsets(cu_q, total_q, n)
+  kv_ids = segment_ids_from_offsets(cu_k, total_k, n + 1)
+  extra_q = extra_k = 0
+  if positional and total_q != total_k:
+    # Equal offsets but different padding rows: the row's bottom-right
+    # diagonal is shifted by total_k - total_q from the sequences' own.
+    # Padding the shorter side to the longer (O(total), padding ids) puts it
+    # back on i == j.
+    extra_q, extra_k = max(total_k - total_q, 0), max(total_q - total_k, 0)
+    q = jnp.pad(q, ((0, extra_q), (0, 0), (0, 0)))
+    k, v = (jnp.pad(x, ((0, extra_k), (0, 0), (0, 0))) for x in (k, v))
+    q_ids = jnp.pad(q_ids, (0, extra_q), constant_values=n)
+    kv_ids = jnp.pad(kv_ids, (0, extra_k), constant_values=n + 1)
+  out, lse = attention(q[None], k[None], v[None], segment_ids=(q_ids[None], kv_ids[None]),
+                       return_lse=True)
+  return out[0, :total_q], lse[0, :, :total_q]
 
 
 def _padded_index(cu_seqlens, max_seqlen: int):
@@ -51,25 +119,27 @@ def _padded_index(cu_seqlens, max_seqlen: int):
 
 
 def _slot_of_token(cu_seqlens, max_seqlen: int, total: int):
-  """Flat index into [n * P] of each packed token."""
+  """Flat index into [n * P] of each packed token; tokens past cu[-1] get
+  slot 0, a padding slot when P exceeds every length."""
   token = jnp.arange(total)
   seq = jnp.searchsorted(cu_seqlens[1:], token, side="right")
   lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-  return seq * max_seqlen + (max_seqlen - lengths[seq]) + (token - cu_seqlens[seq])
+  slot = seq * max_seqlen + (max_seqlen - lengths[seq]) + (token - cu_seqlens[seq])
+  return jnp.where(token < cu_seqlens[-1], slot, 0)
 
 
-def varlen_attention(attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     return_lse, **options):
-  """out [total_q, H, D] (and lse [H, total_q]) through `attention` on a padded batch."""
-  if q.shape[0] == 0 or k.shape[0] == 0:
-    # No query, or no key for any query: nothing to gather from (jnp.take
-    # of an empty axis fails). Every query sees no key: out 0, LSE -inf (and
-    # zero gradients).
-    out = jnp.zeros(q.shape, q.dtype)
-    lse = jnp.full((q.shape[1], q.shape[0]), -jnp.inf, jnp.float32)
-    return (out, lse) if return_lse else out
-  cu_q = cu_seqlens_q.astype(jnp.int32)
-  cu_k = cu_seqlens_k.astype(jnp.int32)
+def _padded(attention, q, k, v, cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int,
+            all_real: bool):
+  """out [total_q, H, D], lse [H, total_q] through a right-aligned padded batch.
+
+  all_real: every query token is known to be inside a sequence (concrete
+  cu_q[-1] == total_q). Otherwise the rows get one more slot, so slot 0 of
+  row 0 is padding: a query that sees no key, from which the tokens past
+  cu_q[-1] take their out 0 and LSE (-inf, or the sink with sinks) and get
+  no gradient. (Right alignment keeps every sequence's diagonal whatever P.)
+  """
+  if not all_real:
+    max_seqlen_q += 1
   q_index, q_real = _padded_index(cu_q, max_seqlen_q)
   k_index, k_real = _padded_index(cu_k, max_seqlen_k)
   q_pad = jnp.take(q, jnp.clip(q_index, 0, q.shape[0] - 1), axis=0)   # [n, P, H, D]
@@ -77,10 +147,38 @@ def varlen_attention(attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
   v_pad = jnp.take(v, jnp.clip(k_index, 0, k.shape[0] - 1), axis=0)
   q_ids = jnp.where(q_real, 0, _Q_PAD_ID).astype(jnp.int32)
   kv_ids = jnp.where(k_real, 0, _KV_PAD_ID).astype(jnp.int32)
-  out, lse = attention(q_pad, k_pad, v_pad, segment_ids=(q_ids, kv_ids), return_lse=True,
-                       **options)
+  out, lse = attention(q_pad, k_pad, v_pad, segment_ids=(q_ids, kv_ids), return_lse=True)
   slots = _slot_of_token(cu_q, max_seqlen_q, q.shape[0])
   n = cu_q.shape[0] - 1
   out = jnp.take(out.reshape((n * max_seqlen_q,) + out.shape[2:]), slots, axis=0)
   lse = jnp.take(lse.transpose(1, 0, 2).reshape(lse.shape[1], n * max_seqlen_q), slots, axis=1)
+  return out, lse
+
+
+def varlen_attention(attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     return_lse, *, positional: bool, path: str | None = None):
+  """out [total_q, H, D] (and lse [H, total_q]) through `attention`
+  (flash_attention with the call's options bound).
+
+  positional: the call has causal or a window. path: None chooses (see
+  choose_path); "packed" or "padded" forces one (tests compare them).
+  """
+  if q.shape[0] == 0 or k.shape[0] == 0:
+    # No query, or no key for any query: nothing to attend (jnp.take of an
+    # empty axis fails). Every query sees no key: out 0, LSE -inf (and zero
+    # gradients).
+    out = jnp.zeros(q.shape, q.dtype)
+    lse = jnp.full((q.shape[1], q.shape[0]), -jnp.inf, jnp.float32)
+    return (out, lse) if return_lse else out
+  if path is None:
+    path = choose_path(cu_seqlens_q, cu_seqlens_k, positional)
+  cu_q, cu_k = cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32)
+  if path == "packed":
+    out, lse = _packed(attention, q, k, v, cu_q, cu_k, positional)
+  elif path == "padded":
+    all_real = (not isinstance(cu_seqlens_q, jax.core.Tracer)
+                and int(np.asarray(cu_seqlens_q)[-1]) == q.shape[0])
+    out, lse = _padded(attention, q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, all_real)
+  else:
+    raise ValueError(f"varlen_attention: path must be None, 'packed' or 'padded'; got {path!r}")
   return (out, lse) if return_lse else out

@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash2 import _autodiff, _ext, _varlen, reference
+from jax_flash2 import _autodiff, _ext, _scores, _varlen, reference
 from jax_flash2._config import (AttentionConfig, ExtraOperands, SUPPORTED_DTYPES, check_bool,
-                                extra_operands, kernel_head_dim, make_config, shape_error)
+                                check_sinks, extra_operands, kernel_head_dim, make_config,
+                                shape_error)
 
 __all__ = ["AttentionConfig", "ExtraOperands", "SUPPORTED_DTYPES", "extra_operands",
            "flash_attention", "flash_attention_varlen", "kernel_info", "make_config"]
@@ -28,7 +29,7 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
                     return_lse: bool = False, window_size: tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, alibi_slopes=None, segment_ids=None,
                     deterministic: bool = False, dropout_rate: float = 0.0,
-                    dropout_rng: jax.Array | None = None,
+                    dropout_rng: jax.Array | None = None, sinks=None,
                     implementation: str | None = None):
   """FlashAttention-2: softmax(q k^T * scale [masked]) v without the T x S matrix.
 
@@ -75,10 +76,12 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
       given its own id.
     deterministic: a backward with a fixed summation order, bit-identical run
       to run. The CPU kernels always are (dQ partials are summed in a fixed
-      order), so this costs nothing there. The CUDA backward then sums dQ in
-      per-CTA slices added in a fixed order instead of with free-running
-      atomics: more workspace (up to 1 GiB) and a grid of about one CTA per
-      multiprocessor.
+      order), so this costs nothing there. On Hopper (cc 9.0) the CUDA
+      backward then has the key blocks add into each query block's dQ one
+      after another, in key-block order, instead of in any order; the sm80
+      kernels sum dQ in per-CTA slices added in a fixed order, with a grid of
+      about one CTA per multiprocessor. Either way the workspace covers those
+      slices (up to 1 GiB).
     dropout_rate: static float in [0, 1), 0 = off: dropout on the attention
       weights, out = (Z o P / (1 - dropout_rate)) v with P the softmax and Z
       a keep mask, P(keep) = 1 - dropout_rate. The LSE stays that of the
@@ -91,6 +94,17 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
       default implementation's shape, (2,) for threefry); required when
       dropout_rate > 0. The same key gives the same mask on
       every backend; it gets no gradient.
+    sinks: None, or float32 [H]: attention sinks (gpt-oss), one learnable
+      logit per query head that joins every row's softmax denominator
+      without a value: P_ij = exp(s_ij) / (exp(sinks[h]) + sum_j exp(s_ij)),
+      s the final score (scaled, capped, ALiBi-biased, masked); the sink is
+      used as given (not scaled, capped or biased). The LSE includes it; a
+      row that sees no key returns 0 and LSE sinks[h]. Differentiable
+      (reverse and forward mode). With dropout, the keep mask applies to
+      this P. On every backend: the kernels compute the attention without
+      the sink and one elementwise pass rescales out and the LSE (exact).
+      Concrete sinks must be finite (checked); a traced NaN gives its head
+      NaN rows.
     implementation: None or "kernel" (the compiled kernels of the platform),
       or "reference" (plain JAX, materializes the T x S scores).
 
@@ -116,10 +130,10 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                        segment_ids=segment_ids, deterministic=deterministic,
                        dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                       implementation=implementation)
+                       implementation=implementation, sinks=sinks)
   extras = extra_operands(q, k, alibi_slopes, segment_ids, dropout_rng, config.dropout_rate)
   if config.implementation == "reference":
-    out, lse = reference.forward_from_config(q, k, v, extras, config)
+    out, lse = reference.forward_from_config(q, k, v, extras, config, sinks=sinks)
   else:
     head_dim = q.shape[3]
     padded = kernel_head_dim(head_dim)
@@ -129,6 +143,10 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
       q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
     out, lse = _autodiff.attention(q, k, v, extras, config)
     out = out[..., :head_dim]
+    if sinks is not None:
+      # Outside the custom_jvp: JAX differentiates the rescale through the
+      # kernels' differentiable (out, lse); sinks get their gradient here.
+      out, lse = _scores.add_sinks(out, lse, sinks)
   return (out, lse) if return_lse else out
 
 
@@ -137,7 +155,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                            softmax_scale: float | None = None, return_lse: bool = False,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            deterministic: bool = False, dropout_rate: float = 0.0,
-                           dropout_rng: jax.Array | None = None,
+                           dropout_rng: jax.Array | None = None, sinks=None,
                            implementation: str | None = None):
   """Packed variable-length sequences, FlashAttention's varlen convention.
 
@@ -145,23 +163,33 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     q: [total_q, H, D]; k, v: [total_k, K, D]: the tokens of n sequences,
       one after the other.
     cu_seqlens_q, cu_seqlens_k: integer [n + 1], cumulative lengths starting
-      at 0 and ending at total_q / total_k; sequence b is
+      at 0, non-decreasing, ending at most at total_q / total_k; sequence b is
       q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] against
       k, v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]. Checked when known at trace
-      time (concrete arrays); traced values are trusted.
+      time (concrete arrays); traced values are trusted (offsets out of
+      order give wrong sequences, never an out-of-bounds access). Rows past
+      cu_seqlens[-1] (padding) see no key and are seen by no query: out 0,
+      LSE -inf (with sinks, the sink).
     max_seqlen_q, max_seqlen_k: static ints, at least every sequence's length.
     causal, window_size: per sequence, aligned bottom-right within each
       sequence (query i of a sequence with T_b queries and S_b keys sees keys
       j <= i + S_b - T_b), as FlashAttention-2's varlen.
     dropout_rate, dropout_rng: as flash_attention; the mask is a function of
-      the position in the padded batch (sequence b, right-aligned slot).
+      the token's position in the row it runs in (see below).
     Other arguments: as flash_attention.
 
   Returns:
     out [total_q, H, D]; with return_lse, (out, lse [H, total_q]).
 
-  Built on segment ids over a padded [n, max_seqlen] batch (see _varlen.py),
-  so it runs where segment ids do (CPU kernels, reference).
+  Runs on the packed tensors as one row [1, total, ...] with segment ids
+  computed on the device from cu_seqlens (O(total) memory, no copy), so the
+  kernels skip the blocks of different sequences. Exact whenever neither
+  causal nor window_size is set, or when the offsets are equal: concrete
+  cu_seqlens_q, cu_seqlens_k with equal values, or the same array passed
+  twice (also traced). Causal or window with offsets that differ, or that
+  are traced distinct arrays, gathers the sequences into a right-aligned
+  padded [n, max_seqlen] batch instead (O(n * max_seqlen) memory), since
+  one row's diagonal cannot follow every sequence's bottom-right one.
   """
   check_bool("return_lse", return_lse)
   for name, x, expected in (("q", q, "[total_q, H, D]"), ("k", k, "[total_k, K, D]"),
@@ -182,10 +210,20 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     return flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                            window_size=window_size, softcap=softcap,
                            deterministic=deterministic, dropout_rate=dropout_rate,
-                           dropout_rng=dropout_rng, implementation=implementation, **kwargs)
+                           dropout_rng=dropout_rng, sinks=sinks,
+                           implementation=implementation, **kwargs)
 
+  if sinks is not None and k.shape[0] == 0:
+    # No key at all: every query sees no key, out 0 and LSE the sink (the
+    # gathered batch would have nothing to gather from).
+    check_sinks(sinks, q.shape[1], q.dtype)
+    out = jnp.zeros(q.shape, q.dtype)
+    lse = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None], (q.shape[1], q.shape[0]))
+    return (out, lse) if return_lse else out
+  unbounded = isinstance(window_size, (tuple, list)) and tuple(window_size) == (-1, -1)
   return _varlen.varlen_attention(attention, q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                  int(max_seqlen_q), int(max_seqlen_k), return_lse)
+                                  int(max_seqlen_q), int(max_seqlen_k), return_lse,
+                                  positional=causal is not False or not unbounded)
 
 
 def _cuda_kernel_info() -> str | None:

@@ -63,7 +63,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flash2 import _sharding, api
+from jax_flash2 import _scores, _sharding, api
 
 try:
   shard_map = jax.shard_map
@@ -506,7 +506,7 @@ def _axis_size(axis_name) -> int:
 def ring_attention(q, k, v, *, axis_name, causal: bool = False, layout: str = "contiguous",
                    strategy: str = "ring", softmax_scale: float | None = None,
                    window_size: tuple[int, int] = (-1, -1), segment_ids=None,
-                   softcap: float = 0.0, return_lse: bool = False):
+                   softcap: float = 0.0, sinks=None, return_lse: bool = False):
   """Exact attention over a sequence split along mesh axis `axis_name`; call
   it inside jax.shard_map.
 
@@ -525,6 +525,9 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, layout: str = "c
     segment_ids: None or (q_segment_ids [B, T/n], kv_segment_ids [B, S/n]),
       this device's shards (in the same layout as q, k); the kv ids travel
       with K/V, so packed documents may span devices.
+    sinks: None or float32 [H], as flash_attention (replicated): joined once,
+      to the merged (out, lse), not per ring step; its gradient is summed
+      over the devices.
     return_lse: also return this device's shard of the LSE, [B, H, T/n]
       float32.
 
@@ -544,7 +547,7 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, layout: str = "c
   # the window is over global positions, so it is checked here (the shards'
   # lengths say nothing about which bounds are unbounded).
   config = api.make_config(q, k, v, softmax_scale=softmax_scale, softcap=softcap,
-                           segment_ids=ids)
+                           segment_ids=ids, sinks=sinks)
   left, right = _check_window(window_size, causal)
   if layout not in LAYOUTS:
     raise ValueError(f"ring_attention: layout must be one of {LAYOUTS}; got {layout!r}")
@@ -574,6 +577,10 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, layout: str = "c
   if ids is not None:
     q_ids, kv_ids = (_vary_like(jnp.asarray(x).astype(jnp.int32), q) for x in ids)
   out, lse = _ring(cfg, q, k, v, q_ids, kv_ids)
+  if sinks is not None:
+    # Replicated sinks against varying rows: the transpose of the cast sums
+    # the sinks' cotangent over the devices.
+    out, lse = _scores.add_sinks(out, lse, _vary_like(jnp.asarray(sinks), q))
   return (out, lse) if return_lse else out
 
 

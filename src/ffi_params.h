@@ -39,10 +39,12 @@ inline ffi::Error ToDType(ffi::DataType type, DType* dtype) {
 }
 
 // Sizes, strides, dtype, scale and window from q [B, T, H, D], k, v [B, S, K, D].
+// With page_size > 0, k and v are a page pool [num_pages, page_size, K, D]
+// (any number of pages), and S comes from the block table (SetKvCacheInputs).
 inline ffi::Error ParamsFromInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                                    const ffi::AnyBuffer& v, float softmax_scale,
                                    int64_t window_left, int64_t window_right, float softcap,
-                                   FlashParams* p) {
+                                   FlashParams* p, int64_t page_size = 0) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   const auto vd = v.dimensions();
@@ -51,7 +53,8 @@ inline ffi::Error ParamsFromInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer
                                        ShapeString(q) + ", k " + ShapeString(k) + ", v " +
                                        ShapeString(v));
   }
-  const bool shapes_ok = kd[0] == qd[0] && vd[0] == qd[0] && kd[1] == vd[1] && kd[2] == vd[2] &&
+  const bool shapes_ok = (page_size > 0 || kd[0] == qd[0]) && vd[0] == kd[0] && kd[1] == vd[1] &&
+                         kd[2] == vd[2] &&
                          kd[3] == qd[3] && vd[3] == qd[3] && kd[2] > 0 && qd[2] % kd[2] == 0;
   if (!shapes_ok) {
     return ffi::Error::InvalidArgument("jax_flash2: incompatible shapes q " + ShapeString(q) +
@@ -156,6 +159,48 @@ inline ffi::Error SetOptionalInputs(const ffi::AnyBuffer& alibi_slopes,
   return ffi::Error::Success();
 }
 
+// The KV-cache operands (jax_flash2.kvcache): kv_seqlens [B] int32, the valid
+// keys of each sequence (the window aligns to them), and with page_size > 0
+// the block table [B, P] int32 of page ids; k, v are then a page pool whose
+// "batch" stride is the page stride, and S = P * page_size. Lengths and page
+// ids are checked in Python when concrete; the kernels clamp lengths to
+// [0, S] and never follow a page id outside [0, num_pages) (its keys and
+// values read as zeros), so a traced bad value cannot make them read out of
+// bounds.
+inline ffi::Error SetKvCacheInputs(const ffi::AnyBuffer& kv_seqlens,
+                                   const ffi::AnyBuffer& block_table, bool has_kv_seqlens,
+                                   int64_t page_size, int64_t num_pages, FlashParams* p) {
+  if (page_size < 0 || (page_size > 0 && !has_kv_seqlens)) {
+    return ffi::Error::InvalidArgument("jax_flash2: page_size must be >= 0, and > 0 only with "
+                                       "kv_seqlens; got " + std::to_string(page_size));
+  }
+  const auto ld = kv_seqlens.dimensions();
+  if (has_kv_seqlens && (kv_seqlens.element_type() != ffi::DataType::S32 || ld.size() != 1 ||
+                         ld[0] != p->batch)) {
+    return ffi::Error::InvalidArgument("jax_flash2: kv_seqlens must be int32 [B] = [" +
+                                       std::to_string(p->batch) + "]; got " +
+                                       ShapeString(kv_seqlens));
+  }
+  const auto td = block_table.dimensions();
+  if (page_size > 0) {
+    if (block_table.element_type() != ffi::DataType::S32 || td.size() != 2 ||
+        td[0] != p->batch || td[1] < 1 || p->seqlen_k != page_size) {
+      return ffi::Error::InvalidArgument(
+          "jax_flash2: a paged cache needs k, v [num_pages, page_size, K, D] and an int32 "
+          "block_table [B, P]; got k pages of " + std::to_string(p->seqlen_k) +
+          " keys, page_size " + std::to_string(page_size) + ", block_table " +
+          ShapeString(block_table));
+    }
+    p->block_table = static_cast<const int32_t*>(block_table.untyped_data());
+    p->max_pages = td[1];
+    p->num_pages = num_pages;
+    p->page_size = page_size;
+    p->seqlen_k = td[1] * page_size;
+  }
+  p->kv_seqlens = has_kv_seqlens ? static_cast<const int32_t*>(kv_seqlens.untyped_data()) : nullptr;
+  return ffi::Error::Success();
+}
+
 // Output and backward-input shapes must match what ParamsFromInputs derived.
 inline ffi::Error CheckSameShape(const ffi::AnyBuffer& actual, const ffi::AnyBuffer& expected,
                                  const char* name) {
@@ -196,6 +241,8 @@ struct CallAttrs {
   bool has_alibi;
   bool has_segment_ids;
   float dropout_rate;  // 0: off
+  bool has_kv_seqlens = false;  // KV cache: per-sequence key counts
+  int64_t page_size = 0;        // > 0: paged KV cache
 };
 
 // The optional per-call arrays; their shapes are checked even when unused.
@@ -204,6 +251,8 @@ struct OptionalInputs {
   ffi::AnyBuffer q_segment_ids;   // [B, T] int32
   ffi::AnyBuffer kv_segment_ids;  // [B, S] int32
   ffi::AnyBuffer dropout_seeds;   // [B, H, 2] uint32
+  ffi::AnyBuffer kv_seqlens;      // [B] int32
+  ffi::AnyBuffer block_table;     // [B, P] int32
 };
 
 // FlashParams of a forward call: inputs q, k, v (+ optional), outputs out, lse.
@@ -212,7 +261,10 @@ inline ffi::Error ForwardParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
                                 const ffi::AnyBuffer& out, const ffi::AnyBuffer& lse,
                                 const CallAttrs& attrs, FlashParams* p) {
   JF2_RETURN_IF_ERROR(ParamsFromInputs(q, k, v, attrs.softmax_scale, attrs.window_left,
-                                       attrs.window_right, attrs.softcap, p));
+                                       attrs.window_right, attrs.softcap, p, attrs.page_size));
+  JF2_RETURN_IF_ERROR(SetKvCacheInputs(optional.kv_seqlens, optional.block_table,
+                                       attrs.has_kv_seqlens, attrs.page_size,
+                                       k.dimensions()[0], p));
   JF2_RETURN_IF_ERROR(SetOptionalInputs(optional.alibi_slopes, optional.q_segment_ids,
                                         optional.kv_segment_ids, optional.dropout_seeds,
                                         attrs.has_alibi, attrs.has_segment_ids,
@@ -232,6 +284,9 @@ inline ffi::Error BackwardParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& 
                                  const ffi::AnyBuffer& d_lse, const OptionalInputs& optional,
                                  const ffi::AnyBuffer& dq, const ffi::AnyBuffer& dk,
                                  const ffi::AnyBuffer& dv, const CallAttrs& attrs, FlashParams* p) {
+  if (attrs.has_kv_seqlens || attrs.page_size > 0) {
+    return ffi::Error::InvalidArgument("jax_flash2: the KV-cache call is forward only");
+  }
   JF2_RETURN_IF_ERROR(ForwardParams(q, k, v, optional, out, lse, attrs, p));
   JF2_RETURN_IF_ERROR(CheckSameShape(d_out, q, "d_out"));
   JF2_RETURN_IF_ERROR(CheckLseShape(d_lse, *p, "d_lse"));
@@ -259,6 +314,8 @@ auto ForwardOperands(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // q_segment_ids: [B, T] int32, read if has_segment_ids
       .template Arg<ffi::AnyBuffer>()  // kv_segment_ids: [B, S] int32, read if has_segment_ids
       .template Arg<ffi::AnyBuffer>()  // dropout_seeds: [B, H, 2] uint32, read if dropout_rate > 0
+      .template Arg<ffi::AnyBuffer>()  // kv_seqlens: [B] int32, read if has_kv_seqlens
+      .template Arg<ffi::AnyBuffer>()  // block_table: [B, P] int32, read if page_size > 0
       .template Ret<ffi::AnyBuffer>()  // out: [B, T, H, D]
       .template Ret<ffi::AnyBuffer>();  // lse: [B, H, T] float32
 }
@@ -276,6 +333,8 @@ auto BackwardOperands(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // q_segment_ids: [B, T] int32, read if has_segment_ids
       .template Arg<ffi::AnyBuffer>()  // kv_segment_ids: [B, S] int32, read if has_segment_ids
       .template Arg<ffi::AnyBuffer>()  // dropout_seeds: [B, H, 2] uint32, the forward's
+      .template Arg<ffi::AnyBuffer>()  // kv_seqlens: unused (the KV-cache call is forward only)
+      .template Arg<ffi::AnyBuffer>()  // block_table: unused
       .template Ret<ffi::AnyBuffer>()  // dq: [B, T, H, D]
       .template Ret<ffi::AnyBuffer>()  // dk: [B, S, K, D], summed over each head group
       .template Ret<ffi::AnyBuffer>();  // dv: [B, S, K, D], summed over each head group
@@ -289,7 +348,9 @@ auto ScoreAttrs(Binding binding) {
       .template Attr<float>("softcap")          // 0: off
       .template Attr<bool>("has_alibi")         // false: alibi_slopes is ignored
       .template Attr<bool>("has_segment_ids")   // false: the segment ids are ignored
-      .template Attr<float>("dropout_rate");    // in [0, 1); 0: off, the seeds are ignored
+      .template Attr<float>("dropout_rate")     // in [0, 1); 0: off, the seeds are ignored
+      .template Attr<bool>("has_kv_seqlens")    // false: kv_seqlens is ignored (all S keys valid)
+      .template Attr<int64_t>("page_size");     // 0: k, v dense; > 0: paged via block_table
 }
 
 }  // namespace jax_flash2

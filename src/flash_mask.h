@@ -77,6 +77,13 @@ JF2_HD WindowMask MakeWindowMask(const FlashParams& p) {
   return WindowMask{p.seqlen_k - p.seqlen_q, p.window_left, p.window_right, p.seqlen_k};
 }
 
+// Sequence b's mask: with per-sequence key counts (KV cache) the diagonal
+// aligns to that sequence's own last key and keys past its end are masked.
+JF2_HD WindowMask MakeWindowMask(const FlashParams& p, int64_t b) {
+  const int64_t n = KvLength(p, b);
+  return WindowMask{n - p.seqlen_q, p.window_left, p.window_right, n};
+}
+
 // Whether p has a window (causal included): some query sees fewer keys than
 // all of them.
 JF2_HD bool HasWindow(const FlashParams& p) { return p.window_left >= 0 || p.window_right >= 0; }

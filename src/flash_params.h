@@ -80,7 +80,48 @@ struct FlashParams {
   float dropout_rate = 0.0f;
   uint32_t dropout_threshold = 0;
   float dropout_scale = 1.0f;
+
+  // KV cache, forward only. kv_seqlens: [B] int32 or null; sequence b's keys
+  // are [0, kv_seqlens[b]) (clamped to [0, S]), and the window, causal and
+  // ALiBi align to that length (offset kv_seqlens[b] - T) instead of S.
+  // block_table: [B, max_pages] int32 or null; when set, k and v are a pool of
+  // num_pages pages of page_size keys whose page stride is k/v_batch_stride,
+  // key j of sequence b sits in page block_table[b, j / page_size] at row
+  // j % page_size, and S = max_pages * page_size.
+  const int32_t* kv_seqlens = nullptr;
+  const int32_t* block_table = nullptr;
+  int64_t max_pages = 0;
+  int64_t num_pages = 0;
+  int64_t page_size = 0;
 };
+
+// Valid keys of sequence b: kv_seqlens[b] clamped to [0, S], else S.
+inline
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+int64_t KvLength(const FlashParams& p, int64_t b) {
+  if (p.kv_seqlens == nullptr) return p.seqlen_k;
+  const int64_t n = p.kv_seqlens[b];
+  return n < 0 ? 0 : n > p.seqlen_k ? p.seqlen_k : n;
+}
+
+// Index of key j of sequence b along k/v's leading axis (the batch entry, or
+// its page) and its row there; -1 for a page id outside the pool, whose keys
+// and values the kernels read as zeros.
+inline
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+int64_t KvBlockOf(const FlashParams& p, int64_t b, int64_t j, int64_t* row) {
+  if (p.block_table == nullptr) {
+    *row = j;
+    return b;
+  }
+  *row = j % p.page_size;
+  const int64_t page = p.block_table[b * p.max_pages + j / p.page_size];
+  return page >= 0 && page < p.num_pages ? page : -1;
+}
 
 // Fills the dense [B, T, H, D] strides of every tensor from the sizes.
 inline void SetDenseStrides(FlashParams& p) {

@@ -41,6 +41,8 @@ inline constexpr size_t kSm90SmemBytes = 227 * 1024;
 
 // Most key-range splits of a forward call (the combine kernel's LSE slots).
 inline constexpr int kMaxSplits = 128;
+// Keys per split of a KV-cache decode call (MakeDecodePlan).
+inline constexpr int64_t kKvCacheSplitKeys = 2048;
 
 // The split heuristic assumes this many resident sm80 forward blocks per SM
 // (the d128 kernel's register use allows two), as FlashAttention-2 does.
@@ -197,7 +199,6 @@ inline std::string Sm90Unserved(const FlashParams& p, const DeviceInfo& dev,
   if (const char* option = backward ? Sm90BackwardUnservedOption(p) : nullptr) {
     return std::string(option) + ": " + direction + " does not serve it";
   }
-  if (backward && p.deterministic) return std::string("deterministic: ") + direction + " does not serve it";
   if (cuda::sm90::Sm90HeadDimBucket(p.head_dim) == 0) {
     return "head_dim D=" + std::to_string(p.head_dim) + ": no Hopper tile";
   }
@@ -268,8 +269,17 @@ inline FwdPlan MakeDecodePlan(const FlashParams& p, const DeviceInfo& dev,
   plan.m_tiles = cuda::DecodeMTiles(tile, p.seqlen_q * p.group_size);
   const int64_t chunks = CeilDiv(p.seqlen_k, tile.warp_keys);
   const int64_t block_steps = CeilDiv(chunks, cuda::kDecodeWarps);  // chunk rounds of the warps
-  const int splits = ChooseNumSplits(p.batch * p.num_heads_kv, block_steps,
-                                     dev.sm_count * tile.blocks_per_sm, kMaxSplits, 0.95);
+  int splits = ChooseNumSplits(p.batch * p.num_heads_kv, block_steps,
+                               dev.sm_count * tile.blocks_per_sm, kMaxSplits, 0.95);
+  if (p.kv_seqlens != nullptr) {
+    // A KV cache's lengths are known only on the device, and a split count
+    // chosen for S_max left the SMs of short sequences idle while a long
+    // one's few blocks streamed it (H200, B16 at 1k-32k: 33% of the copy
+    // rate; one 32k among 1k: 6%). Splits of at most kKvCacheSplitKeys keys
+    // spread each sequence over the GPU; those past its end exit at once.
+    const int64_t fixed = CeilDiv(p.seqlen_k, kKvCacheSplitKeys);
+    splits = static_cast<int>(std::max<int64_t>(splits, std::min<int64_t>(fixed, kMaxSplits)));
+  }
   if (splits > 1) {
     plan.n_blocks_per_split = static_cast<int>(CeilDiv(block_steps, splits) * cuda::kDecodeWarps);
     plan.num_splits = static_cast<int>(CeilDiv(chunks, plan.n_blocks_per_split));
@@ -333,6 +343,35 @@ inline std::string Sm90ForwardUnserved(const FlashParams& p, const DeviceInfo& d
   return "";
 }
 
+// Empty when the decode kernel serves a KV-cache call (per-sequence lengths,
+// maybe a block table), else why not. Only the decode kernel reads those
+// operands, on every GPU: the prefill and Hopper kernels never see them.
+inline std::string KvCacheUnserved(const FlashParams& p, const DeviceInfo& dev) {
+  const int64_t rows = p.seqlen_q * p.group_size;
+  const int64_t max_rows = cuda::DecodeMaxRows(cuda::DecodeTileFor(p.head_dim));
+  if (rows > max_rows) {
+    return "KV cache: T * H / K = " + std::to_string(rows) +
+           " packed rows exceed the decode kernel's " + std::to_string(max_rows) + " at D=" +
+           std::to_string(p.head_dim) + " (the one CUDA kernel that reads per-sequence lengths "
+           "and block tables); split the T new queries into chunks of at most " +
+           std::to_string(max_rows / p.group_size > 0 ? max_rows / p.group_size : 1);
+  }
+  if (p.softcap > 0.f || p.alibi_slopes != nullptr || p.q_segment_ids != nullptr ||
+      p.dropout_seeds != nullptr) {
+    return std::string("KV cache: ") +
+           (p.softcap > 0.f ? "softcap" : p.alibi_slopes ? "alibi_slopes" : "segment ids/dropout") +
+           " is not served by the decode kernel (the one CUDA kernel that reads per-sequence "
+           "lengths and block tables)";
+  }
+  bool small_smem = false;
+  if (ChooseDecodeTile(p, dev, &small_smem).head_dim == 0) {
+    return "KV cache: the decode kernel's tile does not fit this GPU's shared memory (" +
+           std::to_string(dev.max_smem_per_block_optin) + " bytes) at D=" +
+           std::to_string(p.head_dim);
+  }
+  return "";
+}
+
 }  // namespace plan_detail
 
 // The one support check of a forward call: empty when the CUDA kernels serve
@@ -346,6 +385,7 @@ inline std::string ForwardUnsupported(const FlashParams& p, const DeviceInfo& de
            " (max 65535), H=" + std::to_string(p.num_heads_q) + " (max 65535), T=" +
            std::to_string(p.seqlen_q) + ", S=" + std::to_string(p.seqlen_k);
   }
+  if (p.kv_seqlens != nullptr) return plan_detail::KvCacheUnserved(p, dev);
   const int smem = cuda::FwdSmemBytes(cuda::FwdTileFor(p.head_dim), 1, p.dropout_seeds != nullptr);
   if (static_cast<size_t>(smem) > dev.max_smem_per_block_optin) {
     return "head_dim D=" + std::to_string(p.head_dim) + (p.dropout_seeds ? " with dropout" : "") +
@@ -363,6 +403,14 @@ inline FwdPlan MakeForwardPlan(const FlashParams& p, const DeviceInfo& dev,
   FwdPlan plan;
   if (std::string why = ForwardUnsupported(p, dev); !why.empty()) {
     plan.reason = why;
+    return plan;
+  }
+  if (p.kv_seqlens != nullptr) {  // served by the decode kernel only (KvCacheUnserved)
+    bool small_smem = false;
+    const cuda::DecodeTileSizes tile = plan_detail::ChooseDecodeTile(p, dev, &small_smem);
+    plan = plan_detail::MakeDecodePlan(p, dev, tile, small_smem);
+    plan.reason = "KV cache: the decode kernel is the one that reads per-sequence lengths and "
+                  "block tables";
     return plan;
   }
   std::string not_decode;
@@ -458,17 +506,19 @@ inline BwdPlan MakeBackwardPlan(const FlashParams& p, const DeviceInfo& dev,
     plan.reason = why;
     return plan;
   }
+  const std::string not_sm90 = plan_detail::Sm90Unserved(p, dev, opts, true);
+  if (not_sm90.empty()) {
+    // Deterministic calls too: one dQ accumulator, summed in a fixed order
+    // (cuda/sm90/bwd_sm90.h, Sm90BackwardDqTurns).
+    plan.kernel = BwdKernel::kSm90;
+    plan.bucket = static_cast<int>(cuda::sm90::Sm90HeadDimBucket(p.head_dim));
+    return plan;
+  }
   // The dQ slices are counted with the default row's block_n on every device
   // so that the workspace the lowering sizes (for any GPU of a compute
   // capability) is never short; a smaller block_n only has more key blocks.
   plan.dq_splits = cuda::BwdDqSplits(p.deterministic, p.batch, p.seqlen_q, p.seqlen_k,
                                      p.num_heads_q, p.num_heads_kv, p.head_dim, dev.sm_count);
-  const std::string not_sm90 = plan_detail::Sm90Unserved(p, dev, opts, true);
-  if (not_sm90.empty()) {
-    plan.kernel = BwdKernel::kSm90;
-    plan.bucket = static_cast<int>(cuda::sm90::Sm90HeadDimBucket(p.head_dim));
-    return plan;
-  }
   plan.kernel = BwdKernel::kSm80;
   plan.reason = not_sm90;
   const Sm80BwdTile choice = ChooseSm80BwdTile(p.head_dim, dev.max_smem_per_block_optin);

@@ -36,12 +36,14 @@ def _alibi(slopes, batch, num_heads, seqlen_q, seqlen_k):
 
 def oracle(q, k, v, d_out, d_lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
            softcap=0.0, alibi_slopes=None, segment_ids=None, dropout_keep=None,
-           dropout_rate=0.0):
+           dropout_rate=0.0, sinks=None):
   """out, lse and (dq, dk, dv) of loss = <out, d_out> + <lse, d_lse>, in float64 numpy.
 
   Written directly from the definition (softmax of the masked, scaled scores and
   its textbook derivative), independent of the kernels' blocking. Dropout takes
   the keep mask as given ([B, H, T, S] bool): out = (Z o P / (1 - rate)) v.
+  sinks [H]: exp(sinks[h]) joins each row's denominator (no value); the
+  gradients are then (dq, dk, dv, dsinks).
   """
   q, k, v, d_out, d_lse = (np.asarray(x, np.float64) for x in (q, k, v, d_out, d_lse))
   batch, seqlen_q, num_heads, head_dim = q.shape
@@ -65,9 +67,15 @@ def oracle(q, k, v, d_out, d_lse, *, causal=False, softmax_scale=None, window_si
     scores = scores + _alibi(alibi_slopes, batch, num_heads, seqlen_q, seqlen_k)
   scores = np.where(mask, scores, -np.inf)
   row_max = scores.max(-1, keepdims=True)
+  if sinks is not None:
+    sink = np.asarray(sinks, np.float64)[None, :, None, None]     # [1, H, 1, 1]
+    row_max = np.maximum(row_max, sink)
   row_max = np.where(np.isfinite(row_max), row_max, 0.0)
   weights = np.exp(scores - row_max)
   row_sum = weights.sum(-1, keepdims=True)
+  if sinks is not None:
+    sink_weight = np.exp(sink - row_max)                         # [B, H, T, 1]
+    row_sum = row_sum + sink_weight
   with np.errstate(divide="ignore"):
     lse = (row_max + np.log(row_sum))[..., 0]                    # [B, H, T]; -inf if empty
   probs = weights / np.where(row_sum > 0, row_sum, 1.0)
@@ -88,16 +96,22 @@ def oracle(q, k, v, d_out, d_lse, *, causal=False, softmax_scale=None, window_si
   def per_kv_head(x):  # [B, H, S, D] -> [B, S, K, D], summed over each group
     return x.reshape(batch, num_kv_heads, group, seqlen_k, head_dim).sum(2).transpose(0, 2, 1, 3)
 
-  return ((out.transpose(0, 2, 1, 3), lse),
-          (dq.transpose(0, 2, 1, 3), per_kv_head(dk), per_kv_head(dv)))
+  grads = (dq.transpose(0, 2, 1, 3), per_kv_head(dk), per_kv_head(dv))
+  if sinks is not None:
+    # lse = log(exp(sink) + sum_j exp(s_ij)), out_i = sum_j P_ij v_j with
+    # P_ij = exp(s_ij - lse_i): d lse_i / d sink = P_sink_i, d out_i / d lse_i = -out_i.
+    p_sink = (sink_weight / row_sum)[..., 0]                     # [B, H, T]
+    grads += ((p_sink * (dl - (do * out).sum(-1))).sum((0, 2)),)
+  return (out.transpose(0, 2, 1, 3), lse), grads
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "window_size", "softcap",
                                              "dropout_rate"))
 def naive_same_dtype(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                      softcap=0.0, alibi_slopes=None, segment_ids=None, dropout_keep=None,
-                     dropout_rate=0.0):
-  """(out, lse) computed entirely in the inputs' dtype, as a plain implementation would."""
+                     dropout_rate=0.0, sinks=None):
+  """(out, lse) computed entirely in the inputs' dtype, as a plain implementation would
+  (sinks [H]: one more logit per row, as gpt-oss's reference concatenates it)."""
   dtype = q.dtype
   batch, seqlen_q, num_heads, head_dim = q.shape
   seqlen_k, num_kv_heads = k.shape[1], k.shape[2]
@@ -121,6 +135,8 @@ def naive_same_dtype(q, k, v, *, causal=False, softmax_scale=None, window_size=(
     mask = mask & (segment_ids[0][:, None, :, None] == segment_ids[1][:, None, None, :])
   scores = jnp.where(mask, scores, jnp.asarray(-jnp.inf, dtype))
   lse = jax.nn.logsumexp(scores, axis=-1)
+  if sinks is not None:
+    lse = jnp.logaddexp(lse, sinks.astype(dtype)[None, :, None])
   probs = jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0)[..., None])
   if dropout_keep is not None:
     probs = jnp.where(dropout_keep, probs * jnp.asarray(1 / (1 - dropout_rate), dtype), 0)

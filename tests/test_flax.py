@@ -539,3 +539,107 @@ def test_deterministic_backward_reaches_the_kernel():
     y = inputs((2, 16, HEADS, 8))
     drop_in = functools.partial(jf.dot_product_attention, deterministic_backward=flag)
     assert configs(jax.grad(lambda y: jnp.sum(drop_in(y, y, y))), y) == {str(flag)}
+
+
+# Packed documents: segment ids
+
+
+def packed_ids(batch_shape, seqlen, seed=0):
+  """[*batch_shape, seqlen] int32 ids of documents of mixed lengths (some of
+  1 token), non-decreasing along each row, different per row."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for _ in range(int(np.prod(batch_shape))):
+    cuts = np.sort(rng.choice(np.arange(1, seqlen), size=4, replace=False))
+    rows.append(np.searchsorted(cuts, np.arange(seqlen), side="right"))
+  return jnp.asarray(np.reshape(rows, batch_shape + (seqlen,)), jnp.int32)
+
+
+def segment_mask(q_ids, kv_ids, causal):
+  mask = nnx.make_attention_mask(q_ids, kv_ids, jnp.equal)
+  return nnx.combine_masks(mask, nnx.make_causal_mask(q_ids)) if causal else mask
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_nnx_segment_ids_match_flax_mask(causal):
+  """A packed batch through segment_ids equals Flax's layer with the
+  document mask (and the causal mask), outputs and parameter gradients."""
+  flash, plain, reference = flash_and_plain(2, causal)
+  x = inputs((2, 24, FEATURES))
+  ids = packed_ids((2,), 24)
+  mask = segment_mask(ids, ids, causal)
+  agree(flash(x, segment_ids=ids), plain(x, mask=mask), lambda: reference()(x, mask=mask))
+  # The ids change the result (the documents are really separated).
+  assert not np.allclose(np.asarray(flash(x, segment_ids=ids), np.float32),
+                         np.asarray(flash(x), np.float32), atol=1e-3)
+
+  def grads(model, **call):
+    return nnx.state(param_grads(
+        model, lambda m: jnp.sum(jnp.sin(m(x, **call).astype(jnp.float32)))))
+
+  agree(grads(flash, segment_ids=ids), grads(plain, mask=mask),
+        lambda: grads(reference(), mask=mask), atol=1e-4, rtol=1e-4)
+
+
+def test_nnx_segment_ids_cross_attention_and_batch_axes():
+  """A pair of ids for cross-attention (T != S), and two batch axes."""
+  kw = dict(in_kv_features=16)
+  flash, plain, reference = flash_and_plain(1, causal=False, **kw)
+  x, mem = inputs((2, 3, 8, FEATURES), 1), inputs((2, 3, 20, 16), 2)
+  q_ids, kv_ids = packed_ids((2, 3), 8, 1), packed_ids((2, 3), 20, 2)
+  mask = segment_mask(q_ids, kv_ids, False)
+  agree(flash(x, mem, segment_ids=(q_ids, kv_ids)), plain(x, mem, mask=mask),
+        lambda: reference()(x, mem, mask=mask))
+  with pytest.raises(ValueError, match="one array serves self-attention"):
+    flash(x, mem, segment_ids=q_ids)
+  with pytest.raises(ValueError, match="kv_segment_ids must have the batch axes"):
+    flash(x, mem, segment_ids=(q_ids, kv_ids[:1]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_linen_segment_ids_match_flax_mask(causal):
+  x = inputs((2, 24, FEATURES))
+  ids = packed_ids((2,), 24, 3)
+  mask = segment_mask(ids, ids, causal)
+  layer = jfl.MultiHeadAttention(HEADS, causal=causal, dtype=DTYPE)
+  plain = nn.MultiHeadDotProductAttention(HEADS, dtype=DTYPE)
+  reference = nn.MultiHeadDotProductAttention(HEADS, dtype=jnp.float32)
+  params = plain.init(jax.random.key(0), x)
+  agree(layer.apply(params, x, segment_ids=ids), plain.apply(params, x, mask=mask),
+        lambda: reference.apply(params, x, mask=mask))
+
+  def grads(apply):
+    return jax.grad(lambda p: jnp.sum(jnp.sin(apply(p).astype(jnp.float32))))(params)
+
+  agree(grads(lambda p: layer.apply(p, x, segment_ids=ids)),
+        grads(lambda p: plain.apply(p, x, mask=mask)),
+        lambda: grads(lambda p: reference.apply(p, x, mask=mask)), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seqlens", [(16, 16), (9, 16), (16, 9)])
+def test_drop_in_segment_ids(seqlens):
+  """The drop-in's segment_ids keyword, with Flax's top-left is_causal also
+  when T != S, against jax.nn.dot_product_attention with the combined mask."""
+  seqlen_q, seqlen_k = seqlens
+  q = inputs((2, seqlen_q, HEADS, 8), 1)
+  k, v = inputs((2, seqlen_k, 2, 8), 2), inputs((2, seqlen_k, 2, 8), 3)
+  q_ids, kv_ids = packed_ids((2,), seqlen_q, 4), packed_ids((2,), seqlen_k, 5)
+  mask = (nnx.make_attention_mask(q_ids, kv_ids, jnp.equal, dtype=bool)
+          & jnp.tril(jnp.ones((seqlen_q, seqlen_k), bool)))
+
+  def run(fn, dtype, **kw):
+    f = lambda q, k, v: fn(q.astype(dtype), k.astype(dtype), v.astype(dtype),  # noqa: E731
+                           **kw).astype(jnp.float32)
+    out, vjp = jax.vjp(f, q, k, v)
+    return out, vjp(jnp.cos(out))
+
+  def plain(dtype):
+    # Rows that see no key: jax.nn gives the mean of v, the kernels 0 (and
+    # LSE -inf); compare on the rows that see one.
+    def fn(q, k, v):
+      seen = mask.any(-1)[:, 0, :, None, None]  # [B, T, 1, 1]
+      return jax.nn.dot_product_attention(q, k, v, mask=mask) * seen
+    return run(fn, dtype)
+
+  ours = run(jf.dot_product_attention, DTYPE, is_causal=True, segment_ids=(q_ids, kv_ids))
+  agree(ours, plain(DTYPE), lambda: plain(jnp.float32), atol=1e-5, rtol=1e-5)

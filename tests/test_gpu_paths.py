@@ -140,6 +140,47 @@ def test_backward_path(rng, case):
     assert_close_to_oracle(name, g, r, bg, q.dtype)
 
 
+# (B, T, S, H, K, D, causal): many key blocks per query block, GQA, each kernel.
+DET_CASES = [
+    (2, 1000, 2000, 8, 2, 128, True),
+    (2, 1500, 1500, 8, 8, 128, False),
+    (2, 1000, 1000, 8, 2, 64, True),
+    (3, 777, 1500, 4, 4, 64, False),
+    (2, 500, 700, 4, 2, 256, True),
+]
+
+
+@pytest.mark.parametrize("case", DET_CASES,
+                         ids=lambda c: f"T{c[1]}S{c[2]}K{c[4]}D{c[5]}-{'causal' if c[6] else 'full'}")
+def test_deterministic_backward_path(rng, case):
+  """deterministic=True runs the Hopper backward (on cc 9.0): the same
+  gradient bits in three runs, and the oracle's gradients."""
+  batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal = case
+  q, k, v = random_inputs(rng, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim,
+                          jnp.bfloat16)
+  d_out = jnp.asarray(rng.standard_normal((batch, seqlen_q, heads_q, head_dim)), jnp.bfloat16)
+  d_lse = jnp.asarray(rng.standard_normal((batch, heads_q, seqlen_q)), jnp.float32)
+  hopper_backward = _is_hopper() and os.environ.get("JAX_FLASH2_SM90_BACKWARD", "1") != "0"
+  plan = _device_plan(q, k, v, causal=causal, deterministic=True)["backward"]
+  assert plan.kernel == ("sm90" if hopper_backward else "sm80"), plan
+
+  @jax.jit
+  def grads(q, k, v, d_out, d_lse):
+    _, vjp = jax.vjp(lambda q, k, v: jax_flash2.flash_attention(
+        q, k, v, causal=causal, return_lse=True, deterministic=True), q, k, v)
+    return vjp((d_out, d_lse))
+
+  runs = [jax.device_get(grads(q, k, v, d_out, d_lse)) for _ in range(3)]
+  for other in runs[1:]:
+    for name, a, b in zip(("dq", "dk", "dv"), runs[0], other):
+      assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)), name
+  _, ref_grads = oracle(q, k, v, d_out, d_lse, causal=causal)
+  _, naive_vjp = jax.vjp(lambda q, k, v: naive_same_dtype(q, k, v, causal=causal), q, k, v)
+  base_grads = naive_vjp((d_out, d_lse.astype(q.dtype)))
+  for name, g, r, bg in zip(("dq", "dk", "dv"), runs[0], ref_grads, base_grads):
+    assert_close_to_oracle(name, jnp.asarray(g), r, bg, q.dtype)
+
+
 def test_hopper_backward_kill_switch():
   """JAX_FLASH2_SM90_BACKWARD=0 (read once per process) sends every backward
   to the sm80 kernels; checked in a fresh process."""

@@ -103,12 +103,29 @@ def test_backward_tiles_on_a100(d, row, smem):
 
 
 def test_backward_tiles_on_hopper_when_sm80_runs():
-  # Deterministic: the Hopper backward does not serve it; d128 takes the
+  # Dropout: the Hopper backward does not serve it; d128 takes the
   # large-smem row there.
-  bwd = _plan(2, 1000, 1000, 8, 8, 128, deterministic=True)["backward"]
+  bwd = _plan(2, 1000, 1000, 8, 8, 128, dropout_rate=0.1)["backward"]
   assert bwd.kernel == "sm80" and bwd.tile["row"] == "large_smem", bwd
   assert bwd.tile["block_m"] == 64 and bwd.smem_bytes <= SMEM[(9, 0)]
-  assert bwd.reason.startswith("deterministic")
+  assert bwd.reason.startswith("dropout")
+
+
+@pytest.mark.parametrize("d", [40, 64, 96, 128, 200, 256])
+def test_deterministic_backward_plan(d):
+  # The Hopper backward serves it (one dQ accumulator, summed in a fixed
+  # order), with causal, windows, GQA, the score options and segment ids.
+  ids = (jnp.zeros((2, 1000), jnp.int32),) * 2
+  for options in [{}, {"causal": True}, {"window_size": (128, 0)}, {"softcap": 5.0},
+                  {"alibi_slopes": jnp.full((8,), 0.1, jnp.float32)}, {"segment_ids": ids}]:
+    for kh in (8, 2):
+      bwd = _plan(2, 1000, 1000, 8, kh, d, deterministic=True, **options)["backward"]
+      assert bwd.kernel == "sm90" and bwd.reason == "" and bwd.splits == 1, (d, options, bwd)
+  # Elsewhere, and with dropout on Hopper, the sm80 kernel's dQ slices.
+  bwd = _plan(2, 1000, 1000, 8, 8, d, deterministic=True, dropout_rate=0.1)["backward"]
+  assert bwd.kernel == "sm80" and bwd.reason.startswith("dropout") and bwd.splits > 1, bwd
+  bwd = _plan(2, 1000, 1000, 8, 8, d, cc=(8, 0), deterministic=True)["backward"]
+  assert bwd.kernel == "sm80" and bwd.splits > 1, bwd
 
 
 @pytest.mark.parametrize("d,bucket,block_m,block_n", [

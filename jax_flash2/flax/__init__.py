@@ -47,6 +47,11 @@ class MultiHeadAttention(nnx.Module):
     softmax_scale: logit scale (default 1 / sqrt(D)).
     window_size: (left, right) local attention, as in flash_attention.
     softcap: Gemma-2 score capping, as in flash_attention (0 = off).
+    use_sinks: attention sinks (gpt-oss): a learnable parameter `sinks`
+      [num_heads] (param_dtype, used as float32), one logit per query head
+      joining every row's softmax denominator (flash_attention's sinks).
+    sinks_init: its initializer; zeros by default (each sink starts as one
+      extra key of score 0 with a zero value).
     dropout_rate: dropout on the attention weights, as in flash_attention
       (0 = off), active unless `deterministic`; the masks come from the
       `dropout` stream of the rngs passed to the call.
@@ -73,6 +78,8 @@ class MultiHeadAttention(nnx.Module):
       softmax_scale: float | None = None,
       window_size: tuple[int, int] = (-1, -1),
       softcap: float = 0.0,
+      use_sinks: bool = False,
+      sinks_init=nnx.initializers.zeros_init(),
       dropout_rate: float = 0.0,
       deterministic: bool | None = None,
       deterministic_backward: bool = False,
@@ -109,13 +116,18 @@ class MultiHeadAttention(nnx.Module):
     self.key = linear(in_kv_features, (num_kv_heads, self.head_dim))
     self.value = linear(in_kv_features, (num_kv_heads, self.head_dim))
     self.out = linear((num_heads, self.head_dim), out_features, axis=(-2, -1))
+    self.sinks = (nnx.Param(sinks_init(rngs.params(), (num_heads,), param_dtype))
+                  if use_sinks else None)
 
-  def __call__(self, inputs_q, inputs_kv=None, *, deterministic: bool | None = None,
-               rngs: nnx.Rngs | None = None):
+  def __call__(self, inputs_q, inputs_kv=None, *, segment_ids=None,
+               deterministic: bool | None = None, rngs: nnx.Rngs | None = None):
     """inputs_q [..., T, in_features] -> [..., T, out_features].
 
     Self-attention when inputs_kv is None, else cross-attention on inputs_kv
-    [..., S, in_kv_features]. With dropout_rate > 0 and deterministic False,
+    [..., S, in_kv_features]. segment_ids: packed documents, integer ids
+    [..., T] (self-attention) or a pair ([..., T], [..., S]): a query sees
+    only the keys of its own id (causal stays positional, so with T == S it
+    is causal within each document). With dropout_rate > 0 and deterministic False,
     rngs (an nnx.Rngs with a `dropout` stream, or an nnx.RngStream) gives the
     dropout key.
     """
@@ -136,7 +148,8 @@ class MultiHeadAttention(nnx.Module):
         self.query(inputs_q), self.key(inputs_kv), self.value(inputs_kv),
         causal=self.causal, softmax_scale=self.softmax_scale, window_size=self.window_size,
         softcap=self.softcap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-        deterministic_backward=self.deterministic_backward)
+        deterministic_backward=self.deterministic_backward,
+        sinks=None if self.sinks is None else self.sinks[...], segment_ids=segment_ids)
     return self.out(x)
 
 

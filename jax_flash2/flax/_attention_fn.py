@@ -16,13 +16,21 @@ from jax_flash2 import api
 def attend(query, key, value, *, causal: bool, softmax_scale=None, dtype=None,
            window_size=(-1, -1), softcap: float = 0.0, dropout_rate: float = 0.0,
            dropout_rng=None, deterministic_backward: bool = False,
-           causal_top_left: bool = False):
+           causal_top_left: bool = False, sinks=None, segment_ids=None):
   """flash_attention on Flax's layout: query [..., T, H, D], key, value [..., S, K, D].
 
   dtype, when given, is the computation dtype (as in Flax); otherwise the three
   are promoted to a common dtype. dropout_rate > 0 drops attention weights with
   masks drawn from dropout_rng (see flash_attention). deterministic_backward is
-  flash_attention's `deterministic` (a bit-identical backward).
+  flash_attention's `deterministic` (a bit-identical backward). sinks: None
+  or [H], flash_attention's attention sinks (taken as float32).
+
+  segment_ids: packed documents. None; integer ids [..., T] for
+  self-attention (the same ids for queries and keys, T == S); or a pair
+  (q_segment_ids [..., T], kv_segment_ids [..., S]). Query i sees key j only
+  when their ids are equal (flash_attention's segment_ids; the kernels skip
+  the blocks of different documents). causal stays positional: on a row of
+  packed documents (T == S) it is causal within each document.
 
   causal is bottom-right aligned (query i sees keys j <= i + S - T), unless
   causal_top_left: then query i sees keys j <= i, as Flax's and jax.nn's
@@ -43,6 +51,7 @@ def attend(query, key, value, *, causal: bool, softmax_scale=None, dtype=None,
     return x.reshape((math.prod(batch),) + x.shape[-3:])
 
   seqlen_q, seqlen_k = query.shape[-3], key.shape[-3]
+  q_ids, kv_ids = _segment_id_pair(segment_ids, batch, seqlen_q, seqlen_k)
   if causal and causal_top_left and seqlen_q != seqlen_k:
     if tuple(window_size) != (-1, -1):
       raise ValueError("dot_product_attention: top-left causal takes no window_size; got "
@@ -51,11 +60,39 @@ def attend(query, key, value, *, causal: bool, softmax_scale=None, dtype=None,
       causal, window_size = False, (-1, seqlen_q - seqlen_k)
     else:
       key, value = key[..., :seqlen_q, :, :], value[..., :seqlen_q, :, :]
+      kv_ids = None if kv_ids is None else kv_ids[..., :seqlen_q]
+  ids = None if q_ids is None else (q_ids.reshape(-1, q_ids.shape[-1]),
+                                    kv_ids.reshape(-1, kv_ids.shape[-1]))
   out = api.flash_attention(
       merged(query), merged(key), merged(value), causal=causal, softmax_scale=softmax_scale,
       window_size=window_size, softcap=softcap, dropout_rate=dropout_rate,
-      dropout_rng=dropout_rng, deterministic=deterministic_backward)
+      dropout_rng=dropout_rng, deterministic=deterministic_backward, segment_ids=ids,
+      sinks=None if sinks is None else jnp.asarray(sinks).astype(jnp.float32))
   return out.reshape(batch + out.shape[1:])
+
+
+def _segment_id_pair(segment_ids, batch: tuple, seqlen_q: int, seqlen_k: int):
+  """(q ids [..., T], kv ids [..., S]) from attend's segment_ids, or (None, None)."""
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise ValueError("segment_ids must be ids [..., T] or a pair (q_segment_ids [..., T], "
+                       f"kv_segment_ids [..., S]); got a sequence of {len(segment_ids)}")
+    q_ids, kv_ids = segment_ids
+  else:
+    if seqlen_q != seqlen_k:
+      raise ValueError(f"segment_ids: one array serves self-attention (T == S); with T = "
+                       f"{seqlen_q} queries and S = {seqlen_k} keys pass a pair "
+                       "(q_segment_ids [..., T], kv_segment_ids [..., S])")
+    q_ids = kv_ids = segment_ids
+  for name, ids, length, letter in (("q_segment_ids", q_ids, seqlen_q, "T"),
+                                    ("kv_segment_ids", kv_ids, seqlen_k, "S")):
+    if not hasattr(ids, "shape") or tuple(ids.shape) != batch + (length,):
+      raise ValueError(f"segment_ids: {name} must have the batch axes and {letter} of the "
+                       f"inputs, {batch + (length,)}; got "
+                       f"{getattr(ids, 'shape', type(ids).__name__)}")
+  return jnp.asarray(q_ids), jnp.asarray(kv_ids)
 
 
 def dot_product_attention(
@@ -76,6 +113,7 @@ def dot_product_attention(
     force_fp32_for_softmax: bool = False,
     *,
     deterministic_backward: bool = False,
+    segment_ids=None,
 ):
   """A drop-in `attention_fn` for `flax.nnx.MultiHeadAttention` and
   `flax.linen.MultiHeadDotProductAttention`, running the flash kernels.
@@ -97,6 +135,12 @@ def dot_product_attention(
   `deterministic` is Flax's: no dropout. `deterministic_backward` (a keyword
   of this function only, e.g. through functools.partial) asks the kernels for
   a bit-identical backward, flash_attention's `deterministic`.
+  `segment_ids` (a keyword of this function only): packed documents, ids
+  [..., T] or a pair ([..., T], [..., S]) as in jax_flash2.flax.MultiHeadAttention.
+  Flax's own modules hand an attention_fn a `mask` only, which cannot be
+  served; to train on packed rows, pass segment_ids to the call of
+  jax_flash2.flax.MultiHeadAttention (or its Linen twin), or call this
+  function with them.
   `precision` is accepted and ignored: the kernels multiply in the input dtype
   and accumulate in float32. `force_fp32_for_softmax` holds by construction.
   """
@@ -111,7 +155,8 @@ def dot_product_attention(
         "jax_flash2.flax.dot_product_attention: mask is not supported; for causal "
         "attention pass is_causal=True (flax.nnx) or use "
         "jax_flash2.flax.MultiHeadAttention(causal=True) / "
-        "jax_flash2.flax.linen.MultiHeadAttention(causal=True), and for other masks "
+        "jax_flash2.flax.linen.MultiHeadAttention(causal=True), for packed documents "
+        "their segment_ids argument (or segment_ids= here), and for other masks "
         "use flax's own dot_product_attention")
   if deterministic:
     dropout_rate = 0.0
@@ -127,4 +172,4 @@ def dot_product_attention(
         "sow_weights=False or use flax's own dot_product_attention")
   return attend(query, key, value, causal=is_causal, dtype=dtype, dropout_rate=dropout_rate,
                 dropout_rng=dropout_rng, deterministic_backward=deterministic_backward,
-                causal_top_left=True)
+                causal_top_left=True, segment_ids=segment_ids)

@@ -20,7 +20,7 @@ class MultiHeadAttention(nn.Module):
   arguments; the dropout key comes from the 'dropout' rng collection).
   Parameters are named as in flax.linen.MultiHeadDotProductAttention
   (query, key, value, out; kernel, bias) with key and value projecting to
-  `num_kv_heads` heads only.
+  `num_kv_heads` heads only; with use_sinks, a parameter `sinks` [num_heads].
   """
 
   num_heads: int
@@ -31,6 +31,8 @@ class MultiHeadAttention(nn.Module):
   softmax_scale: float | None = None
   window_size: tuple[int, int] = (-1, -1)
   softcap: float = 0.0
+  use_sinks: bool = False
+  sinks_init: Callable = nn.initializers.zeros_init()
   dropout_rate: float = 0.0
   deterministic: bool | None = None
   deterministic_backward: bool = False
@@ -41,10 +43,12 @@ class MultiHeadAttention(nn.Module):
   use_bias: bool = True
 
   @nn.compact
-  def __call__(self, inputs_q, inputs_kv=None, deterministic: bool | None = None):
+  def __call__(self, inputs_q, inputs_kv=None, deterministic: bool | None = None,
+               segment_ids=None):
     """inputs_q [..., T, F] -> [..., T, out_features]; cross-attention on
     inputs_kv [..., S, F_kv] when given. deterministic (here or as a field)
-    is needed when dropout_rate > 0."""
+    is needed when dropout_rate > 0. segment_ids: packed documents, as in
+    jax_flash2.flax.MultiHeadAttention."""
     inputs_kv = inputs_q if inputs_kv is None else inputs_kv
     dropout_rate, dropout_rng = 0.0, None
     if self.dropout_rate > 0 and not nn.merge_param("deterministic", self.deterministic,
@@ -55,6 +59,8 @@ class MultiHeadAttention(nn.Module):
     out_features = self.out_features or inputs_q.shape[-1]
     _check_heads(self.num_heads, num_kv_heads, qkv_features)
     head_dim = qkv_features // self.num_heads
+    sinks = (self.param("sinks", self.sinks_init, (self.num_heads,), self.param_dtype)
+             if self.use_sinks else None)
 
     def dense(features, name, axis=-1):
       return nn.DenseGeneral(
@@ -68,5 +74,6 @@ class MultiHeadAttention(nn.Module):
         dense((num_kv_heads, head_dim), "value")(inputs_kv),
         causal=self.causal, softmax_scale=self.softmax_scale, window_size=self.window_size,
         softcap=self.softcap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-        deterministic_backward=self.deterministic_backward)
+        deterministic_backward=self.deterministic_backward, sinks=sinks,
+        segment_ids=segment_ids)
     return dense(out_features, "out", axis=(-2, -1))(x)

@@ -13,6 +13,7 @@
 
 #include "../flash_dropout.h"
 #include "../flash_mask.h"
+#include "../online_softmax.h"
 #include "convert.h"
 #include "cpu_kernels.h"
 
@@ -47,6 +48,8 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kLog2e = 1.4426950408889634f;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+inline float Exp2Scalar(float x) { return std::exp2(x); }
 
 // max(a, b) that returns NaN when either is NaN. std::max(-inf, NaN) is -inf,
 // which would make a row whose scores are NaN look like a row that sees no key
@@ -186,6 +189,26 @@ void LoadTileTransposed(const void* base, DType dtype, int64_t offset, int64_t r
   }
 }
 
+// Keys [n0, n0 + keys) of (b, kv_head) as K^T [dp x kBlockN] and V [kBlockN x
+// dp] tiles, row by row through the block table when the cache is paged (a
+// page id outside the pool reads as zero rows).
+void LoadPagedKvTiles(const FlashParams& p, int64_t b, int64_t kv_head, int64_t n0,
+                      int64_t keys, int64_t d, int64_t dp, float* row_buffer, float* kt,
+                      float* v) {
+  std::fill(kt, kt + dp * kBlockN, 0.0f);
+  std::fill(v, v + kBlockN * dp, 0.0f);
+  for (int64_t r = 0; r < keys; ++r) {
+    int64_t row;
+    const int64_t page = KvBlockOf(p, b, n0 + r, &row);
+    if (page < 0) continue;
+    LoadRow(p.k, p.dtype, page * p.k_batch_stride + row * p.k_row_stride +
+            kv_head * p.k_head_stride, d, row_buffer);
+    for (int64_t c = 0; c < d; ++c) kt[c * kBlockN + r] = row_buffer[c];
+    LoadRow(p.v, p.dtype, page * p.v_batch_stride + row * p.v_row_stride +
+            kv_head * p.v_head_stride, d, v + r * dp);
+  }
+}
+
 void ForwardBlock(const FlashParams& p, float* ws, int64_t b, int64_t h, int64_t m_block) {
   const int64_t d = p.head_dim;
   const int64_t dp = PaddedHeadDim(d);
@@ -193,7 +216,8 @@ void ForwardBlock(const FlashParams& p, float* ws, int64_t b, int64_t h, int64_t
   const int64_t rows = std::min(kBlockM, p.seqlen_q - m0);
   const int64_t m_rows = RoundUp(rows, kRows);
   const int64_t kv_head = h / p.group_size;
-  const WindowMask mask = MakeWindowMask(p);
+  // Per sequence: a KV cache's lengths move the diagonal and the end of the keys.
+  const WindowMask mask = MakeWindowMask(p, b);
   const SegmentMask segments = MakeSegmentMask(p, b);
   // ALiBi slope in log2 units, the units S is kept in here (0 when off).
   const bool has_alibi = p.alibi_slopes != nullptr;
@@ -224,13 +248,20 @@ void ForwardBlock(const FlashParams& p, float* ws, int64_t b, int64_t h, int64_t
   int64_t n_begin, n_end;
   mask.KeyRange(m0, m0 + rows, &n_begin, &n_end);
   for (int64_t n0 = n_begin / kBlockN * kBlockN; n0 < n_end; n0 += kBlockN) {
-    const int64_t keys = std::min(kBlockN, p.seqlen_k - n0);
+    // Keys past the sequence's end (mask.seqlen_k) are never read.
+    const int64_t keys = std::min(kBlockN, mask.seqlen_k - n0);
     // No query of this block shares a segment with a key of it: P = 0, skip.
     if (!segments.BlockMayMatch(m0, m0 + rows, n0, n0 + keys)) continue;
-    const int64_t k_offset = b * p.k_batch_stride + n0 * p.k_row_stride + kv_head * p.k_head_stride;
-    const int64_t v_offset = b * p.v_batch_stride + n0 * p.v_row_stride + kv_head * p.v_head_stride;
-    LoadTileTransposed(p.k, p.dtype, k_offset, p.k_row_stride, keys, d, dp, row_buffer, kt);
-    LoadTile(p.v, p.dtype, v_offset, p.v_row_stride, keys, d, dp, 1.0f, v);
+    if (p.block_table != nullptr) {
+      LoadPagedKvTiles(p, b, kv_head, n0, keys, d, dp, row_buffer, kt, v);
+    } else {
+      const int64_t k_offset =
+          b * p.k_batch_stride + n0 * p.k_row_stride + kv_head * p.k_head_stride;
+      const int64_t v_offset =
+          b * p.v_batch_stride + n0 * p.v_row_stride + kv_head * p.v_head_stride;
+      LoadTileTransposed(p.k, p.dtype, k_offset, p.k_row_stride, keys, d, dp, row_buffer, kt);
+      LoadTile(p.v, p.dtype, v_offset, p.v_row_stride, keys, d, dp, 1.0f, v);
+    }
 
     // S = (Q * scale * log2 e) K^T
     std::fill(s, s + kBlockM * kBlockN, 0.0f);
@@ -270,7 +301,8 @@ void ForwardBlock(const FlashParams& p, float* ws, int64_t b, int64_t h, int64_t
         row_max[r] = kNaN;
         continue;
       }
-      const float alpha = std::exp2(row_max[r] - new_max);  // 0 on the first visible block
+      // Scores are pre-scaled into log2 units here: scale 1.
+      const float alpha = RescaleFactor(row_max[r], new_max, 1.0f, Exp2Scalar);
       Vec sum = Splat(0.0f);
       for (int64_t j = 0; j < kBlockN; j += kLanes) {
         const Vec pv = Exp2(Load(s_row + j) - new_max);
@@ -302,13 +334,10 @@ void ForwardBlock(const FlashParams& p, float* ws, int64_t b, int64_t h, int64_t
   float* lse = p.lse + (b * p.num_heads_q + h) * p.seqlen_q + m0;
   for (int64_t r = 0; r < rows; ++r) {
     float* o_row = o + r * dp;
-    if (row_sum[r] > 0.0f || row_sum[r] != row_sum[r]) {
-      const float inv = p.dropout_scale / row_sum[r];
-      for (int64_t c = 0; c < d; ++c) o_row[c] *= inv;
-      lse[r] = row_max[r] * kLn2 + std::log(row_sum[r]);
-    } else {
-      lse[r] = kNegInf;
-    }
+    const float l = row_sum[r];
+    const float inv = RowNormalizer(l, p.dropout_scale, IeeeDivide{});
+    for (int64_t c = 0; c < d; ++c) o_row[c] *= inv;
+    lse[r] = RowLse(row_max[r] * kLn2, l, IeeeLog{});
     StoreRow(o_row, d, p.o, p.dtype, o_offset + r * p.o_row_stride);
   }
 }

@@ -18,15 +18,17 @@ SharedLoopRunner MakeRunner(ffi::ThreadPool& pool) {
 ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer q_segment_ids,
                        ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer dropout_seeds,
+                       ffi::AnyBuffer kv_seqlens, ffi::AnyBuffer block_table,
                        ffi::Result<ffi::AnyBuffer> out,
                        ffi::Result<ffi::AnyBuffer> lse, float softmax_scale, int64_t window_left,
                        int64_t window_right, float softcap, bool has_alibi, bool has_segment_ids,
-                       float dropout_rate) {
+                       float dropout_rate, bool has_kv_seqlens, int64_t page_size) {
   FlashParams p;
   JF2_RETURN_IF_ERROR(ForwardParams(
-      q, k, v, {alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds}, *out, *lse,
+      q, k, v, {alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds, kv_seqlens,
+                block_table}, *out, *lse,
       {softmax_scale, window_left, window_right, softcap, has_alibi, has_segment_ids,
-       dropout_rate}, &p));
+       dropout_rate, has_kv_seqlens, page_size}, &p));
   SharedLoopRunner runner = MakeRunner(pool);
   ForwardCpu(p, runner);
   return ffi::Error::Success();
@@ -36,16 +38,19 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
                         ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer d_out,
                         ffi::AnyBuffer d_lse, ffi::AnyBuffer alibi_slopes,
                         ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
-                        ffi::AnyBuffer dropout_seeds, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::AnyBuffer dropout_seeds, ffi::AnyBuffer kv_seqlens,
+                        ffi::AnyBuffer block_table, ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float softmax_scale, int64_t window_left,
                         int64_t window_right, float softcap, bool has_alibi,
-                        bool has_segment_ids, float dropout_rate) {
+                        bool has_segment_ids, float dropout_rate, bool has_kv_seqlens,
+                        int64_t page_size) {
   FlashParams p;
   JF2_RETURN_IF_ERROR(BackwardParams(
       q, k, v, out, lse, d_out, d_lse,
-      {alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds}, *dq, *dk, *dv,
+      {alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds, kv_seqlens, block_table},
+      *dq, *dk, *dv,
       {softmax_scale, window_left, window_right, softcap, has_alibi, has_segment_ids,
-       dropout_rate},
+       dropout_rate, has_kv_seqlens, page_size},
       &p));
   SharedLoopRunner runner = MakeRunner(pool);
   BackwardCpu(p, runner);

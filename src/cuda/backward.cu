@@ -55,15 +55,29 @@ cudaError_t RunBackwardTyped(const FlashParams& p, const BwdPlan& plan, const Bw
 }
 
 BwdScratchLayout ScratchLayout(const FlashParams& p, const BwdPlan& plan, const DeviceInfo& dev) {
-  int64_t sk_slots = 0, sk_slot_floats = 0;
+  int64_t sk_slots = 0, sk_slot_floats = 0, dq_turns = 0;
 #if JF2_HAVE_SM90
   if (plan.kernel == BwdKernel::kSm90) {
     sk_slots = Sm90BackwardStreamKSlots(p, dev);
     sk_slot_floats = sm90::BwdSm90SlotFloats(p.head_dim);
+    dq_turns = Sm90BackwardDqTurns(p);
   }
 #endif
-  return MakeBwdScratchLayout(p.batch, p.seqlen_q, p.num_heads_q, p.head_dim, plan.dq_splits,
-                              sk_slots, sk_slot_floats);
+  BwdScratchLayout layout = MakeBwdScratchLayout(p.batch, p.seqlen_q, p.num_heads_q, p.head_dim,
+                                                 plan.dq_splits, sk_slots, sk_slot_floats,
+                                                 dq_turns);
+  if (plan.kernel == BwdKernel::kSm90 && p.deterministic) {
+    // A workspace sized for the Hopper kernel may meet the sm80 one at run
+    // time (dropout, which the lowering's size does not see; a cc 8.x GPU
+    // of a mixed host): it covers that kernel's dQ slices too.
+    const int splits = BwdDqSplits(true, p.batch, p.seqlen_q, p.seqlen_k, p.num_heads_q,
+                                   p.num_heads_kv, p.head_dim, dev.sm_count);
+    layout.total_bytes = std::max(
+        layout.total_bytes,
+        MakeBwdScratchLayout(p.batch, p.seqlen_q, p.num_heads_q, p.head_dim, splits)
+            .total_bytes);
+  }
+  return layout;
 }
 
 }  // namespace

@@ -28,13 +28,20 @@ size_t ForwardScratchBytes(const FlashParams& p, const DeviceInfo& dev) {
   // The lowering sizes the workspace without the score options, which decide
   // between the decode and prefill kernels, and for the largest shared memory
   // of its compute capability, which decides the decode tile: enough for any.
+  // It is sized without the KV-cache operands either, whose calls split finer.
   if (plan_detail::IsDecodeShape(p)) {
     const int bucket = DecodeTileFor(p.head_dim).head_dim;
-    for (bool small_smem : {false, true}) {
-      const DecodeTileSizes tile = DecodeTileOfRow(bucket, small_smem);
-      if (tile.head_dim == 0) continue;
-      bytes = std::max(bytes,
-                       SplitScratchBytes(p, plan_detail::MakeDecodePlan(p, dev, tile, small_smem)));
+    static const int32_t kStandIn = 0;
+    FlashParams kv = p;
+    kv.kv_seqlens = &kStandIn;  // MakeDecodePlan reads only whether it is set
+    const FlashParams* const calls[] = {&p, &kv};
+    for (const FlashParams* q : calls) {
+      for (bool small_smem : {false, true}) {
+        const DecodeTileSizes tile = DecodeTileOfRow(bucket, small_smem);
+        if (tile.head_dim == 0) continue;
+        bytes = std::max(bytes, SplitScratchBytes(
+                                    *q, plan_detail::MakeDecodePlan(*q, dev, tile, small_smem)));
+      }
     }
   }
   return bytes;
@@ -60,7 +67,10 @@ cudaError_t RunForward(const FlashParams& p, void* scratch, const DeviceInfo& de
   args.kv_stages = decode ? 1 : plan.kv_stages;
   args.num_splits = plan.num_splits;
   args.n_blocks_per_split = plan.n_blocks_per_split;
-  args.programmatic_launch = decode && dev.cc_major >= 9 && GetTestSwitches().decode_pdl;
+  // Not for a KV-cache call: its kernel reads the lengths and block table
+  // (which the grid before it may write, the append say) before it waits.
+  args.programmatic_launch = decode && dev.cc_major >= 9 && GetTestSwitches().decode_pdl &&
+                             p.kv_seqlens == nullptr;
   const double kv_bytes = 2.0 * p.batch * p.seqlen_k * p.num_heads_kv * p.head_dim * 2;
   args.kv_read_once = decode && kv_bytes > 0.5 * static_cast<double>(dev.l2_bytes);
   if (plan.num_splits > 1) {

@@ -71,19 +71,29 @@ struct Case {
   bool alibi = false;
   float scale = 0.f;
   float dropout = 0.f;  // dropout rate (0 = off; MakeHostDropout)
+  // The deterministic backward (p.deterministic; Det below): checked against
+  // the oracle, then run twice more and compared bit for bit.
+  bool det = false;
 };
+
+// c as a deterministic case, named "det ...".
+Case Det(Case c) {
+  c.det = true;
+  c.name = "det " + c.name;
+  return c;
+}
 
 
 
 
 // The scratch of the sm90 path (the linked RunBackward is the sm80 one): one
-// dQ slice (the Hopper backward never serves deterministic calls), and the
-// stream-K slots unless whole_tiles.
+// dQ slice, the stream-K slots unless whole_tiles, and the deterministic
+// backward's dQ counters.
 cuda::BwdScratchLayout Sm90Layout(const FlashParams& p, const DeviceInfo& dev, bool whole_tiles) {
   return cuda::MakeBwdScratchLayout(
       p.batch, p.seqlen_q, p.num_heads_q, p.head_dim, 1,
       whole_tiles ? 0 : cuda::Sm90BackwardStreamKSlots(p, dev),
-      cuda::sm90::BwdSm90SlotFloats(p.head_dim));
+      cuda::sm90::BwdSm90SlotFloats(p.head_dim), cuda::Sm90BackwardDqTurns(p));
 }
 
 // What RunBackward does on the sm90 path: preprocess, RunBackwardSm90, convert.
@@ -91,7 +101,7 @@ template <typename Elem>
 cudaError_t RunSm90Typed(const FlashParams& p, void* scratch, const DeviceInfo& dev,
                          bool whole_tiles) {
   const cuda::BwdScratchLayout layout = Sm90Layout(p, dev, whole_tiles);
-  const BwdScratchPtrs s = cuda::BwdScratchPointers(scratch, layout, /*deterministic=*/false);
+  const BwdScratchPtrs s = cuda::BwdScratchPointers(scratch, layout, p.deterministic);
   cudaError_t err = cudaMemsetAsync(s.dq_acc, 0, layout.zeroed_bytes, 0);
   if (err != cudaSuccess) return err;
   const int64_t rows = p.batch * p.num_heads_q * s.t_pad;
@@ -115,9 +125,13 @@ cudaError_t RunSm90(const FlashParams& p, void* scratch, const DeviceInfo& dev,
   return RunSm90Typed<__nv_bfloat16>(p, scratch, dev, whole_tiles);
 }
 
-// Bytes of scratch for both paths on dev.
+// Bytes of scratch for both paths on dev (the sm80 path's deterministic dQ
+// slices included).
 size_t ScratchBytes(const FlashParams& p, const DeviceInfo& dev) {
-  return std::max(cuda::BackwardScratchBytes(p, dev), Sm90Layout(p, dev, false).total_bytes);
+  FlashParams det = p;
+  det.deterministic = true;
+  return std::max({cuda::BackwardScratchBytes(p, dev), cuda::BackwardScratchBytes(det, dev),
+                   Sm90Layout(p, dev, false).total_bytes, Sm90Layout(det, dev, false).total_bytes});
 }
 
 struct ErrStats {
@@ -156,6 +170,7 @@ bool Ok(const ErrStats& e) { return e.finite && e.rel <= 3 * e.naive_rel + 1e-4;
 // Runs one case; one PASS/FAIL line. Returns 1 when it fails, else 0.
 int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
   FlashParams p = CaseParams(c);
+  p.deterministic = c.det;
   if (c.scale > 0.f) {
     p.softmax_scale = c.scale;
     p.softmax_scale_log2 = c.scale * 1.4426950408889634f;
@@ -384,14 +399,53 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
   CHECK_CUDA(cudaMemcpy(out_dk.data(), d_dk, nk * 2, cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaMemcpy(out_dv.data(), d_dv, nk * 2, cudaMemcpyDeviceToHost));
 
+  // Deterministic: two more runs (outputs and scratch poisoned again) must
+  // give the same bits. For scale, three runs without the fixed order: how
+  // many of the last two differ from the first (they may agree by chance).
+  std::string bits;
+  bool same_bits = true;
+  if (c.det) {
+    struct Grads {
+      std::vector<uint16_t> dq, dk, dv;
+      bool operator!=(const Grads& o) const { return dq != o.dq || dk != o.dk || dv != o.dv; }
+    };
+    const auto run_again = [&](const FlashParams& run_p) {
+      Grads g{std::vector<uint16_t>(nq), std::vector<uint16_t>(nk), std::vector<uint16_t>(nk)};
+      CHECK_CUDA(cudaMemset(d_dq, 0xff, nq * 2));
+      CHECK_CUDA(cudaMemset(d_dk, 0xff, nk * 2));
+      CHECK_CUDA(cudaMemset(d_dv, 0xff, nk * 2));
+      CHECK_CUDA(cudaMemset(d_scratch, 0xff, scratch_bytes));
+      cudaError_t run_err = RunSm90(run_p, d_scratch, run_dev);
+      if (run_err == cudaSuccess) run_err = SyncWithWatchdog(c.name);
+      if (run_err != cudaSuccess) {
+        std::printf("FAIL %-57s rerun: %s\n", c.name.c_str(), cudaGetErrorString(run_err));
+        std::fflush(stdout);
+        std::_Exit(1);
+      }
+      CHECK_CUDA(cudaMemcpy(g.dq.data(), d_dq, nq * 2, cudaMemcpyDeviceToHost));
+      CHECK_CUDA(cudaMemcpy(g.dk.data(), d_dk, nk * 2, cudaMemcpyDeviceToHost));
+      CHECK_CUDA(cudaMemcpy(g.dv.data(), d_dv, nk * 2, cudaMemcpyDeviceToHost));
+      return g;
+    };
+    const Grads first{out_dq, out_dk, out_dv};
+    for (int r = 0; r < 2; ++r) same_bits = !(run_again(p) != first) && same_bits;
+    FlashParams plain = p;
+    plain.deterministic = false;
+    const Grads plain_first = run_again(plain);
+    int plain_differ = 0;
+    for (int r = 0; r < 2; ++r) plain_differ += run_again(plain) != plain_first ? 1 : 0;
+    bits = same_bits ? "  bits: same in 3 runs" : "  bits: DIFFER in 3 runs";
+    bits += " (plain: " + std::to_string(plain_differ) + " of 2 differ)";
+  }
+
   const ErrStats eq = Compare(dt, out_dq, dq, dqn), ek = Compare(dt, out_dk, dk, dkn),
                  ev = Compare(dt, out_dv, dv, dvn);
-  const bool pass = Ok(eq) && Ok(ek) && Ok(ev);
+  const bool pass = Ok(eq) && Ok(ek) && Ok(ev) && same_bits;
   std::printf(
-      "%s %-57s dq %.2e (naive %.2e)%s  dk %.2e (naive %.2e)%s  dv %.2e (naive %.2e)%s\n",
+      "%s %-57s dq %.2e (naive %.2e)%s  dk %.2e (naive %.2e)%s  dv %.2e (naive %.2e)%s%s\n",
       pass ? "PASS" : "FAIL", c.name.c_str(), eq.rel, eq.naive_rel, eq.finite ? "" : " NaN",
       ek.rel, ek.naive_rel, ek.finite ? "" : " NaN", ev.rel, ev.naive_rel,
-      ev.finite ? "" : " NaN");
+      ev.finite ? "" : " NaN", bits.c_str());
   if (!pass) {
     // Worst element of each output, decoded by its strides (q's for dq, k's
     // for dk and dv): (b, row, head, d).
@@ -463,6 +517,16 @@ void TimeCase(const Case& c, const DeviceInfo& dev) {
                 flops / med / 1e9);
     std::fflush(stdout);
   };
+  if (c.det) {
+    // The deterministic backward beside the plain one (both sm90).
+    FlashParams det = p;
+    det.deterministic = true;
+    time("sm90", [&](int) { return RunSm90(p, scratch, dev); });
+    time("sm90 det", [&](int) { return RunSm90(det, scratch, dev); });
+    for (void* ptr : bufs) CHECK_CUDA(cudaFree(ptr));
+    CHECK_CUDA(cudaFree(scratch));
+    return;
+  }
   time("sm80", [&](int) { return cuda::RunBackward(p, scratch, dev, 0); });
   time("sm90", [&](int) { return RunSm90(p, scratch, dev); });
   if (cuda::Sm90BackwardStreamKSlots(p, dev) > 0) {
@@ -543,6 +607,13 @@ int main(int argc, char** argv) {
         {"drop tiny fp16 d128 T100 S300 full dlse drop0.1 (stream-K, 2 SMs)", fp, 1, 100, 300, 2, 1, 128, -1, -1, true, false, 2, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
         {"drop tiny bf16 d128 T200 S100 causal softcap10+alibi drop0.3 (empty rows) s1", bf, 1, 200, 100, 2, 2, 128, -1, 0, false, false, 0, SegKind::kNone, 0, 10.f, true, 1.f, 0.3f},
         {"drop tiny seg 7 docs bf16 d64 T300 causal drop0.1", bf, 1, 300, 300, 2, 2, 64, -1, 0, false, false, 0, SegKind::kPacked, 7, 0.f, false, 0.f, 0.1f},
+        // The deterministic backward: its counters and waits, each kernel.
+        Det({"tiny bf16 d128 T200 S600 causal gqa2", bf, 1, 200, 600, 2, 1, 128, -1, 0}),
+        Det({"tiny fp16 d64 T100 S700 full dlse (2 CTAs)", fp, 1, 100, 700, 2, 2, 64, -1, -1, true,
+             false, 2}),
+        Det({"tiny bf16 d64 T150 S500 window(100,-1)", bf, 1, 150, 500, 2, 2, 64, 100, -1}),
+        Det({"tiny fp16 d256 T130 S300 window(100,20) gqa2", fp, 1, 130, 300, 2, 1, 256, 100,
+             20}),
     };
   } else if (!time_only) {
     cases = {
@@ -680,6 +751,41 @@ int main(int argc, char** argv) {
         {"drop seg 7 docs bf16 d128 T2000 causal gqa4 drop0.1", bf, 1, 2000, 2000, 8, 2, 128, -1, 0, false, false, 0, SegKind::kPacked, 7, 0.f, false, 0.f, 0.1f},
         {"drop seg random ids bf16 d64 T300 full dlse drop0.2", bf, 1, 300, 300, 2, 2, 64, -1, -1, true, false, 0, SegKind::kRandom, 0, 0.f, false, 0.f, 0.2f},
         {"drop bf16 d64 T1000 S17 causal drop0.1", bf, 1, 1000, 17, 2, 2, 64, -1, 0, false, false, 0, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
+        // The deterministic backward (--filter det): many key blocks per
+        // query block, causal and not, GQA, windows whose left edge makes a
+        // query block's first key block a later one (and leaves leading key
+        // blocks without queries), empty rows, the persistent grid of a few
+        // CTAs (which wait on each other's earlier tiles), a grid that would
+        // take stream-K, segment ids, the score options, both kernels.
+        Det({"bf16 d128 T1000 S2000 causal gqa2", bf, 1, 1000, 2000, 4, 2, 128, -1, 0}),
+        Det({"fp16 d128 T1000 S1500 B2 H4 full gqa2 dlse", fp, 2, 1000, 1500, 4, 2, 128, -1, -1,
+             true}),
+        Det({"bf16 d64 T1000 S1000 causal", bf, 1, 1000, 1000, 2, 2, 64, -1, 0}),
+        Det({"fp16 d64 T777 S1500 B2 H4 full gqa4 (5 CTAs)", fp, 2, 777, 1500, 4, 1, 64, -1, -1,
+             false, false, 5}),
+        Det({"bf16 d64 T300 S2000 full bhtd (1 CTA)", bf, 1, 300, 2000, 2, 2, 64, -1, -1, false,
+             true, 1}),
+        Det({"bf16 d128 T300 S1000 B2 H4 gqa2 full (no stream-K, 3 SMs)", bf, 2, 300, 1000, 4, 2,
+             128, -1, -1, false, false, 3}),
+        Det({"fp16 d128 T1000 S1000 window(300,50) gqa2", fp, 1, 1000, 1000, 4, 2, 128, 300, 50}),
+        Det({"bf16 d64 T300 S1000 window(64,0)", bf, 1, 300, 1000, 2, 2, 64, 64, 0}),
+        Det({"fp16 d64 T300 S1000 window(200,-1) dlse", fp, 1, 300, 1000, 2, 2, 64, 200, -1,
+             true}),
+        Det({"bf16 d128 T300 S100 B2 causal (empty rows)", bf, 2, 300, 100, 2, 2, 128, -1, 0}),
+        Det({"bf16 d96 T257 S1000 full mqa", bf, 1, 257, 1000, 4, 1, 96, -1, -1}),
+        Det({"bf16 d256 T700 S1000 causal gqa2", bf, 1, 700, 1000, 4, 2, 256, -1, 0}),
+        Det({"fp16 d256 T500 S700 window(128,32) bhtd", fp, 1, 500, 700, 2, 2, 256, 128, 32, false,
+             true}),
+        Det({"seg 7 docs bf16 d128 T2000 causal gqa4", bf, 1, 2000, 2000, 8, 2, 128, -1, 0, false,
+             false, 0, SegKind::kPacked, 7}),
+        Det({"seg random ids fp16 d64 T300 S700 full", fp, 1, 300, 700, 2, 2, 64, -1, -1, false,
+             false, 0, SegKind::kRandom, 0}),
+        Det({"seg 7 docs bf16 d256 T1000 causal", bf, 1, 1000, 1000, 2, 2, 256, -1, 0, false, false,
+             0, SegKind::kPacked, 7}),
+        Det({"opt bf16 d128 T1000 S1000 causal gqa2 softcap30+alibi s1", bf, 1, 1000, 1000, 4, 2,
+             128, -1, 0, false, false, 0, SegKind::kNone, 0, 30.f, true, 1.f}),
+        Det({"opt fp16 d64 T500 S1500 full softcap20 s1 (3 CTAs)", fp, 1, 500, 1500, 2, 2, 64, -1,
+             -1, false, false, 3, SegKind::kNone, 0, 20.f, false, 1.f}),
     };
   }
   int failed = 0, run = 0;
@@ -721,6 +827,15 @@ int main(int argc, char** argv) {
         {"B2 T=S=8192 H16 D128 causal T8k drop0.1", bf, 2, 8192, 8192, 16, 16, 128, -1, 0, false, false, 0, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
         {"B2 T=S=8192 H16 D64 causal T8k", bf, 2, 8192, 8192, 16, 16, 64, -1, 0},
         {"B2 T=S=8192 H16 D64 causal T8k drop0.1", bf, 2, 8192, 8192, 16, 16, 64, -1, 0, false, false, 0, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
+        // The deterministic backward beside the plain one.
+        Det({"B2 T=S=8192 H16 D128 causal", bf, 2, 8192, 8192, 16, 16, 128, -1, 0}),
+        Det({"B2 T=S=8192 H16 D128", bf, 2, 8192, 8192, 16, 16, 128, -1, -1}),
+        Det({"B2 T=S=8192 H32 D64 causal", bf, 2, 8192, 8192, 32, 32, 64, -1, 0}),
+        Det({"B2 T=S=8192 H32 D64", bf, 2, 8192, 8192, 32, 32, 64, -1, -1}),
+        Det({"B4 T=S=4096 H16 D128 causal gqa4", bf, 4, 4096, 4096, 16, 4, 128, -1, 0}),
+        Det({"B1 T=S=16384 H16 D128", bf, 1, 16384, 16384, 16, 16, 128, -1, -1}),
+        Det({"B1 T=S=16384 H16 D64 causal", bf, 1, 16384, 16384, 16, 16, 64, -1, 0}),
+        Det({"B4 T=S=4096 H8 D256 causal", bf, 4, 4096, 4096, 8, 8, 256, -1, 0}),
     };
     for (const Case& c : timed) {
       if (filter.empty() || c.name.find(filter) != std::string::npos) TimeCase(c, dev);

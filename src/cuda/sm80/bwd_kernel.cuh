@@ -66,6 +66,8 @@ struct BwdScratchPtrs {
   int* sk_flags = nullptr;
   float* sk_partial = nullptr;
   int64_t sk_slots = 0;
+  // The Hopper deterministic backward's dQ writer counters (zeroed), or none.
+  int* dq_turns = nullptr;
 };
 
 // The parts of one call's scratch laid out by MakeBwdScratchLayout.
@@ -80,7 +82,10 @@ inline BwdScratchPtrs BwdScratchPointers(void* scratch, const BwdScratchLayout& 
           deterministic ? static_cast<int64_t>(layout.dq_split_elems) : 0,
           reinterpret_cast<int*>(base + layout.sk_flags_offset),
           reinterpret_cast<float*>(base + layout.sk_partial_offset),
-          layout.sk_slots};
+          layout.sk_slots,
+          layout.sk_partial_offset > layout.dq_turns_offset
+              ? reinterpret_cast<int*>(base + layout.dq_turns_offset)
+              : nullptr};
 }
 
 // a.lo * b.lo + a.hi * b.hi in fp32, a and b each two packed Elems.

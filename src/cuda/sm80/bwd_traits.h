@@ -148,8 +148,10 @@ struct BwdTraits {
 //   sk_flags [sk_slots, 2] int32 and sk_partial [sk_slots, sk_slot_floats]
 //                             fp32: the Hopper backward's stream-K pieces
 //                             (bwd_sm90.h); none for other calls
-// dq_acc and sk_flags start at zero: the caller clears zeroed_bytes from
-// dq_acc_offset.
+//   dq_turns [dq_turns] int32: the Hopper deterministic backward's dQ
+//                             writer counters (bwd_sm90.h), between the two
+// dq_acc, sk_flags and dq_turns start at zero: the caller clears
+// zeroed_bytes from dq_acc_offset.
 struct BwdScratchLayout {
   int64_t t_pad = 0;
   int dq_splits = 1;
@@ -159,6 +161,7 @@ struct BwdScratchLayout {
   size_t dvec_offset = 0;
   size_t dq_acc_offset = 0;
   size_t sk_flags_offset = 0;
+  size_t dq_turns_offset = 0;
   size_t sk_partial_offset = 0;
   size_t zeroed_bytes = 0;
   size_t total_bytes = 0;
@@ -166,7 +169,8 @@ struct BwdScratchLayout {
 
 inline BwdScratchLayout MakeBwdScratchLayout(int64_t batch, int64_t seqlen_q, int64_t heads_q,
                                              int64_t head_dim, int dq_splits,
-                                             int64_t sk_slots = 0, int64_t sk_slot_floats = 0) {
+                                             int64_t sk_slots = 0, int64_t sk_slot_floats = 0,
+                                             int64_t dq_turns = 0) {
   auto align = [](size_t x) { return (x + 255) / 256 * 256; };
   BwdScratchLayout s;
   s.t_pad = (seqlen_q + kBwdRowPad - 1) / kBwdRowPad * kBwdRowPad;
@@ -178,7 +182,8 @@ inline BwdScratchLayout MakeBwdScratchLayout(int64_t batch, int64_t seqlen_q, in
   s.dvec_offset = align(row_bytes);
   s.dq_acc_offset = s.dvec_offset + align(row_bytes);
   s.sk_flags_offset = s.dq_acc_offset + align(dq_splits * s.dq_split_elems * 4);
-  s.sk_partial_offset = s.sk_flags_offset + align(static_cast<size_t>(sk_slots) * 2 * 4);
+  s.dq_turns_offset = s.sk_flags_offset + align(static_cast<size_t>(sk_slots) * 2 * 4);
+  s.sk_partial_offset = s.dq_turns_offset + align(static_cast<size_t>(dq_turns) * 4);
   s.zeroed_bytes = s.sk_partial_offset - s.dq_acc_offset;
   s.total_bytes = s.sk_partial_offset + align(static_cast<size_t>(sk_slots * sk_slot_floats) * 4);
   return s;

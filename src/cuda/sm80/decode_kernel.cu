@@ -78,24 +78,30 @@ struct SwizzledTileAt {
   }
 };
 
-// cp.async of kRows K or V rows (one warp) into a swizzled tile, as
-// fwd::LoadKvTile does into a padded one: rows >= num_rows and columns >=
-// head_dim zero-filled, under the L2 policy.
+// cp.async of one warp's chunk of kRows (16 or 32) K or V rows into a
+// swizzled tile, as fwd::LoadKvTile does into a padded one: rows [0, 16) of
+// the chunk start at head_base + off[0], rows [16, 32) at head_base + off[1]
+// (contiguous: off[1] = off[0] + 16 rows; paged: a 32-key chunk may span two
+// pages of 16); rows >= num_rows, a half with off -1 (a page outside the
+// pool) and columns >= head_dim are zero-filled, under the L2 policy.
 template <class Tr, int kRows, typename Elem>
-__device__ __forceinline__ void LoadSwizzledKvTile(Elem* tile, const Elem* head_base,
-                                                   int64_t row_stride, int row0, int num_rows,
-                                                   int head_dim, int lane, uint64_t l2_policy) {
+__device__ __forceinline__ void LoadSwizzledChunk(Elem* tile, const Elem* head_base,
+                                                  const int64_t (&off)[2], int64_t row_stride,
+                                                  int num_rows, int head_dim, int lane,
+                                                  uint64_t l2_policy) {
   using Map = fwd::CopyMap<Tr>;
-  // The XOR permutes chunks within each group of 8: a row must hold whole groups.
-  static_assert(kRows % Map::kRowsPerIter == 0 && Tr::kChunksPerRow % 8 == 0);
+  // The XOR permutes chunks within each group of 8: a row must hold whole
+  // groups. A thread's row group lies in one half, known at compile time.
+  static_assert(kRows % Map::kRowsPerIter == 0 && 16 % Map::kRowsPerIter == 0 && kRows <= 32 &&
+                Tr::kChunksPerRow % 8 == 0);
   const int tr = lane / Map::kThreadsPerRow;
   const int tc = lane % Map::kThreadsPerRow;  // first chunk
-  const Elem* src = head_base + (row0 + tr) * row_stride + tc * 8;
-  const int64_t step = Map::kRowsPerIter * row_stride;
 #pragma unroll
   for (int i = 0; i < kRows / Map::kRowsPerIter; ++i) {
     const int r = tr + i * Map::kRowsPerIter;
-    const bool row_ok = row0 + r < num_rows;
+    const int half = i * Map::kRowsPerIter >= 16 ? 1 : 0;
+    const bool row_ok = r < num_rows && off[half] >= 0;
+    const Elem* src = head_base + off[half] + (r - 16 * half) * row_stride + tc * 8;
 #pragma unroll
     for (int j = 0; j < Map::kChunksPerThread; ++j) {
       const int chunk = tc + j * Map::kThreadsPerRow;
@@ -103,7 +109,6 @@ __device__ __forceinline__ void LoadSwizzledKvTile(Elem* tile, const Elem* head_
       const Elem* from = valid ? src + j * Map::kThreadsPerRow * 8 : head_base;
       CpAsync16(tile + SwizzledOffset<Tr::kHeadDim>(r, chunk), from, valid, l2_policy);
     }
-    src += step;
   }
 }
 
@@ -140,13 +145,17 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const int kv_head = blockIdx.z;
   const int group = static_cast<int>(p.group_size);
   const int seqlen_q = static_cast<int>(p.seqlen_q);
-  const int seqlen_k = static_cast<int>(p.seqlen_k);
+  // A KV cache's sequence has its own key count (its keys past it are never
+  // loaded) and its own diagonal; a split past its end loads nothing and
+  // writes an empty partial (LSE -inf) for the combine. (kv_seqlens is read
+  // before WaitForPrimaryGrid: the host never launches a KV-cache call early.)
+  const int seqlen_k = static_cast<int>(KvLength(p, b));
   const int head_dim = static_cast<int>(p.head_dim);
   const int num_rows = seqlen_q * group;  // <= kRows (the host's choice)
 
   // Key chunks any row may see, within this block's split; every row sees
   // [full_begin, full_end), so only chunks crossing its edges are masked.
-  const WindowMask mask = MakeWindowMask(p);
+  const WindowMask mask = MakeWindowMask(p, b);
   int64_t lo, hi;
   mask.KeyRange(0, seqlen_q, &lo, &hi);
   int c_begin = static_cast<int>(lo / kKeys);
@@ -162,10 +171,13 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // This warp's chunks: c_begin + warp + i * kDecodeWarps, i < num_mine.
   const int num_mine = max(0, (c_end - c_begin - warp + kDecodeWarps - 1) / kDecodeWarps);
 
-  const Elem* k_head =
-      static_cast<const Elem*>(p.k) + b * p.k_batch_stride + kv_head * p.k_head_stride;
-  const Elem* v_head =
-      static_cast<const Elem*>(p.v) + b * p.v_batch_stride + kv_head * p.v_head_stride;
+  // Paged: k, v are a page pool (k/v_batch_stride the page stride), read
+  // through the block table (load_chunk); the heads' bases are unused.
+  const bool paged = p.block_table != nullptr;
+  const Elem* k_head = static_cast<const Elem*>(p.k) +
+                       (paged ? 0 : b * p.k_batch_stride) + kv_head * p.k_head_stride;
+  const Elem* v_head = static_cast<const Elem*>(p.v) +
+                       (paged ? 0 : b * p.v_batch_stride) + kv_head * p.v_head_stride;
   // Packed row r (< num_rows) is query r / group of head kv_head * group + r % group.
   auto q_row = [&](int r) {
     return static_cast<const Elem*>(p.q) + b * p.q_batch_stride + (r / group) * p.q_row_stride +
@@ -186,7 +198,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 #pragma unroll
     for (int i = 0; i < kStages; ++i) {
       const int key = (c_begin + warp + i * kDecodeWarps) * kKeys + lane;
-      if (i >= num_mine || lane >= kKeys || key >= seqlen_k) continue;
+      if (paged || i >= num_mine || lane >= kKeys || key >= seqlen_k) continue;
       PrefetchRowL2(k_head + key * p.k_row_stride, row_bytes);
       PrefetchRowL2(v_head + key * p.v_row_stride, row_bytes);
     }
@@ -209,13 +221,32 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     CpAsyncCommit();
   }
   const uint64_t kv_policy = L2Policy(args.kv_read_once);
+  // Offsets of a chunk's two 16-key halves from k_head / v_head (k and v
+  // share strides: both come from one dense [B|pages, S|page, K, D] shape).
+  // Paged: through the block table, -1 for a half past the sequence's end or
+  // in a page outside the pool; page_size is a multiple of 16.
+  const int page_size = static_cast<int>(p.page_size);
   auto load_chunk = [&](int i) {
     Elem* k_dst = s_ring + (i % kStages) * 2 * kTileElems;
     const int key0 = (c_begin + warp + i * kDecodeWarps) * kKeys;
-    LoadSwizzledKvTile<Tr, kKeys>(k_dst, k_head, p.k_row_stride, key0, seqlen_k, head_dim, lane,
-                                  kv_policy);
-    LoadSwizzledKvTile<Tr, kKeys>(k_dst + kTileElems, v_head, p.v_row_stride, key0, seqlen_k,
-                                  head_dim, lane, kv_policy);
+    int64_t off[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int key = key0 + 16 * h;
+      if (!paged) {
+        off[h] = key * p.k_row_stride;
+        continue;
+      }
+      const int64_t page =
+          key < seqlen_k ? p.block_table[b * p.max_pages + key / page_size] : int64_t{-1};
+      off[h] = page >= 0 && page < p.num_pages
+                   ? page * p.k_batch_stride + (key % page_size) * p.k_row_stride
+                   : int64_t{-1};
+    }
+    LoadSwizzledChunk<Tr, kKeys>(k_dst, k_head, off, p.k_row_stride, seqlen_k - key0, head_dim,
+                                 lane, kv_policy);
+    LoadSwizzledChunk<Tr, kKeys>(k_dst + kTileElems, v_head, off, p.k_row_stride,
+                                 seqlen_k - key0, head_dim, lane, kv_policy);
   };
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) {

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "../../online_softmax.h"
 #include "fwd_launch.h"
 #include "primitives.cuh"
 
@@ -71,19 +72,18 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   }
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-  // Empty splits carry -inf and weigh 0. When every split is empty the max
-  // itself is -inf and must not be subtracted (-inf - -inf = NaN): 0 is, so
-  // the sum is 0 and the row gets O = 0 and LSE = -inf, like an unsplit row
-  // that sees no key. A split whose scores held a NaN has a NaN LSE (fmaxf
-  // skips it, expf does not): the sum, the LSE and O come out NaN.
-  const float base = mx == -INFINITY ? 0.f : mx;
+  // Empty splits carry -inf and weigh 0; when every split is empty the sum
+  // is 0 and the row gets O = 0 and LSE = -inf, like an unsplit row that sees
+  // no key. A split whose scores held a NaN has a NaN LSE (fmaxf skips it,
+  // expf does not): the sum, the LSE and O come out NaN.
+  const float base = ExpOffset(mx, 1.f);
   float sum = 0.f;
 #pragma unroll
   for (int i = 0; i < kLseSlots; ++i) sum += expf(lse_i[i] - base);
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
   const bool empty = sum == 0.f;
-  const float lse = empty ? -INFINITY : base + logf(sum);
+  const float lse = RowLse(base, sum, IeeeLog{});
   if (warp == 0) {
 #pragma unroll
     for (int i = 0; i < kLseSlots; ++i) {

@@ -32,6 +32,7 @@
 
 #include "../../flash_dropout.h"
 #include "../../flash_mask.h"
+#include "../../online_softmax.h"
 #include "../smem_optin.h"
 #include "fwd_launch.h"
 #include "kernel_traits.h"
@@ -243,12 +244,8 @@ __device__ __forceinline__ void OnlineSoftmax(float (&s)[Tr::kMTiles][Tr::kNTile
         mx = fmaxf(mx, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
       }
       mx = QuadMax(mx);
-      // A row that has seen only masked keys still has max -inf: subtract 0
-      // then, so exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN. The
-      // old max is -inf exactly when o and l are still 0, and exp2(-inf) = 0
-      // rescales them harmlessly.
-      const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-      const float correction = FastExp2(row_max[mt][h] * scale_log2 - max_scaled);
+      const float max_scaled = ExpOffset(mx, scale_log2);
+      const float correction = RescaleFactor(row_max[mt][h], mx, scale_log2, FastExp2);
       row_max[mt][h] = mx;
       row_sum[mt][h] *= correction;
 #pragma unroll
@@ -658,14 +655,10 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, 1)
       if (row >= row_end) continue;
       const int t = row / pack;
       const int head = z * pack + row % pack;
-      // l == 0 exactly when the row saw no key (the max key contributes
-      // exp2(0) = 1 otherwise): output 0 and LSE -inf rather than 0 / 0. A
-      // NaN score makes l NaN (fmaxf skips it in the max, exp2 does not), and
-      // l != 0 lets it through to O and the LSE (l > 0 would turn a row of
-      // NaN scores into one that saw no key). Dropout's 1 / (1 - rate) goes
-      // here too; the LSE is of the undropped softmax.
-      const float inv_l = l != 0.f ? (kDropout ? p.dropout_scale : 1.f) / l : 0.f;
-      const float lse = l != 0.f ? row_max[mt][h] * p.softmax_scale + logf(l) : -INFINITY;
+      // Dropout's 1 / (1 - rate) goes into the normalizer; the LSE is of the
+      // undropped softmax.
+      const float inv_l = RowNormalizer(l, kDropout ? p.dropout_scale : 1.f, IeeeDivide{});
+      const float lse = RowLse(row_max[mt][h] * p.softmax_scale, l, IeeeLog{});
       const int64_t lse_index = (b * num_heads + head) * seqlen_q + t;
       if (!write_partial) {
         Elem* o_row = static_cast<Elem*>(p.o) + b * p.o_batch_stride + t * p.o_row_stride +

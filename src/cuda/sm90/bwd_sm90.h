@@ -21,9 +21,10 @@ struct BwdScratchPtrs;  // bwd_kernel.cuh
 
 // True when the Hopper backward can serve p: bf16/fp16, D <= 256 (by the
 // tile of D's bucket, head_dim.h), only the score options
-// src/sm90_options.h lists (softcap, ALiBi, segment ids in pairs), not
-// deterministic, every stride a multiple of 8 elements and
-// every pointer 16-byte aligned (TMA), sizes within the grid limits.
+// src/sm90_options.h lists (softcap, ALiBi, segment ids in pairs), every
+// stride a multiple of 8 elements and every pointer 16-byte aligned (TMA),
+// sizes within the grid limits. Deterministic calls included (see
+// Sm90BackwardDqTurns).
 bool Sm90BackwardSupports(const FlashParams& p);
 
 // False when the environment variable JAX_FLASH2_SM90_BACKWARD is "0": a
@@ -38,8 +39,8 @@ bool Sm90BackwardEnabled();
 // against 450 TFLOP/s at B4 T=S=4096 H16 D128 (and an earlier per-row bulk
 // reduction was slower than the atomics). The D-split kernel (D > 128)
 // stages its dQ over the Q and dO stages it has just used.
-// Returns cudaErrorInvalidValue when !Sm90BackwardSupports(p) or s has more
-// than one dQ slice.
+// Returns cudaErrorInvalidValue when !Sm90BackwardSupports(p), s has more
+// than one dQ slice, or s lacks the dq_turns p needs.
 cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const DeviceInfo& dev,
                             cudaStream_t stream);
 
@@ -47,6 +48,31 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
 // dev: 0 when the call's tiles fill whole rounds of the SMs or differ in
 // length (a mask). With fewer in the scratch it runs whole tiles only.
 int64_t Sm90BackwardStreamKSlots(const FlashParams& p, const DeviceInfo& dev);
+
+// The deterministic backward (p.deterministic): dQ in one accumulator, each
+// element summed in one fixed order. Every (batch, query head, query block)
+// has a counter in the scratch (BwdScratchLayout::dq_turns, zeroed per call):
+// how many key blocks have added their dQ to that block so far. The key
+// blocks that see a query block are a contiguous run ..., n1 - 1, n1 (window
+// masks are bands; segment ids do not narrow a tile's query blocks here), and
+// key block n1 - j adds its dQ as the j-th: the dQ warp waits (acquire) until
+// the counter is j, issues the reductions, waits until they have landed, and
+// stores j + 1 (release). Tiles take a (batch, K/V head)'s key blocks from
+// the last (BwdSm90Args::key_block_flip), so a CTA waits only on tiles of
+// lower index: launched before it (one CTA per tile, started in blockIdx
+// order), or taken earlier in the persistent grid's walk, whose CTAs are
+// all resident. Under a causal mask each query block's first writer is then
+// its diagonal key block, and key block n, whose first query block comes
+// before n + 1's, meets each later one after n + 1 has: no waiting. (In
+// ascending order key block n would wait for key block 0 to reach its first
+// query block, holding its SM meanwhile.) Unmasked, key
+// block n's first reduction waits for those of the n' > n of its group
+// (once per tile, a chain of reduction latencies). No stream-K (a tile's
+// pieces would run out of that order). Whole backward, H200, B2 T=S=8192
+// H16 D128: causal 538 -> 519 TFLOP/s, unmasked 582 -> 511 (H32 D64: 446 ->
+// 448, 507 -> 409). Counters needed by p (0 unless deterministic), counted
+// with the smallest block_m of the tiles (64).
+int64_t Sm90BackwardDqTurns(const FlashParams& p);
 
 namespace sm90 {
 
@@ -205,6 +231,13 @@ struct BwdSm90Args {
   int sk_ctas = 0;
   int* sk_flags = nullptr;
   float* sk_partial = nullptr;
+  // Deterministic dQ (Sm90BackwardDqTurns): counter (b H + h) num_q_blocks +
+  // m of query block m (of the tile's block_m rows); nullptr: any order.
+  int* dq_turns = nullptr;
+  int num_q_blocks = 0;
+  // Tiles' key blocks (KeyBlockAt): 0, in order; num_n_blocks - 1 when
+  // deterministic, from the last.
+  int key_block_flip = 0;
   bool q_heads_inner = true;
   bool do_heads_inner = true;
   bool k_heads_inner = true;

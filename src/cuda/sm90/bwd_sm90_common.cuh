@@ -129,4 +129,45 @@ __device__ __forceinline__ void ZeroUnequalIds(float (&pt)[kAcc], const SegmentB
                  0.f);
 }
 
+// The deterministic dQ order (Sm90BackwardDqTurns, bwd_sm90.h): the last
+// of the key blocks (of block_n keys, num_n_blocks of them) whose QueryRange
+// reaches the query block [m_begin, + block_m); it adds its dQ first, key
+// block n as the (last - n)-th. QueryRange's start and end grow with the key
+// block (and its start stays below T), so the key blocks that reach a query
+// block are a contiguous run; only the window's right edge bounds its end:
+// key block n reaches the block when n block_n < m_begin + block_m + S - T
+// + right.
+__device__ __forceinline__ int LastKeyBlockOf(const WindowMask& mask, int m_begin, int block_m,
+                                              int block_n, int num_n_blocks) {
+  if (mask.right < 0) return num_n_blocks - 1;
+  const int64_t y = m_begin + block_m + mask.offset + mask.right;  // >= 1 for a reached block
+  return static_cast<int>(min(static_cast<int64_t>(num_n_blocks - 1), (y - 1) / block_n));
+}
+
+// The key block of tile index t's position i = t % num_n_blocks within its
+// (batch, K/V head), flip = BwdSm90Args::key_block_flip: i itself (flip 0),
+// or in the deterministic backward flip - i, the key blocks from the last,
+// so that each query block's first writer (the last key block that reaches
+// it) is the first launched (bwd_sm90.h). (Of the forms tried, this one
+// left ptxas's spills in the main loops as they were; a test of
+// args.dq_turns here added some to the score options' kernels.)
+__device__ __forceinline__ int KeyBlockAt(int i, int flip) { return flip + (flip > 0 ? -i : i); }
+
+// The dQ warp's turn on a query block's counter: spin (acquire) until `turn`
+// earlier key blocks have added theirs, then order the reductions that
+// follow (async proxy) after that.
+__device__ __forceinline__ void WaitDqTurn(const int* counter, int turn) {
+  while (LoadAcquire(counter) != turn) {
+  }
+  FenceProxyAsyncGlobal();
+}
+
+// Once this thread's reductions have landed (BulkWaitGroup<0>), hands the
+// block to the next key block: counter = turn + 1 (release), after the
+// async proxy's writes.
+__device__ __forceinline__ void PassDqTurn(int* counter, int next_turn) {
+  FenceProxyAsyncGlobal();
+  StoreRelease(counter, next_turn);
+}
+
 }  // namespace jax_flash2::cuda::sm90

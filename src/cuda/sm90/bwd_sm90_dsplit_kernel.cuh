@@ -165,7 +165,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   // query blocks [m_block_begin, + num_m_blocks) that may see one of its
   // keys, once per query head of the group: num_iters iterations, heads outer.
   const int tile = static_cast<int>(blockIdx.x);
-  const int n_begin = tile % args.num_n_blocks * kBlockN;
+  const int n_begin =
+      KeyBlockAt(tile % args.num_n_blocks, args.key_block_flip) * kBlockN;
   const int b = tile / args.num_n_blocks % static_cast<int>(p.batch);
   const int kv_head = tile / args.num_n_blocks / static_cast<int>(p.batch);
   int m_block_begin, num_m_blocks;
@@ -175,9 +176,10 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     m_block_begin = static_cast<int>(q_begin / kBlockM);
     num_m_blocks =
         q_end > q_begin ? static_cast<int>((q_end + kBlockM - 1) / kBlockM) - m_block_begin : 0;
-    if (args.seg.kv_span != nullptr) {
+    if (args.seg.kv_span != nullptr && args.dq_turns == nullptr) {
       // Segment ids: only the query blocks whose ids may match one of the
-      // tile's (its 64 keys are one pre-pass chunk).
+      // tile's (its 64 keys are one pre-pass chunk). Not in the
+      // deterministic backward (as in BwdSm90Kernel's locate).
       int m_end = m_block_begin + num_m_blocks;
       NarrowToTileSpan(args.seg.kv_tiles[b * args.seg.num_kv_tiles + n_begin / kBlockN],
                        &m_block_begin, &m_end);
@@ -189,8 +191,11 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   // neighbouring key blocks, which run at the same time, start one block
   // apart, so that their dQ reductions do not all land on the same rows at
   // once (+2-3% unmasked with the earlier dQ atomics; not
-  // re-measured since).
-  const int rotation = num_iters > 0 ? tile % args.num_n_blocks % num_iters : 0;
+  // re-measured since). None in the deterministic backward: there key block
+  // n adds its dQ after key block n + 1, so starting where n + 1 does lets
+  // n follow it block by block.
+  const int rotation =
+      num_iters > 0 && args.dq_turns == nullptr ? tile % args.num_n_blocks % num_iters : 0;
   const auto visit = [&](int it) {
     const int v = it + rotation;
     return v >= num_iters ? v - num_iters : v;
@@ -260,13 +265,25 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // The dQ warp: each stage's staged dQ (consumer c's columns [128 c, +
       // 128) over its Q (c = 0) or dO (1) tile, four boxes of 32 columns)
       // into dq_acc by the copy engine, then the stage back to the TMA
-      // thread once read. Its lane 0 does it all.
+      // thread once read. Its lane 0 does it all. Deterministic
+      // (args.dq_turns, Sm90BackwardDqTurns): the block's turn first, and
+      // passed on once the reductions have landed.
       if (threadIdx.x % 32 == 0 && num_iters > 0) {
         PrefetchTensorMap(&args.tma_dq);
         RingPos<kStages> ring;
         for (int it = 0; it < num_iters; ++it) {
           const int h = head_of(it), m_begin = m_begin_of(it);
           MbarWait(&dq_staged[ring.stage], ring.phase);
+          int* turn_counter = nullptr;
+          int turn = 0;
+          if (args.dq_turns != nullptr) {
+            turn_counter = args.dq_turns +
+                           (b * static_cast<int>(p.num_heads_q) + h) * args.num_q_blocks +
+                           m_begin / kBlockM;
+            turn = LastKeyBlockOf(mask, m_begin, kBlockM, kBlockN, args.num_n_blocks) -
+                   n_begin / kBlockN;
+            WaitDqTurn(turn_counter, turn);
+          }
 #pragma unroll
           for (int c = 0; c < kBwdConsumerWarpgroups; ++c) {
             const unsigned char* staging = (c == 0 ? s_q : s_do) + ring.stage * Tr::kQBytes;
@@ -279,6 +296,10 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
           BulkCommitGroup();
           BulkWaitGroupRead<0>();
           MbarArrive(&q_empty[ring.stage]);
+          if (turn_counter != nullptr) {
+            BulkWaitGroup<0>();
+            PassDqTurn(turn_counter, turn + 1);
+          }
           ring.Advance();
         }
         MbarArrive(dq_drained);

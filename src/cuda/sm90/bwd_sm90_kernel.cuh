@@ -69,6 +69,12 @@
 // +inf and Dvec = 0 (preprocess), so their P and dS are 0; keys past S are
 // masked, and their dK, dV rows are never written.
 //
+// Deterministic backward (args.dq_turns; Sm90BackwardDqTurns, bwd_sm90.h):
+// the dQ warp takes turns with the other key blocks of the (batch, K/V head)
+// on a counter per (batch, query head, query block), in descending key block
+// order, and tiles take a group's key blocks from the last (KeyBlockAt); no
+// stream-K; no segment-id narrowing of the tile's query blocks.
+//
 // Segment ids (segments.cuh): a tile's query blocks are narrowed to those
 // whose ids may match its keys' (the pre-pass's per-tile span), and a
 // warpgroup's fully visible blocks to those holding only its keys' one id;
@@ -205,7 +211,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   };
   const auto locate = [&](int t) {
     Tile tile;
-    tile.n_begin = t % args.num_n_blocks * kBlockN;
+    tile.n_begin = KeyBlockAt(t % args.num_n_blocks, args.key_block_flip) * kBlockN;
     const int bk = t / args.num_n_blocks;
     tile.b = bk % static_cast<int>(p.batch);
     tile.kv_head = bk / static_cast<int>(p.batch);
@@ -216,9 +222,11 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     tile.num_m_blocks = q_end > q_begin
                             ? static_cast<int>((q_end + kBlockM - 1) / kBlockM) - tile.m_block_begin
                             : 0;
-    if (args.seg.kv_span != nullptr) {
+    if (args.seg.kv_span != nullptr && args.dq_turns == nullptr) {
       // Segment ids: only the query blocks whose ids may match an id of the
-      // tile's keys.
+      // tile's keys. (Not in the deterministic backward, whose dQ order
+      // needs the window's contiguous runs of key blocks per query block:
+      // there the id test masks the others.)
       int m_end = tile.m_block_begin + tile.num_m_blocks;
       NarrowToTileSpan(
           args.seg.kv_tiles[tile.b * args.seg.num_kv_tiles + tile.n_begin / kBlockN],
@@ -400,9 +408,16 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // Issued by a consumer thread instead, behind a barrier of its
       // warpgroup and a wait for the previous reduction's read, they cost
       // the consumers 4-7% at D = 128.
+      // Deterministic (args.dq_turns, Sm90BackwardDqTurns): before a query
+      // block's reductions, lane 0 waits for its turn on the block's
+      // counter; once they have landed (checked when the next block's
+      // staging is due, so the consumers never wait for it), it passes the
+      // turn on.
       const int lane = threadIdx.x % 32;
       for (int c = 0; c < kBwdConsumerWarpgroups; ++c) NamedBarrierArrive(5 + c, 160);
       bool first = true;
+      int* turn_counter = nullptr;  // lane 0: the counter of reductions in flight
+      int next_turn = 0;
       for (int item_index = 0; item_index < walk->num_items; ++item_index) {
         const Item item = item_at(item_index);
         const Tile tile = locate(item.tile);
@@ -422,6 +437,12 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
             NamedBarrierArrive(6, 160);
           }
           first = false;
+          if (lane == 0 && turn_counter != nullptr) {
+            BulkWaitGroup<0>();
+            PassDqTurn(turn_counter, next_turn);
+            turn_counter = nullptr;
+          }
+          __syncwarp();
 #pragma unroll
           for (int c = 0; c < kBwdConsumerWarpgroups; ++c) {
             const int row0 = m_begin + Tr::DqRow0(c);
@@ -429,16 +450,31 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
             unsigned char* dq_tile = s_dq + c * Tr::kDqTileBytes;
             NamedBarrierSync(3 + c, 160);  // the warpgroup's tile is staged
             if (lane == 0) {
+              if (c == 0 && args.dq_turns != nullptr) {
+                turn_counter = args.dq_turns +
+                               (tile.b * static_cast<int>(p.num_heads_q) + h) * args.num_q_blocks +
+                               m_begin / kBlockM;
+                const int turn =
+                    LastKeyBlockOf(mask, m_begin, kBlockM, kBlockN, args.num_n_blocks) -
+                    tile.n_begin / kBlockN;
+                WaitDqTurn(turn_counter, turn);
+                next_turn = turn + 1;
+              }
               TmaReduceAdd4d(dq_tile, &args.tma_dq, col0, h, row0, tile.b);
               TmaReduceAdd4d(dq_tile + Tr::kDqPanelBytes, &args.tma_dq, col0 + 32, h, row0,
                              tile.b);
               BulkCommitGroup();
             }
+            __syncwarp();
           }
         }
       }
-      // The reductions must land before the convert kernel reads dq_acc.
-      if (lane == 0) BulkWaitGroup<0>();
+      // The reductions must land before the convert kernel reads dq_acc
+      // (and before the last turn is passed on).
+      if (lane == 0) {
+        BulkWaitGroup<0>();
+        if (turn_counter != nullptr) PassDqTurn(turn_counter, next_turn);
+      }
     }
     return;
   }

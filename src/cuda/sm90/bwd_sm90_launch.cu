@@ -100,11 +100,12 @@ BwdSm90Grid PlanGrid(const FlashParams& p, const DeviceInfo& dev, int num_tiles,
                    0};
   // Stream-K needs BwdSm90Kernel (the D-split kernel has no stream-K walk),
   // tiles of one length (no mask), more tiles than SMs (so that every CTA's
-  // range covers a whole tile), a partial last round, and tiles of two
-  // iterations or more to cut.
+  // range covers a whole tile), a partial last round, tiles of two
+  // iterations or more to cut, and any dQ order (a CTA's pieces would add
+  // their dQ out of the deterministic order: Sm90BackwardDqTurns).
   const int64_t iters = sm90::BwdSm90FullTileIters(p.seqlen_q, p.group_size, tile.block_m);
-  if (!allow_stream_k || sm90::BwdSm90SplitsD(tile) || masked || sms <= 0 || num_tiles <= sms ||
-      num_tiles % sms == 0 || iters < 2) {
+  if (!allow_stream_k || p.deterministic || sm90::BwdSm90SplitsD(tile) || masked || sms <= 0 ||
+      num_tiles <= sms || num_tiles % sms == 0 || iters < 2) {
     return grid;
   }
   grid.sk_ctas = sms;
@@ -142,16 +143,19 @@ int64_t Sm90BackwardStreamKSlots(const FlashParams& p, const DeviceInfo& dev) {
   return PlanGrid(p, dev, static_cast<int>(NumTiles(p)), true).sk_ctas;
 }
 
+int64_t Sm90BackwardDqTurns(const FlashParams& p) {
+  return p.deterministic ? p.batch * p.num_heads_q * ((p.seqlen_q + 63) / 64) : 0;
+}
+
 bool Sm90BackwardSupports(const FlashParams& p) {
-  // Not the deterministic backward: its fixed dQ summation order (dQ slices,
-  // bwd_kernel.cuh) is not this kernel's, whose dQ reductions land in any
-  // order. d_o, dq, dk, dv: 16-byte aligned like q, k, v, o. Tiles (key
-  // blocks x B x K) counted in an int.
+  // d_o, dq, dk, dv: 16-byte aligned like q, k, v, o. Tiles (key blocks x B
+  // x K) and the deterministic counters' indices counted in an int.
   const BwdSm90Tile tile = sm90::BwdSm90TileFor(p.head_dim);
   if ((p.q_segment_ids == nullptr) != (p.kv_segment_ids == nullptr)) return false;
-  return tile.head_dim != 0 && !p.deterministic && sm90::Sm90CommonSupports(p) &&
+  return tile.head_dim != 0 && sm90::Sm90CommonSupports(p) &&
          Sm90BackwardUnservedOption(p) == nullptr &&
-         sm90::Aligned16({p.d_o, p.dq, p.dk, p.dv}) && NumTiles(p) <= INT32_MAX;
+         sm90::Aligned16({p.d_o, p.dq, p.dk, p.dv}) && NumTiles(p) <= INT32_MAX &&
+         Sm90BackwardDqTurns(p) <= INT32_MAX;
 }
 
 bool Sm90BackwardEnabled() {
@@ -164,8 +168,10 @@ bool Sm90BackwardEnabled() {
 
 cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const DeviceInfo& dev,
                             cudaStream_t stream) {
-  // One dQ accumulator (dq_splits == 1): deterministic calls are not served.
-  if (!Sm90BackwardSupports(p) || dev.cc_major != 9 || s.dq_splits != 1) {
+  // One dQ accumulator (dq_splits == 1); deterministic calls with their
+  // counters (none when T = 0).
+  if (!Sm90BackwardSupports(p) || dev.cc_major != 9 || s.dq_splits != 1 ||
+      (Sm90BackwardDqTurns(p) > 0 && s.dq_turns == nullptr)) {
     return cudaErrorInvalidValue;
   }
   const BwdSm90Tile tile = sm90::BwdSm90TileFor(p.head_dim);
@@ -198,6 +204,11 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
   args.sk_ctas = grid.sk_ctas;
   args.sk_flags = s.sk_flags;
   args.sk_partial = s.sk_partial;
+  if (p.deterministic) {
+    args.dq_turns = s.dq_turns;
+    args.num_q_blocks = static_cast<int>((p.seqlen_q + tile.block_m - 1) / tile.block_m);
+    args.key_block_flip = args.num_n_blocks - 1;
+  }
   const int num_ctas = grid.num_ctas;
   cudaError_t err = cudaSuccess;
   // T == 0: no query block is visited (QueryRange is empty), so the Q, dO and

@@ -251,6 +251,12 @@ __device__ __forceinline__ void FenceProxyAsync() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// The same between the generic and the async proxy's global-memory accesses
+// (bulk reductions ordered against flag loads and stores).
+__device__ __forceinline__ void FenceProxyAsyncGlobal() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
 // ---------------------------------------------------------------------------
 // wgmma protocol. Per warpgroup: WgmmaFence before the first wgmma of a batch
 // (orders earlier register writes of the accumulators / A fragments against
