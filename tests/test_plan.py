@@ -103,12 +103,12 @@ def test_backward_tiles_on_a100(d, row, smem):
 
 
 def test_backward_tiles_on_hopper_when_sm80_runs():
-  # Dropout: the Hopper backward does not serve it; d128 takes the
-  # large-smem row there.
-  bwd = _plan(2, 1000, 1000, 8, 8, 128, dropout_rate=0.1)["backward"]
-  assert bwd.kernel == "sm80" and bwd.tile["row"] == "large_smem", bwd
-  assert bwd.tile["block_m"] == 64 and bwd.smem_bytes <= SMEM[(9, 0)]
-  assert bwd.reason.startswith("dropout")
+  # Dropout above D 128: the Hopper D-split backward does not serve it; the
+  # sm80 kernel's d256 row fits Hopper's shared memory.
+  bwd = _plan(2, 1000, 1000, 8, 8, 256, dropout_rate=0.1)["backward"]
+  assert bwd.kernel == "sm80" and bwd.tile["row"] == "default", bwd
+  assert bwd.smem_bytes == 145920 and bwd.smem_bytes <= SMEM[(9, 0)]
+  assert bwd.reason.startswith("dropout at D > 128")
 
 
 @pytest.mark.parametrize("d", [40, 64, 96, 128, 200, 256])
@@ -121,9 +121,12 @@ def test_deterministic_backward_plan(d):
     for kh in (8, 2):
       bwd = _plan(2, 1000, 1000, 8, kh, d, deterministic=True, **options)["backward"]
       assert bwd.kernel == "sm90" and bwd.reason == "" and bwd.splits == 1, (d, options, bwd)
-  # Elsewhere, and with dropout on Hopper, the sm80 kernel's dQ slices.
+  # With dropout: Hopper up to D 128, above it the sm80 kernel's dQ slices.
   bwd = _plan(2, 1000, 1000, 8, 8, d, deterministic=True, dropout_rate=0.1)["backward"]
-  assert bwd.kernel == "sm80" and bwd.reason.startswith("dropout") and bwd.splits > 1, bwd
+  if d <= 128:
+    assert bwd.kernel == "sm90" and bwd.splits == 1, bwd
+  else:
+    assert bwd.kernel == "sm80" and bwd.reason.startswith("dropout") and bwd.splits > 1, bwd
   bwd = _plan(2, 1000, 1000, 8, 8, d, cc=(8, 0), deterministic=True)["backward"]
   assert bwd.kernel == "sm80" and bwd.splits > 1, bwd
 
