@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash2 import _config, _primitives, _scores
+from jax_flash2 import _config, _ext, _plan, _primitives, _scores
 from jax_flash2._config import SUPPORTED_DTYPES
 
 __all__ = ["PAGE_SIZE_MULTIPLE", "QUANTIZED_DTYPES", "flash_attention_with_kvcache", "plan",
@@ -377,7 +377,7 @@ def _decode_kernel_serves(q, k_cache, v_cache, block_table, config, alibi_slopes
                  window_size=(config.window_left, config.window_right), softcap=config.softcap,
                  alibi_slopes=alibi_slopes, causal=False)
   for cc in ccs:
-    if cc not in __import__("jax_flash2._plan", fromlist=["x"]).MAX_SMEM_PER_BLOCK:
+    if cc not in _plan.MAX_SMEM_PER_BLOCK:
       return False
     kernel = plan(q, k_cache, v_cache, block_table=block_table, compute_capability=cc,
                   **options)["forward"].kernel
@@ -420,7 +420,6 @@ def plan(q, k_cache, v_cache, *, block_table=None, compute_capability: tuple[int
   per-sequence lengths and block tables), or "unsupported" with the reason
   (more than its packed-row limit of T * H / K, softcap or ALiBi).
   """
-  from jax_flash2 import _ext, _plan
   lengths = jax.ShapeDtypeStruct((q.shape[0],), jnp.int32)
   layout = _check(q, k_cache, v_cache, lengths, None, None, block_table,
                   *((jax.ShapeDtypeStruct((k_cache.shape[2],), jnp.float32),) * 2
@@ -495,10 +494,17 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
       or, for a paged cache, [num_pages, K] (per page and KV head). The
       stored value x_q stands for x_q * scale (int8: symmetric, |x_q| <=
       127; float8_e4m3fn: |x_q| <= 448); appended tokens are stored as
-      round / saturate(x / scale).
-    implementation: None or "kernel" (the platform's kernels: the CPU kernels,
-      or the CUDA decode kernel for T * H / K up to its row limit), or
+      round / saturate(x / scale). The reference dequantizes before the
+      products; the kernels do not dequantize in-kernel yet: they read a
+      q-dtype copy made by XLA (a pass over the whole cache per call).
+    implementation: None or "kernel" (the platform's kernels), or
       "reference" (plain JAX; gathers the pages and materializes the scores).
+      The CPU kernels read the cache directly. On CUDA the decode kernel
+      does (any GPU, Hopper included; bfloat16 / float16) for up to its
+      packed-row limit T * H / K <= 32 (16 at D > 128 or on 99 KB GPUs),
+      without softcap or ALiBi; other calls run flash_attention's kernels
+      over a gathered copy of the visible keys ([B, S_max, K, D], O(S_max)
+      memory per sequence). kvcache.plan tells which.
 
   Returns:
     out [B, T, H, D] in q's dtype; with return_lse, (out, lse). With k, v,

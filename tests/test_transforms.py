@@ -108,7 +108,7 @@ def test_alibi_slopes_get_zero_gradient(backend, rng):
 @pytest.mark.parametrize("platform", ["cpu", "cuda"])
 def test_unread_inputs_are_placeholders(platform):
   """The optional inputs a call does not read (ALiBi slopes, segment ids,
-  dropout seeds) reach the kernels as zero-size constants, so XLA computes
+  dropout seeds, KV-cache lengths and block table) reach the kernels as zero-size constants, so XLA computes
   nothing for them; the ones it reads keep their shapes."""
   if platform == "cuda" and _ext.cuda_ext is None:
     pytest.skip("needs the CUDA extension to lower for CUDA")
@@ -121,9 +121,12 @@ def test_unread_inputs_are_placeholders(platform):
     (operands,) = re.findall(r"stablehlo\.custom_call @jax_flash2_\w+\(.*\} : \((.*)\) ->", ir)
     return [t.strip() for t in operands.split(",")][3:]
 
-  assert operand_types() == ["tensor<0xf32>", "tensor<0xi32>", "tensor<0xi32>", "tensor<0xui32>"]
+  # ..., then the KV-cache lengths and block table (read by kvcache calls only).
+  unread_kv = ["tensor<0xi32>", "tensor<0xi32>"]
+  assert operand_types() == ["tensor<0xf32>", "tensor<0xi32>", "tensor<0xi32>",
+                             "tensor<0xui32>"] + unread_kv
   assert operand_types(alibi_slopes=slopes) == [
-      "tensor<2x2xf32>", "tensor<0xi32>", "tensor<0xi32>", "tensor<0xui32>"]
+      "tensor<2x2xf32>", "tensor<0xi32>", "tensor<0xi32>", "tensor<0xui32>"] + unread_kv
   if platform == "cpu":  # the compiled module fills no placeholder
     hlo = jax.jit(lambda q: jax_flash2.flash_attention(q, q, q)).lower(q).compile().as_text()
     assert "broadcast" not in hlo, hlo
