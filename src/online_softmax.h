@@ -77,4 +77,15 @@ struct IeeeLog {
   JF2_SOFTMAX_MEMBER float operator()(float x) const { return logf(x); }
 };
 
+#if defined(__CUDACC__)
+// The MUFU forms, for the GPU kernels' l >= 1.
+struct FastDivide {
+  __device__ __forceinline__ float operator()(float a, float b) const { return __fdividef(a, b); }
+};
+
+struct FastLog {
+  __device__ __forceinline__ float operator()(float x) const { return __logf(x); }
+};
+#endif
+
 }  // namespace jax_flash2

@@ -78,6 +78,7 @@
 #include <cstdint>
 
 #include "../../flash_mask.h"
+#include "../../online_softmax.h"
 #include "../sm80/primitives.cuh"
 #include "dropout.cuh"
 #include "fwd_sm90.h"
@@ -468,12 +469,8 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
         mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
       }
       mx = QuadMax(mx);
-      // A row that has seen only masked keys still has max -inf: subtract 0
-      // then, so exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN. The old
-      // max is -inf exactly when O and l are still 0, and exp2(-inf) = 0
-      // rescales them harmlessly.
-      const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-      correction[h] = FastExp2(row_max[h] * scale_log2 - max_scaled);
+      const float max_scaled = ExpOffset(mx, scale_log2);
+      correction[h] = RescaleFactor(row_max[h], mx, scale_log2, FastExp2);
       row_max[h] = mx;
       row_sum[h] *= correction[h];
 #pragma unroll
@@ -753,11 +750,10 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
       for (int h = 0; h < 2; ++h) {
         const float other_max = __ldcg(partial + (Tr::kOAcc + h) * 128);
         const float other_sum = __ldcg(partial + (Tr::kOAcc + 2 + h) * 128);
-        const float mx = fmaxf(row_max[h], other_max);
-        const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;  // as in softmax
-        own[h] = FastExp2(row_max[h] * scale_log2 - max_scaled);
-        parked[h] = FastExp2(other_max * scale_log2 - max_scaled);
-        row_max[h] = mx;
+        const MergeWeights w = MergeTwoStates(row_max[h], other_max, scale_log2, FastExp2);
+        own[h] = w.own;
+        parked[h] = w.other;
+        row_max[h] = w.m;
         row_sum[h] = row_sum[h] * own[h] + other_sum * parked[h];
       }
 #pragma unroll
@@ -780,17 +776,14 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float l = QuadSum(row_sum[h]);
-      // l == 0 exactly when the row saw no key (its max key contributes
-      // exp2(0) = 1 otherwise): output 0 and LSE -inf rather than 0 / 0.
-      // Otherwise l >= 1, where the MUFU reciprocal and logarithm are
-      // within a few ulp, without the IEEE forms' special-case paths. A NaN
-      // score makes l NaN (fmaxf skips it in the row max, exp2 does not), and
-      // the != test lets it through to O and the LSE.
-      // Dropout's 1 / (1 - rate) goes with it (O sums Z o P, l the undropped P).
+      // A row that saw a key has l >= 1, where the MUFU reciprocal and
+      // logarithm are within a few ulp, without the IEEE forms' special-case
+      // paths. Dropout's 1 / (1 - rate) goes with 1 / l (O sums Z o P, l the
+      // undropped P).
       const float o_scale = dropout ? p.dropout_scale : 1.f;
-      inv_l[h] = l != 0.f ? __fdividef(o_scale, l) : 0.f;
+      inv_l[h] = RowNormalizer(l, o_scale, FastDivide{});
       const float natural = kScoreOptions ? args.units.natural : p.softmax_scale;
-      lse[h] = l != 0.f ? row_max[h] * natural + __logf(l) : -INFINITY;
+      lse[h] = RowLse(row_max[h] * natural, l, FastLog{});
       if constexpr (!kTmaStoreO) {
         const int t = wg_row0 + warp * 16 + g + 8 * h;
         if (t >= tl.row_end) continue;
