@@ -257,13 +257,18 @@ def _check_alibi_slopes(alibi_slopes, batch: int, num_heads: int) -> None:
   if tuple(alibi_slopes.shape) not in ((num_heads,), (batch, num_heads)):
     raise shape_error("alibi_slopes.shape", tuple(alibi_slopes.shape),
                        f"must be [H] = ({num_heads},) or [B, H] = ({batch}, {num_heads})")
-  # Concrete slopes are checked (a NaN or inf slope would silently zero the
-  # head); traced ones are trusted.
-  if not isinstance(alibi_slopes, jax.core.Tracer):
-    values = np.asarray(alibi_slopes)
-    if not np.all(np.isfinite(values)):
-      raise ValueError("flash_attention: alibi_slopes must be finite; got "
-                       f"{values.tolist() if values.size <= 16 else 'non-finite values'}")
+  # A NaN or inf slope would silently zero the head.
+  _require_finite("alibi_slopes", alibi_slopes)
+
+
+def _require_finite(name: str, array) -> None:
+  """Concrete values must be finite; traced ones are trusted."""
+  if isinstance(array, jax.core.Tracer):
+    return
+  values = np.asarray(array)
+  if not np.all(np.isfinite(values)):
+    raise ValueError(f"flash_attention: {name} must be finite; got "
+                     f"{values.tolist() if values.size <= 16 else 'non-finite values'}")
 
 
 def check_sinks(sinks, num_heads: int, dtype) -> None:
@@ -281,11 +286,7 @@ def check_sinks(sinks, num_heads: int, dtype) -> None:
   if tuple(sinks.shape) != (num_heads,):
     raise shape_error("sinks.shape", tuple(sinks.shape),
                        f"must be [H] = ({num_heads},), one logit per query head")
-  if not isinstance(sinks, jax.core.Tracer):
-    values = np.asarray(sinks)
-    if not np.all(np.isfinite(values)):
-      raise ValueError("flash_attention: sinks must be finite; got "
-                       f"{values.tolist() if values.size <= 16 else 'non-finite values'}")
+  _require_finite("sinks", sinks)
 
 
 def _check_segment_ids(segment_ids, batch: int, seqlen_q: int, seqlen_k: int) -> None:
