@@ -441,8 +441,11 @@ def test_ring_attention():
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
   env.pop("XLA_FLAGS", None)
   env["JAX_PLATFORMS"] = "cpu"
+  # `python -c` puts the working directory first on sys.path: run it beside
+  # the package under test, so a source checkout without built extensions
+  # (pytest's working directory in CI) is not the one imported.
   proc = subprocess.run([sys.executable, "-c", _RING_SCRIPT], capture_output=True, text=True,
-                        env=env, timeout=600)
+                        env=env, cwd=root, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(proc.stdout.strip().splitlines()[-1])
   for strategy, errs in result.items():
