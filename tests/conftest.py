@@ -14,6 +14,17 @@ import jax_flash2
 
 ON_GPU = jax.default_backend() == "gpu"
 
+
+def is_hopper() -> bool:
+  return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
+
+
+def device_plan(q, k, v, **options):
+  """jax_flash2.plan for this process's GPU (as the lowering sizes the call)."""
+  device = jax.devices()[0]
+  cc = tuple(int(x) for x in str(device.compute_capability).split("."))
+  return jax_flash2.plan(q, k, v, compute_capability=cc, sm_count=device.core_count, **options)
+
 # Compute dtype of the model-level tests (Flax layers, the training example):
 # bfloat16 on the GPU (the CUDA kernels' dtypes; float32 there runs the
 # blockwise plain-JAX path) and float32 on CPU.

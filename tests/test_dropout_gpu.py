@@ -18,21 +18,11 @@ import pytest
 import jax_flash2
 from jax_flash2 import api, reference
 
-from conftest import ON_GPU, random_inputs
+from conftest import ON_GPU, device_plan, is_hopper, random_inputs
 from oracle import ABS_SLACK, assert_close_to_oracle, max_err, naive_same_dtype, oracle
 
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
-
-def _is_hopper() -> bool:
-  return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
-
-
-def _device_plan(q, k, v, **options):
-  """jax_flash2.plan for this process's GPU (as the lowering sizes the call)."""
-  device = jax.devices()[0]
-  cc = tuple(int(x) for x in str(device.compute_capability).split("."))
-  return jax_flash2.plan(q, k, v, compute_capability=cc, sm_count=device.core_count, **options)
 
 
 # (T, S, H, K, D, rate, options, dtype); B = 2. Grids of 200+ sm80 blocks, so
@@ -99,9 +89,9 @@ def test_dropout_matches_reference_and_oracle(rng, case):
   d_lse = jnp.asarray(rng.standard_normal((b, h, t)), jnp.float32)
   key = jax.random.key(int(rng.integers(1 << 30)))
 
-  plans = _device_plan(q, k, v, dropout_rate=rate, **options)
-  hopper_backward = _is_hopper() and os.environ.get("JAX_FLASH2_SM90_BACKWARD", "1") != "0"
-  assert plans["forward"].kernel == ("sm90" if _is_hopper() else "sm80-prefill"), plans
+  plans = device_plan(q, k, v, dropout_rate=rate, **options)
+  hopper_backward = is_hopper() and os.environ.get("JAX_FLASH2_SM90_BACKWARD", "1") != "0"
+  assert plans["forward"].kernel == ("sm90" if is_hopper() else "sm80-prefill"), plans
   if hopper_backward and d > 128:
     assert plans["backward"].kernel == "sm80", plans
     assert plans["backward"].reason == (
@@ -147,8 +137,8 @@ def test_dropout_mask_on_hopper_is_the_reference_mask():
   q = jnp.zeros((b, t, h, s), jnp.float16)
   k = jnp.zeros((b, s, h, s), jnp.float16)
   v = jnp.broadcast_to(jnp.eye(s, dtype=jnp.float16)[None, :, None, :], k.shape)
-  plan = _device_plan(q, k, v, dropout_rate=rate)["forward"]
-  assert plan.kernel == ("sm90" if _is_hopper() else "sm80-prefill"), plan
+  plan = device_plan(q, k, v, dropout_rate=rate)["forward"]
+  assert plan.kernel == ("sm90" if is_hopper() else "sm80-prefill"), plan
   out = jax_flash2.flash_attention(q, k, v, dropout_rate=rate, dropout_rng=key)
   scaled = np.asarray(out, np.float32).transpose(0, 2, 1, 3) * s * (1 - rate)
   assert np.all((np.abs(scaled) < 1e-5) | (np.abs(scaled - 1) < 2e-3)), "entries not 0 or 1"

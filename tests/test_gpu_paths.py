@@ -19,21 +19,11 @@ import pytest
 import jax_flash2
 from jax_flash2 import _ext
 
-from conftest import ON_GPU, random_inputs
+from conftest import ON_GPU, device_plan, is_hopper, random_inputs
 from oracle import assert_close_to_oracle, naive_same_dtype, oracle
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
-
-def _is_hopper() -> bool:
-  return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
-
-
-def _device_plan(q, k, v, **options):
-  """jax_flash2.plan for this process's GPU (as the lowering sizes the call)."""
-  device = jax.devices()[0]
-  cc = tuple(int(x) for x in str(device.compute_capability).split("."))
-  return jax_flash2.plan(q, k, v, compute_capability=cc, sm_count=device.core_count, **options)
 
 
 # The plan's kernel names of the paths below.
@@ -65,7 +55,7 @@ PATH_CASES = [
 
 
 def _expected_path(expected: str) -> str:
-  return expected if _is_hopper() or expected == "decode" else "sm80"
+  return expected if is_hopper() or expected == "decode" else "sm80"
 
 
 @pytest.mark.parametrize("case", PATH_CASES, ids=lambda c: f"B{c[0]}T{c[1]}S{c[2]}D{c[5]}-{c[7]}")
@@ -74,7 +64,7 @@ def test_forward_path(rng, case):
   q, k, v = random_inputs(rng, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, jnp.bfloat16)
   fn = jax.jit(lambda q, k, v: jax_flash2.flash_attention(q, k, v, causal=causal,
                                                           return_lse=True))
-  plan = _device_plan(q, k, v, causal=causal)["forward"]
+  plan = device_plan(q, k, v, causal=causal)["forward"]
   assert plan.kernel == _FWD_KERNEL[_expected_path(expected)], plan
   out, lse = fn(q, k, v)
   (ref_out, ref_lse), _ = oracle(q, k, v, np.ones(q.shape), np.zeros(lse.shape), causal=causal)
@@ -84,7 +74,7 @@ def test_forward_path(rng, case):
 
 
 def test_hopper_forward_is_built():
-  if not _is_hopper():
+  if not is_hopper():
     pytest.skip("not a cc 9.0 GPU")
   assert _ext.cuda_ext.has_sm90()
   assert "sm90a" in jax_flash2.kernel_info()["cuda"]
@@ -129,8 +119,8 @@ def test_backward_path(rng, case):
   d_lse = jnp.asarray(rng.standard_normal((batch, heads_q, seqlen_q)), jnp.float32)
   fn = _grads_fn(causal)
   # JAX_FLASH2_SM90_BACKWARD=0 turns the Hopper backward off for the process.
-  hopper_backward = _is_hopper() and os.environ.get("JAX_FLASH2_SM90_BACKWARD", "1") != "0"
-  plan = _device_plan(q, k, v, causal=causal)["backward"]
+  hopper_backward = is_hopper() and os.environ.get("JAX_FLASH2_SM90_BACKWARD", "1") != "0"
+  plan = device_plan(q, k, v, causal=causal)["backward"]
   assert plan.kernel == (expected if hopper_backward else "sm80"), plan
   grads = fn(q, k, v, d_out, d_lse)
   _, ref_grads = oracle(q, k, v, d_out, d_lse, causal=causal)
@@ -160,8 +150,8 @@ def test_deterministic_backward_path(rng, case):
                           jnp.bfloat16)
   d_out = jnp.asarray(rng.standard_normal((batch, seqlen_q, heads_q, head_dim)), jnp.bfloat16)
   d_lse = jnp.asarray(rng.standard_normal((batch, heads_q, seqlen_q)), jnp.float32)
-  hopper_backward = _is_hopper() and os.environ.get("JAX_FLASH2_SM90_BACKWARD", "1") != "0"
-  plan = _device_plan(q, k, v, causal=causal, deterministic=True)["backward"]
+  hopper_backward = is_hopper() and os.environ.get("JAX_FLASH2_SM90_BACKWARD", "1") != "0"
+  plan = device_plan(q, k, v, causal=causal, deterministic=True)["backward"]
   assert plan.kernel == ("sm90" if hopper_backward else "sm80"), plan
 
   @jax.jit
@@ -184,7 +174,7 @@ def test_deterministic_backward_path(rng, case):
 def test_hopper_backward_kill_switch():
   """JAX_FLASH2_SM90_BACKWARD=0 (read once per process) sends every backward
   to the sm80 kernels; checked in a fresh process."""
-  if not _is_hopper():
+  if not is_hopper():
     pytest.skip("not a cc 9.0 GPU")
   code = textwrap.dedent("""
       import jax, jax.numpy as jnp
@@ -205,7 +195,7 @@ def test_decode_with_score_options_uses_prefill_kernel(rng):
   run the prefill kernel, with a workspace sized for either."""
   q, k, v = random_inputs(rng, 2, 1, 3001, 16, 2, 128, jnp.bfloat16)
   fn = jax.jit(lambda q, k, v: jax_flash2.flash_attention(q, k, v, softcap=5.0, return_lse=True))
-  plan = _device_plan(q, k, v, softcap=5.0)["forward"]
+  plan = device_plan(q, k, v, softcap=5.0)["forward"]
   assert plan.kernel == "sm80-prefill" and "decode kernel" in plan.reason, plan
   out, lse = fn(q, k, v)
   (ref_out, ref_lse), _ = oracle(q, k, v, np.ones(q.shape), np.zeros(lse.shape), softcap=5.0)
@@ -251,7 +241,7 @@ def test_decode_waits_for_the_kernel_before_it(rng):
     return (k_cache, v_cache), (out, lse, k_cache, v_cache)
 
   fn = jax.jit(lambda q, k, v, shifts: jax.lax.scan(step, (k, v), (jnp.swapaxes(q, 0, 1), shifts))[1])
-  plan = _device_plan(q[:, :1], k, v)["forward"]
+  plan = device_plan(q[:, :1], k, v)["forward"]
   assert plan.kernel == "sm80-decode" and plan.splits > 1, plan
   outs, lses, k_steps, v_steps = fn(q, k, v, shifts)
   for t in range(steps):
@@ -339,7 +329,7 @@ def test_sm80_nan_row_propagates(rng, case):
                           jnp.bfloat16)
   if "dropout_rate" in options:
     options = dict(options, dropout_rng=jax.random.key(0))
-  plan = _device_plan(q, k, v, **options)
+  plan = device_plan(q, k, v, **options)
   # The backward: either kernel. On cc 9.0 the Hopper forward serves the
   # dropout prefill case, so the NaN goes through its dropout path there.
   assert plan["forward"].kernel.startswith("sm80") or (

@@ -14,20 +14,11 @@ import pytest
 
 import jax_flash2
 
-from conftest import ON_GPU, random_inputs
+from conftest import ON_GPU, device_plan, is_hopper, random_inputs
 from oracle import assert_close_to_oracle, naive_same_dtype, oracle
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
-
-def _is_hopper() -> bool:
-  return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
-
-
-def _device_plan(q, k, v, **options):
-  device = jax.devices()[0]
-  cc = tuple(int(x) for x in str(device.compute_capability).split("."))
-  return jax_flash2.plan(q, k, v, compute_capability=cc, sm_count=device.core_count, **options)
 
 
 def _packed_ids(rng, batch, length, docs, *, empty=False):
@@ -106,8 +97,8 @@ def test_packed(rng, case):
   options = dict(causal=causal, segment_ids=segment_ids)
   if window is not None:
     options["window_size"] = window
-  plan = _device_plan(q, k, v, **options)
-  if _is_hopper():
+  plan = device_plan(q, k, v, **options)
+  if is_hopper():
     assert plan["forward"].kernel == "sm90", plan["forward"]
     assert plan["backward"].kernel == "sm90", plan["backward"]
 

@@ -14,21 +14,11 @@ import pytest
 
 import jax_flash2
 
-from conftest import ON_GPU, random_inputs
+from conftest import ON_GPU, device_plan, is_hopper, random_inputs
 from oracle import assert_close_to_oracle, naive_same_dtype, oracle
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
-
-def _is_hopper() -> bool:
-  return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
-
-
-def _device_plan(q, k, v, **options):
-  """jax_flash2.plan for this process's GPU (as the lowering sizes the call)."""
-  device = jax.devices()[0]
-  cc = tuple(int(x) for x in str(device.compute_capability).split("."))
-  return jax_flash2.plan(q, k, v, compute_capability=cc, sm_count=device.core_count, **options)
 
 
 def _slopes(rng, batch, heads, per_batch):
@@ -78,8 +68,8 @@ def test_forward_and_lse(rng, case):
   kwargs = dict(causal=causal, window_size=window, softmax_scale=scale, **opts)
   fn = jax.jit(lambda q, k, v, s: jax_flash2.flash_attention(
       q, k, v, alibi_slopes=s, return_lse=True, **kwargs))
-  plan = _device_plan(q, k, v, alibi_slopes=slopes, **kwargs)["forward"]
-  assert plan.kernel == ("sm90" if _is_hopper() else "sm80-prefill"), plan
+  plan = device_plan(q, k, v, alibi_slopes=slopes, **kwargs)["forward"]
+  assert plan.kernel == ("sm90" if is_hopper() else "sm80-prefill"), plan
   out, lse = fn(q, k, v, slopes)
   assert np.all(np.isfinite(np.asarray(out, np.float32)))
   (ref_out, ref_lse), _ = oracle(q, k, v, np.ones(q.shape), np.zeros(lse.shape),
@@ -129,8 +119,8 @@ def test_gradients(rng, case):
     return (out, lse), vjp((d_out, d_lse))
 
   fn = jax.jit(grads)
-  plan = _device_plan(q, k, v, alibi_slopes=slopes, **kwargs)["backward"]
-  hopper_backward = _is_hopper() and os.environ.get("JAX_FLASH2_SM90_BACKWARD", "1") != "0"
+  plan = device_plan(q, k, v, alibi_slopes=slopes, **kwargs)["backward"]
+  hopper_backward = is_hopper() and os.environ.get("JAX_FLASH2_SM90_BACKWARD", "1") != "0"
   assert plan.kernel == ("sm90" if hopper_backward else "sm80"), plan
   (out, lse), got = fn(q, k, v, slopes, d_out, d_lse)
   (ref_out, ref_lse), ref_grads = oracle(q, k, v, d_out, d_lse, alibi_slopes=slopes, **kwargs)
