@@ -225,7 +225,8 @@ def test_int32_segment_ids_pass_and_traced_wider_ids_wrap(rng):
     kv_ids = jnp.zeros((1, 8), jnp.int64)
     wrapped = jax.jit(lambda a, b: jax_flash2.flash_attention(q, k, v, segment_ids=(a, b)))(
         q_ids, kv_ids)
-  np.testing.assert_allclose(wrapped, jax_flash2.flash_attention(q, k, v), rtol=1e-6)
+  # Same math, two compiled programs (float32 on a GPU: the blockwise path).
+  np.testing.assert_allclose(wrapped, jax_flash2.flash_attention(q, k, v), rtol=1e-5, atol=1e-6)
 
 
 def test_varlen_with_zero_tokens(backend):
