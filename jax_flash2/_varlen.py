@@ -19,6 +19,16 @@ cu_seqlens (cumulative lengths, [n + 1], starting at 0). Two paths:
   (padding first): the padded problem's bottom-right diagonal is then every
   sequence's own, as in FlashAttention-2's varlen kernels. O(n * max_seqlen)
   memory.
+
+seqused_k ([n], optional) limits sequence b to the first seqused_k[b] keys
+of its range, FlashAttention's convention, causal and window aligned
+bottom-right to that used length. Both paths take it through what they
+already have: the packed path gives the unused keys a segment id no query
+has, the padded path gathers only the used keys (its key lengths). Either
+way the unused keys never enter a product: the packed path replaces them
+by zeros, the padded path never gathers them, since a masked key in a block
+that is computed still meets its zero probability in P V and dS K, and
+0 * NaN is NaN.
 """
 
 from __future__ import annotations
@@ -51,6 +61,28 @@ def check_cu_seqlens(name: str, cu_seqlens, total: int, max_seqlen) -> None:
                      f"tokens, more than max_seqlen = {max_seqlen}")
 
 
+def check_seqused_k(seqused_k, cu_seqlens_k) -> None:
+  """Dtype, shape [n] and (when both are concrete) 0 <= seqused_k[b] <= the
+  key length of sequence b."""
+  if not hasattr(seqused_k, "dtype") or not jnp.issubdtype(seqused_k.dtype, jnp.integer):
+    raise TypeError(f"flash_attention_varlen: seqused_k must be an integer array; got "
+                    f"{getattr(seqused_k, 'dtype', type(seqused_k).__name__)}")
+  n = cu_seqlens_k.shape[0] - 1
+  if tuple(seqused_k.shape) != (n,):
+    raise ValueError(f"flash_attention_varlen: seqused_k must be 1-D [n] = [{n}] (one entry per "
+                     f"sequence of cu_seqlens_k); got shape {tuple(seqused_k.shape)}")
+  if isinstance(seqused_k, jax.core.Tracer) or isinstance(cu_seqlens_k, jax.core.Tracer):
+    return  # values unknown until run time
+  used = np.asarray(seqused_k).astype(np.int64)
+  lengths = np.diff(np.asarray(cu_seqlens_k).astype(np.int64))
+  bad = np.flatnonzero((used < 0) | (used > lengths))
+  if bad.size:
+    b = int(bad[0])
+    raise ValueError(f"flash_attention_varlen: seqused_k must be in [0, key length] for every "
+                     f"sequence; seqused_k[{b}] = {int(used[b])}, key length {int(lengths[b])} "
+                     f"(cu_seqlens_k[{b}:{b + 2}] = {np.asarray(cu_seqlens_k)[b:b + 2].tolist()})")
+
+
 def same_offsets(cu_seqlens_q, cu_seqlens_k) -> bool:
   """Whether the two offsets are known at trace time to be equal: the same
   array object (also a tracer), or concrete arrays with equal values."""
@@ -62,37 +94,59 @@ def same_offsets(cu_seqlens_q, cu_seqlens_k) -> bool:
           and bool(np.array_equal(np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k))))
 
 
-def choose_path(cu_seqlens_q, cu_seqlens_k, positional: bool) -> str:
+def choose_path(cu_seqlens_q, cu_seqlens_k, positional: bool, seqused_k=None) -> str:
   """"packed" where one row with segment ids is exact, else "padded".
 
-  positional: causal or a window, masks that depend on the positions.
+  positional: causal or a window, masks that depend on the positions. With
+  seqused_k they align to the used keys' end, not to the row's diagonal, so
+  positional calls with seqused_k take the padded path.
   """
-  return "packed" if not positional or same_offsets(cu_seqlens_q, cu_seqlens_k) else "padded"
+  if not positional:
+    return "packed"
+  return "packed" if seqused_k is None and same_offsets(cu_seqlens_q, cu_seqlens_k) else "padded"
 
 
-def segment_ids_from_offsets(cu_seqlens, total: int, pad_id: int):
-  """[total] int32: the sequence of each token, pad_id outside [cu[0], cu[-1]).
+def segment_ids_from_offsets(cu_seqlens, total: int, pad_id: int, used=None):
+  """[total] int32: 2 b for the tokens of sequence b, pad_id outside
+  [cu[0], cu[-1]); with used ([n] int32), 2 b + 1 for the tokens of
+  sequence b at or past cu[b] + used[b].
 
+  Even ids for the sequences leave an odd id between consecutive ones, for
+  keys no query may see (queries only ever get even ids), so the ids stay
+  non-decreasing along the row and the kernels' per-block id ranges tight.
   O(total log n) on the device; a length-0 sequence owns no token (the
   search picks the last b with cu[b] <= t). Contents are trusted: offsets
   that are not non-decreasing give ids that are not the sequences.
   """
   token = jnp.arange(total, dtype=jnp.int32)
-  ids = jnp.searchsorted(cu_seqlens, token, side="right").astype(jnp.int32) - 1
+  seq = jnp.searchsorted(cu_seqlens, token, side="right").astype(jnp.int32) - 1
+  ids = 2 * seq
+  if used is not None:
+    # seq is outside [0, n) only for tokens outside every sequence, which
+    # get pad_id below; clip keeps their look-up in bounds.
+    start = jnp.take(cu_seqlens, seq, mode="clip")
+    ids = ids + (token - start >= jnp.take(used, seq, mode="clip")).astype(jnp.int32)
   inside = (token >= cu_seqlens[0]) & (token < cu_seqlens[-1])
   return jnp.where(inside, ids, jnp.int32(pad_id))
 
 
-def _packed(attention, q, k, v, cu_q, cu_k, positional: bool):
+def _packed(attention, q, k, v, cu_q, cu_k, used, positional: bool):
   """out [total_q, H, D], lse [H, total_q] on one row [1, total, ...]."""
   total_q, total_k = q.shape[0], k.shape[0]
   n = cu_q.shape[0] - 1
   # Tokens past cu[-1] (padding rows) get ids that nothing on the other side
-  # has: n for queries, n + 1 for keys. Both are above every real id, so the
-  # ids stay non-decreasing along the row and the kernels' per-block id ranges
-  # stay tight.
-  q_ids = segment_ids_from_offsets(cu_q, total_q, n)
-  kv_ids = segment_ids_from_offsets(cu_k, total_k, n + 1)
+  # has: 2 n for queries, 2 n + 1 for keys. Both are above every real id, so
+  # the ids stay non-decreasing along the row and the kernels' per-block id
+  # ranges stay tight.
+  q_ids = segment_ids_from_offsets(cu_q, total_q, 2 * n)
+  kv_ids = segment_ids_from_offsets(cu_k, total_k, 2 * n + 1, used)
+  if used is not None:
+    # Keys with odd ids (unused, padding) are masked, but a computed block
+    # that mixes them with used keys still multiplies their zero
+    # probabilities with them (0 * NaN = NaN): zeros there keep whatever they
+    # hold out, and the where gives them dk = dv = 0.
+    seen = (kv_ids % 2 == 0)[:, None, None]
+    k, v = (jnp.where(seen, x, jnp.zeros((), x.dtype)) for x in (k, v))
   extra_q = extra_k = 0
   if positional and total_q != total_k:
     # Equal offsets but different padding rows: the row's bottom-right
@@ -109,9 +163,12 @@ def _packed(attention, q, k, v, cu_q, cu_k, positional: bool):
   return out[0, :total_q], lse[0, :, :total_q]
 
 
-def _padded_index(cu_seqlens, max_seqlen: int):
-  """[n, P] token index of each padded slot (clipped) and whether it is real."""
-  lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+def _padded_index(cu_seqlens, max_seqlen: int, lengths=None):
+  """[n, P] token index of each padded slot (unclipped) and whether it is
+  real: the first lengths[b] tokens of sequence b (all of them by default),
+  right-aligned."""
+  if lengths is None:
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
   slot = jnp.arange(max_seqlen)[None, :]
   first_real = max_seqlen - lengths[:, None]  # right-aligned: padding first
   index = cu_seqlens[:-1, None] + slot - first_real
@@ -128,9 +185,13 @@ def _slot_of_token(cu_seqlens, max_seqlen: int, total: int):
   return jnp.where(token < cu_seqlens[-1], slot, 0)
 
 
-def _padded(attention, q, k, v, cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int,
+def _padded(attention, q, k, v, cu_q, cu_k, used, max_seqlen_q: int, max_seqlen_k: int,
             all_real: bool):
   """out [total_q, H, D], lse [H, total_q] through a right-aligned padded batch.
+
+  used: None, or [n] int32, the keys each sequence uses (seqused_k): only
+  those are gathered, right-aligned, so the batch's bottom-right diagonal is
+  the used keys' end.
 
   all_real: every query token is known to be inside a sequence (concrete
   cu_q[-1] == total_q). Otherwise the rows get one more slot, so slot 0 of
@@ -141,10 +202,13 @@ def _padded(attention, q, k, v, cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int
   if not all_real:
     max_seqlen_q += 1
   q_index, q_real = _padded_index(cu_q, max_seqlen_q)
-  k_index, k_real = _padded_index(cu_k, max_seqlen_k)
+  k_index, k_real = _padded_index(cu_k, max_seqlen_k, used)
   q_pad = jnp.take(q, jnp.clip(q_index, 0, q.shape[0] - 1), axis=0)   # [n, P, H, D]
-  k_pad = jnp.take(k, jnp.clip(k_index, 0, k.shape[0] - 1), axis=0)
-  v_pad = jnp.take(v, jnp.clip(k_index, 0, k.shape[0] - 1), axis=0)
+  # Padding key slots hold zeros, not the clipped token they index (with
+  # seqused_k an unused key, which may hold anything; see _packed).
+  k_pad, v_pad = (jnp.where(k_real[:, :, None, None],
+                            jnp.take(x, jnp.clip(k_index, 0, x.shape[0] - 1), axis=0),
+                            jnp.zeros((), x.dtype)) for x in (k, v))
   q_ids = jnp.where(q_real, 0, _Q_PAD_ID).astype(jnp.int32)
   kv_ids = jnp.where(k_real, 0, _KV_PAD_ID).astype(jnp.int32)
   out, lse = attention(q_pad, k_pad, v_pad, segment_ids=(q_ids, kv_ids), return_lse=True)
@@ -156,12 +220,14 @@ def _padded(attention, q, k, v, cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int
 
 
 def varlen_attention(attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     return_lse, *, positional: bool, path: str | None = None):
+                     return_lse, *, positional: bool, seqused_k=None, path: str | None = None):
   """out [total_q, H, D] (and lse [H, total_q]) through `attention`
   (flash_attention with the call's options bound).
 
-  positional: the call has causal or a window. path: None chooses (see
-  choose_path); "packed" or "padded" forces one (tests compare them).
+  positional: the call has causal or a window. seqused_k: None or [n]
+  integer, checked by check_seqused_k. path: None chooses (see choose_path);
+  "packed" or "padded" forces one (tests compare them; "packed" with causal
+  or window and seqused_k is not the convention).
   """
   if q.shape[0] == 0 or k.shape[0] == 0:
     # No query, or no key for any query: nothing to attend (jnp.take of an
@@ -171,14 +237,20 @@ def varlen_attention(attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     lse = jnp.full((q.shape[1], q.shape[0]), -jnp.inf, jnp.float32)
     return (out, lse) if return_lse else out
   if path is None:
-    path = choose_path(cu_seqlens_q, cu_seqlens_k, positional)
+    path = choose_path(cu_seqlens_q, cu_seqlens_k, positional, seqused_k)
   cu_q, cu_k = cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32)
+  used = None
+  if seqused_k is not None:
+    # Traced values are trusted; clamped to [0, key length] they can only
+    # select keys of their own sequence.
+    used = jnp.clip(seqused_k.astype(jnp.int32), 0, cu_k[1:] - cu_k[:-1])
   if path == "packed":
-    out, lse = _packed(attention, q, k, v, cu_q, cu_k, positional)
+    out, lse = _packed(attention, q, k, v, cu_q, cu_k, used, positional)
   elif path == "padded":
     all_real = (not isinstance(cu_seqlens_q, jax.core.Tracer)
                 and int(np.asarray(cu_seqlens_q)[-1]) == q.shape[0])
-    out, lse = _padded(attention, q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, all_real)
+    out, lse = _padded(attention, q, k, v, cu_q, cu_k, used, max_seqlen_q, max_seqlen_k,
+                       all_real)
   else:
     raise ValueError(f"varlen_attention: path must be None, 'packed' or 'padded'; got {path!r}")
   return (out, lse) if return_lse else out

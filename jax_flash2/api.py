@@ -151,7 +151,7 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
-                           max_seqlen_k: int, *, causal: bool = False,
+                           max_seqlen_k: int, *, seqused_k=None, causal: bool = False,
                            softmax_scale: float | None = None, return_lse: bool = False,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            deterministic: bool = False, dropout_rate: float = 0.0,
@@ -171,9 +171,18 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
       cu_seqlens[-1] (padding) see no key and are seen by no query: out 0,
       LSE -inf (with sinks, the sink).
     max_seqlen_q, max_seqlen_k: static ints, at least every sequence's length.
+    seqused_k: None, or integer [n]: sequence b uses only the first
+      seqused_k[b] keys of its range (0 <= seqused_k[b] <= its key length),
+      as FlashAttention's seqused_k (e.g. a fixed-capacity cache per
+      sequence). The keys past them are never read into a product: whatever
+      they hold (also NaN) cannot reach out, LSE or dq, and their dk, dv are
+      0. Checked when concrete; traced values are trusted (clamped to
+      [0, key length] on the device) and change without recompiling.
     causal, window_size: per sequence, aligned bottom-right within each
       sequence (query i of a sequence with T_b queries and S_b keys sees keys
-      j <= i + S_b - T_b), as FlashAttention-2's varlen.
+      j <= i + S_b - T_b), as FlashAttention-2's varlen. With seqused_k,
+      S_b is seqused_k[b]: aligned to the end of the used keys, as
+      FlashAttention aligns them.
     dropout_rate, dropout_rng: as flash_attention; the mask is a function of
       the token's position in the row it runs in (see below).
     Other arguments: as flash_attention.
@@ -189,7 +198,10 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
   twice (also traced). Causal or window with offsets that differ, or that
   are traced distinct arrays, gathers the sequences into a right-aligned
   padded [n, max_seqlen] batch instead (O(n * max_seqlen) memory), since
-  one row's diagonal cannot follow every sequence's bottom-right one.
+  one row's diagonal cannot follow every sequence's bottom-right one; so
+  does causal or window with seqused_k (the padded batch holds only the
+  used keys). Without causal or window, seqused_k stays on the packed row
+  (the unused keys get a segment id no query has, and zeros).
   """
   check_bool("return_lse", return_lse)
   for name, x, expected in (("q", q, "[total_q, H, D]"), ("k", k, "[total_k, K, D]"),
@@ -205,6 +217,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
   if cu_seqlens_q.shape != cu_seqlens_k.shape:
     raise shape_error("cu_seqlens_q and cu_seqlens_k shapes",
                        (cu_seqlens_q.shape, cu_seqlens_k.shape), "must be equal [n + 1]")
+  if seqused_k is not None:
+    _varlen.check_seqused_k(seqused_k, cu_seqlens_k)
 
   def attention(q, k, v, **kwargs):
     return flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
@@ -223,7 +237,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
   unbounded = isinstance(window_size, (tuple, list)) and tuple(window_size) == (-1, -1)
   return _varlen.varlen_attention(attention, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                   int(max_seqlen_q), int(max_seqlen_k), return_lse,
-                                  positional=causal is not False or not unbounded)
+                                  positional=causal is not False or not unbounded,
+                                  seqused_k=seqused_k)
 
 
 def _cuda_kernel_info() -> str | None:

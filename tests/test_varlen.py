@@ -405,3 +405,242 @@ def test_packed_memory_linear_in_tokens(rng):
   assert padded_shape not in packed_hlo and f"[{n},4096]" not in packed_hlo
   assert packed <= 16 * tensor, (packed, tensor)
   assert padded >= n * 4096 * h * d * 4
+
+
+# seqused_k: sequence b uses the first seqused_k[b] keys of its range; causal
+# and window align bottom-right to that used length (FlashAttention's).
+
+# (name, q lengths, k lengths (None: the same offsets), seqused_k, H, K, D,
+#  options)
+SEQUSED_CASES = [
+    ("cross", [5, 17, 1, 30, 0, 8], [7, 17, 3, 30, 4, 0], [0, 9, 3, 30, 2, 0], 4, 2, 32, {}),
+    ("cross-causal", [5, 17, 1, 30, 0, 8], [7, 17, 3, 30, 4, 0], [0, 9, 3, 30, 2, 0], 4, 2, 32,
+     {"causal": True}),
+    # Same offsets: the used keys' diagonal is not the row's, so padded.
+    ("self-causal-mqa", [20, 33, 1, 9, 0], None, [20, 10, 0, 4, 0], 4, 1, 16, {"causal": True}),
+    ("window-causal", [12, 40, 3], [30, 41, 70], [25, 17, 70], 2, 2, 16,
+     {"causal": True, "window_size": (5, -1)}),
+    ("window-two-sided", [12, 40, 3], [30, 41, 70], [25, 41, 9], 2, 1, 16,
+     {"window_size": (3, 2)}),
+    ("cross-softcap-many", _lengths_64(7)[:20], _lengths_64(8)[:20], None, 2, 2, 16,
+     {"softcap": 2.0}),
+]
+SEQUSED_PARAMS = [pytest.param(c, jnp.float32, id=f"{c[0]}-float32") for c in SEQUSED_CASES] + [
+    pytest.param(c, jnp.bfloat16, id=f"{c[0]}-bfloat16") for c in SEQUSED_CASES
+    if c[0] in ("cross", "self-causal-mqa")]
+
+
+def _seqused_inputs(rng, q_lens, k_lens, used, h, hk, d, dtype, poison=np.nan):
+  """q, k, v, d_out and offsets, with `poison` in every unused key and value
+  row (the keys past seqused_k of each sequence)."""
+  q = jnp.asarray(rng.standard_normal((sum(q_lens), h, d)), dtype)
+  k = rng.standard_normal((sum(k_lens), hk, d))
+  v = rng.standard_normal((sum(k_lens), hk, d))
+  cu_k = np.concatenate([[0], np.cumsum(k_lens)])
+  for b, u in enumerate(used):
+    k[cu_k[b] + u:cu_k[b + 1]] = poison
+    v[cu_k[b] + u:cu_k[b + 1]] = poison
+  k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+  d_out = jnp.asarray(rng.standard_normal(q.shape), dtype)
+  return q, k, v, d_out
+
+
+def _seqused_oracle(q, k, v, d_out, q_lens, k_lens, used, options):
+  """(out, lse), (dq, dk, dv) in float64, the oracle run sequence by sequence
+  on the used keys only (so its bottom-right alignment is the used length's);
+  unused keys get dk = dv = 0."""
+  q, k, v, d_out = (np.asarray(x, np.float64) for x in (q, k, v, d_out))
+  h = q.shape[1]
+  out, lse = np.zeros(q.shape), np.full((h, q.shape[0]), -np.inf)
+  grads = [np.zeros(x.shape) for x in (q, k, v)]
+  qs = ks = 0
+  for t, s, u in zip(q_lens, k_lens, used):
+    if t and u:
+      (o, l), g = oracle(q[None, qs:qs + t], k[None, ks:ks + u], v[None, ks:ks + u],
+                         d_out[None, qs:qs + t], np.zeros((1, h, t)), **options)
+      out[qs:qs + t], lse[:, qs:qs + t] = o[0], l[0]
+      grads[0][qs:qs + t] = g[0][0]
+      grads[1][ks:ks + u], grads[2][ks:ks + u] = g[1][0], g[2][0]
+    qs, ks = qs + t, ks + s
+  return (out, lse), grads
+
+
+def _seqused_mask(q_lens, k_lens, used, options):
+  """[total_q, total_k] bool from the definition: query i of a sequence with
+  T queries sees its used key j when the causal/window bounds around
+  i + used - T allow it."""
+  left, right = options.get("window_size", (-1, -1))
+  if options.get("causal", False):
+    right = 0 if right < 0 else min(right, 0)
+  mask = np.zeros((sum(q_lens), sum(k_lens)), bool)
+  qs = ks = 0
+  for t, s, u in zip(q_lens, k_lens, used):
+    diag = np.arange(t)[:, None] + u - t
+    j = np.arange(u)[None, :]
+    ok = np.ones((t, u), bool)
+    if left >= 0:
+      ok &= j >= diag - left
+    if right >= 0:
+      ok &= j <= diag + right
+    mask[qs:qs + t, ks:ks + u] = ok
+    qs, ks = qs + t, ks + s
+  return mask
+
+
+@pytest.mark.parametrize("case,dtype", SEQUSED_PARAMS)
+def test_seqused_k_matches_oracle(backend, case, dtype, rng):
+  """Forward, LSE and gradients with seqused_k (0, partial and full, length-0
+  sequences) against the float64 oracle on the used keys, NaN written into
+  every unused key and value: none reaches out, LSE or dq, and the unused
+  keys get dk = dv = 0 exactly."""
+  if not supports(backend, dtype):
+    pytest.skip(f"{backend} does not serve {jnp.dtype(dtype).name} here")
+  name, q_lens, k_lens, used, h, hk, d, options = case
+  same = k_lens is None
+  k_lens = q_lens if same else k_lens
+  if used is None:  # a random length in [0, key length] per sequence
+    used = [int(rng.integers(0, s + 1)) for s in k_lens]
+  q, k, v, d_out = _seqused_inputs(rng, q_lens, k_lens, used, h, hk, d, dtype)
+  cu_q = _cu(q_lens)
+  cu_k = cu_q if same else _cu(k_lens)
+  seqused = jnp.asarray(used, jnp.int32)
+  positional = options.get("causal", False) or "window_size" in options
+  expected_path = "padded" if positional else "packed"
+  assert jax_flash2._varlen.choose_path(cu_q, cu_k, positional, seqused) == expected_path
+
+  def f(q, k, v):
+    return jax_flash2.flash_attention_varlen(
+        q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), seqused_k=seqused, return_lse=True,
+        implementation=backend, **options)
+
+  (out, lse), vjp = jax.vjp(jax.jit(f), q, k, v)
+  grads = vjp((d_out, jnp.zeros_like(lse)))
+  (ref_out, ref_lse), ref_grads = _seqused_oracle(q, k, v, d_out, q_lens, k_lens, used, options)
+  if dtype == jnp.float32:
+    plain_out, plain_lse, plain_grads = ref_out, ref_lse, ref_grads
+  else:
+    mask = jnp.asarray(_seqused_mask(q_lens, k_lens, used, options))
+    finite = [jnp.nan_to_num(x) for x in (k, v)]  # the plain attention has no notion of unused
+    plain_out, plain_lse, plain_grads = _plain_with_grads(q, *finite, mask, d_out,
+                                                          options.get("softcap", 0.0))
+  _within_rule("out", out, ref_out, plain_out, dtype)
+  _within_rule("lse", lse, ref_lse, plain_lse, dtype)
+  for g_name, g, r, p in zip(("dq", "dk", "dv"), grads, ref_grads, plain_grads):
+    _within_rule(g_name, g, r, p, dtype)
+  unused = np.ones(k.shape[0], bool)
+  for b, u in enumerate(used):
+    unused[int(cu_k[b]):int(cu_k[b]) + u] = False
+  assert np.all(np.asarray(grads[1])[unused] == 0) and np.all(np.asarray(grads[2])[unused] == 0)
+  # Queries of sequences that use no key: out 0, LSE -inf.
+  no_key = ~_seqused_mask(q_lens, k_lens, used, options).any(axis=1)
+  assert np.all(np.asarray(out)[no_key] == 0) and np.all(np.isneginf(np.asarray(lse)[:, no_key]))
+
+
+def test_seqused_k_full_is_no_seqused_k(rng):
+  """seqused_k equal to every key length gives what no seqused_k gives, on
+  both paths (cross without mask: packed; causal: padded)."""
+  q_lens, k_lens = [9, 30, 0, 4], [12, 30, 5, 4]
+  q, k, v, _ = _seqused_inputs(rng, q_lens, k_lens, k_lens, 2, 1, 16, jnp.float32)
+  cu_q, cu_k = _cu(q_lens), _cu(k_lens)
+  for causal in (False, True):
+    f = functools.partial(jax_flash2.flash_attention_varlen, q, k, v, cu_q, cu_k, 30, 30,
+                          causal=causal, return_lse=True)
+    for a, b in zip(f(), f(seqused_k=jnp.asarray(k_lens, jnp.int32))):
+      assert max_err(a, b) <= 1e-6
+
+
+def test_seqused_k_traced_under_jit(backend, rng):
+  """seqused_k as a jit argument: new values run without retracing and match
+  the oracle, on the packed (no mask) and the padded (causal) path."""
+  q_lens, k_lens = [6, 0, 21, 13], [20, 3, 9, 17]
+  h, hk, d = 2, 1, 16
+  cu_q, cu_k = _cu(q_lens), _cu(k_lens)
+  traces = []
+
+  @functools.partial(jax.jit, static_argnames="causal")
+  def f(q, k, v, d_out, seqused, causal):
+    traces.append(causal)
+
+    def g(q, k, v):
+      return jax_flash2.flash_attention_varlen(q, k, v, cu_q, cu_k, 21, 20, seqused_k=seqused,
+                                               causal=causal, return_lse=True,
+                                               implementation=backend)
+    (out, lse), vjp = jax.vjp(g, q, k, v)
+    return out, lse, vjp((d_out, jnp.zeros_like(lse)))
+
+  for causal in (False, True):
+    for used in ([20, 3, 9, 17], [0, 1, 4, 17], [7, 0, 9, 2]):
+      q, k, v, d_out = _seqused_inputs(rng, q_lens, k_lens, used, h, hk, d, jnp.float32)
+      out, lse, grads = f(q, k, v, d_out, jnp.asarray(used, jnp.int32), causal)
+      options = {"causal": True} if causal else {}
+      (ref_out, ref_lse), ref_grads = _seqused_oracle(q, k, v, d_out, q_lens, k_lens, used,
+                                                      options)
+      assert max_err(out, ref_out) <= 2e-5 and max_err(lse, ref_lse) <= 1e-4
+      for g, r in zip(grads, ref_grads):
+        assert max_err(g, r) <= 1e-4 * max(1.0, float(np.max(np.abs(r))))
+  assert traces == [False, True]
+
+
+def _spec(x):
+  return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def test_seqused_k_keeps_the_kernel_plan():
+  """seqused_k changes only the segment ids' values (packed) or what is
+  gathered (padded): the flash_attention call underneath has the same shapes
+  and options as without it, so plan names the same kernels (sm90 on Hopper
+  for these shapes)."""
+  q_lens, k_lens, used = [2000, 3000, 1500], [2100, 3000, 1600], [700, 3000, 0]
+  q = jax.ShapeDtypeStruct((sum(q_lens), 16, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((sum(k_lens), 4, 128), jnp.bfloat16)
+  cu_q, cu_k = _cu(q_lens), _cu(k_lens)
+
+  def inner_call(options, seqused):
+    """(q, k, v specs, options) of the flash_attention call varlen makes."""
+    seen = []
+
+    def recording(q, k, v, **kwargs):
+      seen.append(((_spec(q), _spec(k), _spec(v)), {**options, **kwargs}))
+      return jax_flash2.flash_attention(q, k, v, **options, **kwargs)
+
+    def varlen(q, k, v):
+      return jax_flash2._varlen.varlen_attention(recording, q, k, v, cu_q, cu_k, 3000, 3000,
+                                                 True, positional=bool(options),
+                                                 seqused_k=seqused)
+
+    jax.eval_shape(varlen, q, k, k)
+    return seen[0]
+
+  for options in ({}, {"causal": True}, {"window_size": (256, 0)}):
+    calls = [inner_call(options, s) for s in (None, jnp.asarray(used, jnp.int32))]
+    plans = []
+    for specs, kwargs in calls:
+      kwargs = {**kwargs, "segment_ids": tuple(map(_spec, kwargs["segment_ids"]))}
+      kwargs.pop("return_lse")
+      plans.append(jax_flash2.plan(*specs, compute_capability=(9, 0), **kwargs))
+    assert calls[0][0] == calls[1][0] and calls[0][1].keys() == calls[1][1].keys()
+    assert plans[0] == plans[1]
+    assert plans[1]["forward"].kernel == "sm90" and plans[1]["backward"].kernel == "sm90", plans
+
+
+def test_seqused_k_bad_arguments():
+  q = jnp.ones((10, 2, 16))
+  k = jnp.ones((12, 2, 16))
+  cu_q = jnp.asarray([0, 4, 10], jnp.int32)
+  cu_k = jnp.asarray([0, 5, 12], jnp.int32)
+  f = functools.partial(jax_flash2.flash_attention_varlen, q, k, k, cu_q, cu_k, 8, 8)
+  with pytest.raises(TypeError, match="seqused_k must be an integer array"):
+    f(seqused_k=jnp.asarray([1.0, 2.0]))
+  with pytest.raises(TypeError, match="seqused_k must be an integer array"):
+    f(seqused_k=[1, 2])
+  with pytest.raises(ValueError, match=r"seqused_k must be 1-D \[n\] = \[2\]"):
+    f(seqused_k=jnp.asarray([1, 2, 3], jnp.int32))
+  with pytest.raises(ValueError, match=r"seqused_k\[1\] = 8, key length 7"):
+    f(seqused_k=jnp.asarray([5, 8], jnp.int32))
+  with pytest.raises(ValueError, match=r"seqused_k\[0\] = -1"):
+    f(seqused_k=jnp.asarray([-1, 0], jnp.int32))
+  # Traced: the shape and dtype are still checked, the values are trusted.
+  with pytest.raises(ValueError, match="seqused_k must be 1-D"):
+    jax.jit(lambda s: f(seqused_k=s))(jnp.zeros((2, 1), jnp.int32))
+  out = jax.jit(lambda s: f(seqused_k=s, causal=True))(jnp.asarray([99, -3], jnp.int32))
+  assert np.all(np.isfinite(np.asarray(out)))
