@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jax_flash2
 from jax_flash2 import kvcache
 import _report
 
