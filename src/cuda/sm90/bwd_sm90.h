@@ -1,8 +1,8 @@
 // Hopper (sm_90a) backward: host interface, tile table and the kernel's
 // argument block. Built into the sm_90a-only library (CMakeLists.txt).
 // RunBackward (bwd_launch.cu) runs its preprocess kernel (lse2, Dvec, dq_acc =
-// 0), then RunBackwardSm90 in place of the sm80 main kernel on cc 9.0 devices
-// when Sm90BackwardEnabled() and Sm90BackwardSupports(p) hold, then its
+// 0), then RunBackwardSm90 in place of the sm80 main kernel where the call's
+// plan (MakeBackwardPlan, src/plan.h) picks the Hopper backward, then its
 // convert kernel: the scratch layout (bwd_traits.h) is the same for both.
 #pragma once
 
@@ -26,10 +26,6 @@ struct BwdScratchPtrs;  // bwd_kernel.cuh
 // sizes within the grid limits. Deterministic calls included (see
 // Sm90BackwardDqTurns).
 bool Sm90BackwardSupports(const FlashParams& p);
-
-// False when the environment variable JAX_FLASH2_SM90_BACKWARD is "0": a
-// kill switch that sends every backward to the sm80 kernels. Read once.
-bool Sm90BackwardEnabled();
 
 // The main backward kernel (dK, dV, and dQ / scale accumulated into
 // s.dq_acc), on the current device (must be cc 9.0); the caller runs the
