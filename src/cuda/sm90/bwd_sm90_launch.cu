@@ -151,7 +151,7 @@ bool Sm90BackwardSupports(const FlashParams& p) {
   if ((p.q_segment_ids == nullptr) != (p.kv_segment_ids == nullptr)) return false;
   return tile.head_dim != 0 && sm90::Sm90CommonSupports(p) &&
          Sm90BackwardUnservedOption(p) == nullptr &&
-         sm90::Aligned16({p.d_o, p.dq, p.dk, p.dv}) && NumTiles(p) <= INT32_MAX &&
+         Aligned16({p.d_o, p.dq, p.dk, p.dv}) && NumTiles(p) <= INT32_MAX &&
          Sm90BackwardDqTurns(p) <= INT32_MAX;
 }
 
