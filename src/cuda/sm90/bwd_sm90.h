@@ -32,9 +32,9 @@ bool Sm90BackwardSupports(const FlashParams& p);
 // preprocess before and the convert after, as for the sm80 kernel.
 // dQ goes into dq_acc by bulk tensor reductions of whole 64 x 32 fp32 tiles
 // (a dq_acc tensor map): float2 atomics from every thread measured 404
-// against 450 TFLOP/s at B4 T=S=4096 H16 D128 (and an earlier per-row bulk
-// reduction was slower than the atomics). The D-split kernel (D > 128)
-// stages its dQ over the Q and dO stages it has just used.
+// against 450 TFLOP/s at B4 T=S=4096 H16 D128 (and a per-row bulk reduction
+// was slower than the atomics). The D-split kernel (D > 128) stages its dQ
+// over the Q and dO stages it has just used.
 // Returns cudaErrorInvalidValue when !Sm90BackwardSupports(p), s has more
 // than one dQ slice, or s lacks the dq_turns p needs.
 cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const DeviceInfo& dev,
