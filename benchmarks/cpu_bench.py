@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
 import jax_flash2
+import _report
 
 
 def median_time(fn, args, reps):
@@ -57,7 +57,7 @@ def main():
   args = parser.parse_args()
 
   lines = [
-      f"Command: `python {' '.join(sys.argv)}`",
+      f"Command: `{_report.command()}`",
       f"Machine: {jax.devices()[0].device_kind}, {jax.local_device_count()} device(s), "
       f"jax {jax.__version__}, kernels {jax_flash2.kernel_info()['cpu']}",
       f"float32, B = {args.batch}, H = {args.heads}, D = {args.head_dim}; median of {args.reps}.",
@@ -78,10 +78,7 @@ def main():
                    f"{cell(ours, 1)} | {cell(xla, 1)} | {speed(1)} |")
       print(lines[-1], flush=True)
   text = "\n".join(lines) + "\n"
-  print(text)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(text)
+  _report.emit(text, args.out)
 
 
 if __name__ == "__main__":

@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
 import jax_flash2
+import _report
 
 
 def time_jax(fn, args, iters=10, reps=3):
@@ -105,11 +105,7 @@ def main():
                       help="skip XLA where its [B, H, T, S] float32 scores exceed this")
   parser.add_argument("--out", default=None, help="write the markdown table here")
   args = parser.parse_args()
-  table = markdown(run(args), "python " + " ".join(sys.argv))
-  print(table)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(table)
+  _report.emit(markdown(run(args), _report.command()), args.out)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,9 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jax_flash2
+import _report
 
 
 def warm_up(call, sync, seconds):
@@ -180,7 +180,7 @@ def fmt(x):
 
 def markdown(grid_rows, decode_rows, command, decode_unroll):
   names = ["jax_flash2", "cudnn", "xla", "torch_fa2"]
-  lines = [f"Command: `{command}`", f"Device: {jax.devices()[0].device_kind}, jax {jax.__version__}", "",
+  lines = [*_report.header(command), "",
            "TFLOP/s, forward / forward+backward (bf16, B*T = 16k, H*D = 2048):", "",
            "| D | causal | T | " + " | ".join(names) + " |", "|---" * (3 + len(names)) + "|"]
   for r in grid_rows:
@@ -195,8 +195,6 @@ def markdown(grid_rows, decode_rows, command, decode_unroll):
 
 
 def main():
-  import sys
-
   parser = argparse.ArgumentParser()
   parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
   parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
@@ -214,11 +212,7 @@ def main():
   args = parser.parse_args()
   grid_rows = [] if args.no_grid else grid(args)
   decode_rows = [] if args.no_decode else decode(args)
-  text = markdown(grid_rows, decode_rows, "python " + " ".join(sys.argv), args.decode_unroll)
-  print(text)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(text)
+  _report.emit(markdown(grid_rows, decode_rows, _report.command(), args.decode_unroll), args.out)
 
 
 if __name__ == "__main__":

@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jax_flash2
 from jax_flash2 import kvcache
+import _report
 
 COPY_RATE = 4.3e12  # bytes/s, H200 device-to-device copy
 H, K, D = 32, 8, 128
@@ -169,7 +168,7 @@ def fmt(x):
 
 
 def markdown(rows, command):
-  lines = [f"Command: `{command}`", f"Device: {jax.devices()[0].device_kind}, jax {jax.__version__}",
+  lines = [*_report.header(command),
            "", "| B | lengths | mean len | layout | dtype | append | ours us | GB/s (valid) | of 4.3 TB/s "
            "| XLA gather us | cuDNN us |", "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
@@ -205,11 +204,7 @@ def main(argv=None):
     print(markdown(rows[-1:], "").splitlines()[-1], flush=True)
   rows.append(row(args, b, "uniform", 64, append=True, baselines=False))
   print(markdown(rows[-1:], "").splitlines()[-1], flush=True)
-  text = markdown(rows, "python " + " ".join(sys.argv))
-  print(text)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(text)
+  _report.emit(markdown(rows, _report.command()), args.out)
 
 
 if __name__ == "__main__":

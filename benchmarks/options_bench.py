@@ -13,7 +13,6 @@ forward+backward; each option's ratio to the plain path of the same shape.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import jax
@@ -23,6 +22,7 @@ import numpy as np
 import jax_flash2
 from jax_flash2 import reference
 from gpu_bench import time_jax
+import _report
 
 BATCH, HEADS = 2, 16
 SOFTCAP = 50.0
@@ -81,7 +81,6 @@ def main():
                       help="variant names to run (plain always runs: the ratios need it)")
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
-  command = "python " + " ".join(sys.argv)
   names = list(variants(False))
   if args.no_cudnn:
     names = [n for n in names if not n.startswith("cuDNN")]
@@ -90,9 +89,7 @@ def main():
     if unknown:
       parser.error(f"--only: unknown variants {sorted(unknown)}; known: {names}")
     names = [n for n in names if n == "plain" or n in args.only]
-  lines = [f"Command: `{command}`",
-           f"Device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
-           f"{jax_flash2.kernel_info()['cuda']}", "",
+  lines = [*_report.header(_report.command(), str(jax_flash2.kernel_info()["cuda"])), "",
            f"bf16, B = {BATCH}, H = {HEADS}, T = S. TFLOP/s forward / forward+backward; "
            "in brackets the ratio to jax_flash2's plain path of the same row.", "",
            "| D | T | causal | " + " | ".join(names) + " |",
@@ -134,9 +131,8 @@ def main():
         lines.append(f"| {head_dim} | {seqlen} | {causal} | "
                      + " | ".join(cell(results.get(n)) for n in names) + " |")
         print(lines[-1], flush=True)
-        if args.out:  # after every row: a cut run keeps the rows it finished
-          with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        # after every row: a cut run keeps the rows it finished
+        _report.save("\n".join(lines) + "\n", args.out)
   print("\n".join(lines))
 
 

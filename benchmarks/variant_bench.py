@@ -18,7 +18,6 @@ visible pair forward, 3.5x that forward+backward. Rows:
 from __future__ import annotations
 
 import argparse
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +26,7 @@ import numpy as np
 import jax_flash2
 from jax_flash2 import reference
 from gpu_bench import time_jax
+import _report
 
 HEADS, HEAD_DIM = 16, 128
 
@@ -126,7 +126,7 @@ def markdown(table, command):
   def cell(r):
     return "-" if r is None else f"{r[1]:.0f} / {r[3]:.0f} ({r[0]:.2f} / {r[2]:.2f} ms)"
 
-  lines = [f"Command: `{command}`", f"Device: {jax.devices()[0].device_kind}, jax {jax.__version__}", "",
+  lines = [*_report.header(command), "",
            f"bf16, H = {HEADS}, D = {HEAD_DIM}. TFLOP/s over visible pairs, forward / forward+backward "
            "(milliseconds in brackets):", "",
            "| variant | jax_flash2 | cuDNN |", "|---|---|---|"]
@@ -139,11 +139,7 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
-  text = markdown(rows(), "python " + " ".join(sys.argv))
-  print(text)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(text)
+  _report.emit(markdown(rows(), _report.command()), args.out)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@
 // transposed copy. LSE is [B, H, T] float32, contiguous.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <initializer_list>
 
 namespace jax_flash2 {
 
@@ -121,6 +123,24 @@ int64_t KvBlockOf(const FlashParams& p, int64_t b, int64_t j, int64_t* row) {
   *row = j % p.page_size;
   const int64_t page = p.block_table[b * p.max_pages + j / p.page_size];
   return page >= 0 && page < p.num_pages ? page : -1;
+}
+
+// The twelve strides of q, k, v and o (batch, row, head of each), which the
+// support checks (plan.h, sm90/tensor_map.h) test alike.
+inline std::array<int64_t, 12> QkvoStrides(const FlashParams& p) {
+  return {p.q_batch_stride, p.q_row_stride, p.q_head_stride,
+          p.k_batch_stride, p.k_row_stride, p.k_head_stride,
+          p.v_batch_stride, p.v_row_stride, p.v_head_stride,
+          p.o_batch_stride, p.o_row_stride, p.o_head_stride};
+}
+
+// True when every pointer is 16-byte aligned (the kernels move 16-byte
+// chunks: cp.async, vector loads and stores, TMA bases).
+inline bool Aligned16(std::initializer_list<const void*> ptrs) {
+  for (const void* ptr : ptrs) {
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
+  }
+  return true;
 }
 
 // Fills the dense [B, T, H, D] strides of every tensor from the sizes.

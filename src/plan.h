@@ -141,11 +141,7 @@ inline std::string CommonUnsupported(const FlashParams& p, const DeviceInfo& dev
            " must be a multiple of num_heads_kv K=" + std::to_string(p.num_heads_kv) +
            " with group_size = H / K";
   }
-  const int64_t strides[] = {p.q_batch_stride, p.q_row_stride, p.q_head_stride,
-                             p.k_batch_stride, p.k_row_stride, p.k_head_stride,
-                             p.v_batch_stride, p.v_row_stride, p.v_head_stride,
-                             p.o_batch_stride, p.o_row_stride, p.o_head_stride};
-  for (int64_t s : strides) {
+  for (int64_t s : QkvoStrides(p)) {
     if (s % 8 != 0) {
       return "the CUDA kernels need every stride to be a multiple of 8 elements; got " +
              std::to_string(s);
@@ -154,29 +150,15 @@ inline std::string CommonUnsupported(const FlashParams& p, const DeviceInfo& dev
   return "";
 }
 
-inline bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
 // The layout the Hopper kernels' tensor maps can encode (strides below 2^39
 // elements, 16-byte aligned bases) and their 32-bit row indices; what
 // Sm90CommonSupports checks beside the options.
 inline bool Sm90LayoutServes(const FlashParams& p, bool backward) {
-  const int64_t strides[] = {p.q_batch_stride, p.q_row_stride, p.q_head_stride,
-                             p.k_batch_stride, p.k_row_stride, p.k_head_stride,
-                             p.v_batch_stride, p.v_row_stride, p.v_head_stride,
-                             p.o_batch_stride, p.o_row_stride, p.o_head_stride};
-  for (int64_t s : strides) {
+  for (int64_t s : QkvoStrides(p)) {
     if (s < 0 || s >= (int64_t{1} << 39)) return false;
   }
-  const void* ptrs[] = {p.q, p.k, p.v, p.o};
-  for (const void* ptr : ptrs) {
-    if (!Aligned16(ptr)) return false;
-  }
-  if (backward) {
-    const void* grads[] = {p.d_o, p.dq, p.dk, p.dv};
-    for (const void* ptr : grads) {
-      if (!Aligned16(ptr)) return false;
-    }
-  }
+  if (!Aligned16({p.q, p.k, p.v, p.o})) return false;
+  if (backward && !Aligned16({p.d_o, p.dq, p.dk, p.dv})) return false;
   return p.seqlen_q < (int64_t{1} << 31) - 256 && p.seqlen_k < (int64_t{1} << 31) - 256;
 }
 
@@ -474,11 +456,8 @@ inline Sm80BwdTile ChooseSm80BwdTile(int64_t head_dim, size_t max_smem) {
 inline std::string BackwardUnsupported(const FlashParams& p, const DeviceInfo& dev) {
   std::string why = plan_detail::CommonUnsupported(p, dev);
   if (!why.empty()) return why;
-  const void* ptrs[] = {p.q, p.k, p.v, p.o, p.d_o, p.dq, p.dk, p.dv};
-  for (const void* ptr : ptrs) {
-    if (!plan_detail::Aligned16(ptr)) {
-      return "the CUDA backward needs 16-byte aligned q, k, v, out, d_out, dq, dk, dv";
-    }
+  if (!Aligned16({p.q, p.k, p.v, p.o, p.d_o, p.dq, p.dk, p.dv})) {
+    return "the CUDA backward needs 16-byte aligned q, k, v, out, d_out, dq, dk, dv";
   }
   if (p.batch > 65535 || p.num_heads_kv > 65535) {
     return "shape too large for the CUDA backward's grid: B=" + std::to_string(p.batch) +

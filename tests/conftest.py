@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jax_flash2
+from jax_flash2 import api, reference
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -81,6 +82,29 @@ def random_inputs(rng, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, d
   k = rng.standard_normal((batch, seqlen_k, heads_kv, head_dim))
   v = rng.standard_normal((batch, seqlen_k, heads_kv, head_dim))
   return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def materialize_options(options, rng, batch, seqlen, heads):
+  """`options` with its flags made arrays: "alibi": True -> slopes [B, H] in
+  [0.01, 0.3); "segments": True -> sorted ids in [0, 3) over the T queries, the
+  same ids for k/v (so T == S)."""
+  options = dict(options)
+  if options.pop("alibi", False):
+    options["alibi_slopes"] = jnp.asarray(rng.uniform(0.01, 0.3, (batch, heads)), jnp.float32)
+  if options.pop("segments", False):
+    ids = jnp.asarray(np.sort(rng.integers(0, 3, (batch, seqlen)), axis=1), jnp.int32)
+    options["segment_ids"] = (ids, ids)
+  return options
+
+
+def keep_mask(key, batch, heads, seqlen_q, seqlen_k, rate):
+  """[B, H, T, S] bool: the dropout mask flash_attention draws for `key` (via
+  the seeds api.extra_operands derives from the batch and head counts, as every
+  backend does)."""
+  q = jnp.zeros((batch, seqlen_q, heads, 8))
+  k = jnp.zeros((batch, seqlen_k, 1, 8))
+  seeds = api.extra_operands(q, k, dropout_rng=key, dropout_rate=rate).dropout_seeds
+  return np.asarray(reference.dropout_keep(seeds, seqlen_q, seqlen_k, rate))
 
 
 def attention_fn(backend: str):

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import jax_flash2
-from conftest import ON_GPU, attention_fn, random_inputs, supports
-from jax_flash2 import _ext, api, reference
+from conftest import (ON_GPU, attention_fn, keep_mask, materialize_options, random_inputs,
+                      supports)
+from jax_flash2 import _ext, reference
 from oracle import assert_close_to_oracle, naive_same_dtype, oracle
 
 # The kernels' dtype here: the CUDA kernels take 16-bit inputs only. Tests that
@@ -23,15 +24,6 @@ DTYPE = jnp.float16 if ON_GPU else jnp.float32
 
 def _tol(f32_tol, dtype=DTYPE):
   return f32_tol if jnp.dtype(dtype) == jnp.float32 else 2e-3
-
-
-def keep_mask(key, batch, heads, seqlen_q, seqlen_k, rate):
-  """[B, H, T, S] bool: the mask flash_attention draws for `key` (via the seeds
-  api.extra_operands derives, as every backend does)."""
-  q = jnp.zeros((batch, seqlen_q, heads, 8))
-  k = jnp.zeros((batch, seqlen_k, 1, 8))
-  seeds = api.extra_operands(q, k, dropout_rng=key, dropout_rate=rate).dropout_seeds
-  return np.asarray(reference.dropout_keep(seeds, seqlen_q, seqlen_k, rate))
 
 
 def kernel_mask(key, batch, heads, seqlen_q, seqlen_k, rate, backend="kernel"):
@@ -118,14 +110,8 @@ def _case_id(case):
 
 
 def _materialize(case, rng):
-  b, t, s, h, _, _, options = case
-  options = dict(options)
-  if options.pop("alibi", False):
-    options["alibi_slopes"] = jnp.asarray(rng.uniform(0.01, 0.3, (b, h)), jnp.float32)
-  if options.pop("segments", False):
-    ids = jnp.asarray(np.sort(rng.integers(0, 3, (b, t)), axis=1), jnp.int32)
-    options["segment_ids"] = (ids, ids)
-  return options
+  b, t, _, h, _, _, options = case
+  return materialize_options(options, rng, b, t, h)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)

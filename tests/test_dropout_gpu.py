@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 
 import jax_flash2
-from jax_flash2 import api, reference
 
-from conftest import ON_GPU, device_plan, is_hopper, random_inputs
+from conftest import ON_GPU, device_plan, is_hopper, keep_mask, materialize_options, random_inputs
 from oracle import ABS_SLACK, assert_close_to_oracle, max_err, naive_same_dtype, oracle
 
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
@@ -49,19 +48,9 @@ def _case_id(c):
       f"-{jnp.dtype(dtype).name}")
 
 
-def _materialize(options, rng, b, t, h):
-  options = dict(options)
-  if options.pop("alibi", False):
-    options["alibi_slopes"] = jnp.asarray(rng.uniform(0.01, 0.3, (b, h)), jnp.float32)
-  if options.pop("segments", False):
-    ids = jnp.asarray(np.sort(rng.integers(0, 3, (b, t)), axis=1), jnp.int32)
-    options["segment_ids"] = (ids, ids)
-  return options
-
-
 def _plans(case, rng, cc, sm_count):
   t, s, h, hk, d, rate, options, dtype = case
-  options = _materialize(options, rng, 2, t, h)
+  options = materialize_options(options, rng, 2, t, h)
   q, k, v = (jax.ShapeDtypeStruct(shape, dtype) for shape in
              ((2, t, h, d), (2, s, hk, d), (2, s, hk, d)))
   return jax_flash2.plan(q, k, v, compute_capability=cc, sm_count=sm_count, dropout_rate=rate,
@@ -83,7 +72,7 @@ def test_cases_take_the_hopper_kernels(rng, case):
 def test_dropout_matches_reference_and_oracle(rng, case):
   t, s, h, hk, d, rate, options, dtype = case
   b = 2
-  options = _materialize(options, rng, b, t, h)
+  options = materialize_options(options, rng, b, t, h)
   q, k, v = random_inputs(rng, b, t, s, h, hk, d, dtype)
   d_out = jnp.asarray(rng.standard_normal(q.shape), dtype)
   d_lse = jnp.asarray(rng.standard_normal((b, h, t)), jnp.float32)
@@ -108,8 +97,7 @@ def test_dropout_matches_reference_and_oracle(rng, case):
 
   got = run("kernel")
   ref = run("reference")
-  seeds = api.extra_operands(q, k, dropout_rng=key, dropout_rate=rate).dropout_seeds
-  keep = np.asarray(reference.dropout_keep(seeds, t, s, rate))
+  keep = keep_mask(key, b, h, t, s, rate)
   (ref_out, ref_lse), ref_grads = oracle(q, k, v, d_out, d_lse, dropout_keep=keep,
                                          dropout_rate=rate, **options)
   naive = lambda q, k, v: naive_same_dtype(q, k, v, dropout_keep=keep, dropout_rate=rate,
@@ -142,6 +130,4 @@ def test_dropout_mask_on_hopper_is_the_reference_mask():
   out = jax_flash2.flash_attention(q, k, v, dropout_rate=rate, dropout_rng=key)
   scaled = np.asarray(out, np.float32).transpose(0, 2, 1, 3) * s * (1 - rate)
   assert np.all((np.abs(scaled) < 1e-5) | (np.abs(scaled - 1) < 2e-3)), "entries not 0 or 1"
-  seeds = api.extra_operands(q, k, dropout_rng=key, dropout_rate=rate).dropout_seeds
-  np.testing.assert_array_equal(scaled > 0.5,
-                                np.asarray(reference.dropout_keep(seeds, t, s, rate)))
+  np.testing.assert_array_equal(scaled > 0.5, keep_mask(key, b, h, t, s, rate))

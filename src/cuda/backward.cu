@@ -19,8 +19,6 @@ namespace jax_flash2::cuda {
 
 namespace {
 
-bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
 template <typename Elem>
 cudaError_t RunBackwardTyped(const FlashParams& p, const BwdPlan& plan, const BwdScratchPtrs& s,
                              size_t zeroed_bytes, const DeviceInfo& dev, cudaStream_t stream) {
@@ -92,7 +90,7 @@ cudaError_t RunBackward(const FlashParams& p, void* scratch, const DeviceInfo& d
   if (plan.kernel == BwdKernel::kUnsupported || p.lse == nullptr) return cudaErrorInvalidValue;
   if (p.batch == 0 || p.seqlen_k == 0 || p.num_heads_q == 0) return cudaSuccess;
   const BwdScratchLayout layout = ScratchLayout(p, plan, dev);
-  if (scratch == nullptr || !Aligned16(scratch)) return cudaErrorInvalidValue;
+  if (scratch == nullptr || !Aligned16({scratch})) return cudaErrorInvalidValue;
   const BwdScratchPtrs s = BwdScratchPointers(scratch, layout, p.deterministic);
   const size_t zeroed = layout.zeroed_bytes;
   if (p.dtype == DType::kFloat16) return RunBackwardTyped<__half>(p, plan, s, zeroed, dev, stream);

@@ -587,6 +587,17 @@ cudaError_t LaunchBwdMainTiles(const FlashParams& p, const BwdScratchPtrs& s,
   return cudaGetLastError();
 }
 
+// LaunchBwdMainTiles with the tile of kRow; invalid where the bucket has no
+// row in that table (nothing compiled for it).
+template <typename Elem, int kHeadDim, BwdTileRow kRow>
+cudaError_t LaunchBwdMainRow(const FlashParams& p, const BwdScratchPtrs& s, cudaStream_t stream) {
+  if constexpr (BwdTileOfRow(kHeadDim, kRow).head_dim == kHeadDim) {
+    return LaunchBwdMainTiles<Elem, BwdTraits<kHeadDim, kRow>>(p, s, stream);
+  } else {
+    return cudaErrorInvalidValue;
+  }
+}
+
 // Launches BwdMainKernel for one (dtype, head-dim bucket) with the tile of
 // `row` (the plan's choice for the device, plan.h ChooseSm80BwdTile); only the
 // rows a bucket has are compiled. Instantiated in bwd_hdim*.cu so the buckets
@@ -594,18 +605,15 @@ cudaError_t LaunchBwdMainTiles(const FlashParams& p, const BwdScratchPtrs& s,
 template <typename Elem, int kHeadDim>
 cudaError_t LaunchBwdMain(const FlashParams& p, const BwdScratchPtrs& s, BwdTileRow row,
                           cudaStream_t stream) {
-  if constexpr (BwdTileOfRow(kHeadDim, BwdTileRow::kLargeSmem).head_dim == kHeadDim) {
-    if (row == BwdTileRow::kLargeSmem) {
-      return LaunchBwdMainTiles<Elem, BwdTraits<kHeadDim, BwdTileRow::kLargeSmem>>(p, s, stream);
-    }
+  switch (row) {
+    case BwdTileRow::kDefault:
+      return LaunchBwdMainRow<Elem, kHeadDim, BwdTileRow::kDefault>(p, s, stream);
+    case BwdTileRow::kLargeSmem:
+      return LaunchBwdMainRow<Elem, kHeadDim, BwdTileRow::kLargeSmem>(p, s, stream);
+    case BwdTileRow::kSmallSmem:
+      return LaunchBwdMainRow<Elem, kHeadDim, BwdTileRow::kSmallSmem>(p, s, stream);
   }
-  if constexpr (BwdTileOfRow(kHeadDim, BwdTileRow::kSmallSmem).head_dim == kHeadDim) {
-    if (row == BwdTileRow::kSmallSmem) {
-      return LaunchBwdMainTiles<Elem, BwdTraits<kHeadDim, BwdTileRow::kSmallSmem>>(p, s, stream);
-    }
-  }
-  if (row != BwdTileRow::kDefault) return cudaErrorInvalidValue;
-  return LaunchBwdMainTiles<Elem, BwdTraits<kHeadDim>>(p, s, stream);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace jax_flash2::cuda

@@ -74,22 +74,20 @@ constexpr BwdTileSizes BwdTileFor(int64_t head_dim) {
 // Which table a bucket's kernel takes its tile from.
 enum class BwdTileRow : int { kDefault = 0, kLargeSmem = 1, kSmallSmem = 2 };
 
-// The row of a bucket in that table, or {0, ...} when it has none there.
-constexpr BwdTileSizes BwdTileOfRow(int bucket, BwdTileRow row) {
-  if (row == BwdTileRow::kDefault) {
-    const BwdTileSizes t = BwdTileFor(bucket);
-    return t.head_dim == bucket ? t : BwdTileSizes{0, 0, 0, 0};
-  }
-  if (row == BwdTileRow::kLargeSmem) {
-    for (const BwdTileSizes& t : kBwdTileTableLargeSmem) {
-      if (t.head_dim == bucket) return t;
-    }
-  } else {
-    for (const BwdTileSizes& t : kBwdTileTableSmallSmem) {
-      if (t.head_dim == bucket) return t;
-    }
+// The row of a bucket in `table`, or {0, ...} when it has none there.
+template <size_t kRows>
+constexpr BwdTileSizes BwdTileOfBucket(const BwdTileSizes (&table)[kRows], int bucket) {
+  for (const BwdTileSizes& t : table) {
+    if (t.head_dim == bucket) return t;
   }
   return BwdTileSizes{0, 0, 0, 0};
+}
+
+// The row of a bucket in the table of `row`, or {0, ...} when it has none there.
+constexpr BwdTileSizes BwdTileOfRow(int bucket, BwdTileRow row) {
+  return row == BwdTileRow::kDefault     ? BwdTileOfBucket(kBwdTileTable, bucket)
+         : row == BwdTileRow::kLargeSmem ? BwdTileOfBucket(kBwdTileTableLargeSmem, bucket)
+                                         : BwdTileOfBucket(kBwdTileTableSmallSmem, bucket);
 }
 
 // Shared memory rows are padded by 8 elements (16 bytes): a row is then an odd

@@ -1,8 +1,8 @@
 // Hopper (sm_90a) backward: host interface, tile table and the kernel's
 // argument block. Built into the sm_90a-only library (CMakeLists.txt).
 // RunBackward (bwd_launch.cu) runs its preprocess kernel (lse2, Dvec, dq_acc =
-// 0), then RunBackwardSm90 in place of the sm80 main kernel on cc 9.0 devices
-// when Sm90BackwardEnabled() and Sm90BackwardSupports(p) hold, then its
+// 0), then RunBackwardSm90 in place of the sm80 main kernel where the call's
+// plan (MakeBackwardPlan, src/plan.h) picks the Hopper backward, then its
 // convert kernel: the scratch layout (bwd_traits.h) is the same for both.
 #pragma once
 
@@ -27,18 +27,14 @@ struct BwdScratchPtrs;  // bwd_kernel.cuh
 // Sm90BackwardDqTurns).
 bool Sm90BackwardSupports(const FlashParams& p);
 
-// False when the environment variable JAX_FLASH2_SM90_BACKWARD is "0": a
-// kill switch that sends every backward to the sm80 kernels. Read once.
-bool Sm90BackwardEnabled();
-
 // The main backward kernel (dK, dV, and dQ / scale accumulated into
 // s.dq_acc), on the current device (must be cc 9.0); the caller runs the
 // preprocess before and the convert after, as for the sm80 kernel.
 // dQ goes into dq_acc by bulk tensor reductions of whole 64 x 32 fp32 tiles
 // (a dq_acc tensor map): float2 atomics from every thread measured 404
-// against 450 TFLOP/s at B4 T=S=4096 H16 D128 (and an earlier per-row bulk
-// reduction was slower than the atomics). The D-split kernel (D > 128)
-// stages its dQ over the Q and dO stages it has just used.
+// against 450 TFLOP/s at B4 T=S=4096 H16 D128 (and a per-row bulk reduction
+// was slower than the atomics). The D-split kernel (D > 128) stages its dQ
+// over the Q and dO stages it has just used.
 // Returns cudaErrorInvalidValue when !Sm90BackwardSupports(p), s has more
 // than one dQ slice, or s lacks the dq_turns p needs.
 cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const DeviceInfo& dev,

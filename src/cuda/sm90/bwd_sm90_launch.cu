@@ -1,6 +1,5 @@
-// Host side of the Hopper backward main kernel: what it supports, the kill
-// switch, the tensor maps, and the launch with its runtime -> template
-// dispatch.
+// Host side of the Hopper backward main kernel: what it supports, the tensor
+// maps, and the launch with its runtime -> template dispatch.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -9,8 +8,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "../../flash_mask.h"
 #include "../sm80/bwd_kernel.cuh"
@@ -154,16 +151,8 @@ bool Sm90BackwardSupports(const FlashParams& p) {
   if ((p.q_segment_ids == nullptr) != (p.kv_segment_ids == nullptr)) return false;
   return tile.head_dim != 0 && sm90::Sm90CommonSupports(p) &&
          Sm90BackwardUnservedOption(p) == nullptr &&
-         sm90::Aligned16({p.d_o, p.dq, p.dk, p.dv}) && NumTiles(p) <= INT32_MAX &&
+         Aligned16({p.d_o, p.dq, p.dk, p.dv}) && NumTiles(p) <= INT32_MAX &&
          Sm90BackwardDqTurns(p) <= INT32_MAX;
-}
-
-bool Sm90BackwardEnabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("JAX_FLASH2_SM90_BACKWARD");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
-  return enabled;
 }
 
 cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const DeviceInfo& dev,

@@ -7,20 +7,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <initializer_list>
 
 #include "../../flash_params.h"
 #include "../../sm90_options.h"
 
 namespace jax_flash2::cuda::sm90 {
-
-// True when every pointer is 16-byte aligned (TMA bases, vector stores).
-inline bool Aligned16(std::initializer_list<const void*> ptrs) {
-  for (const void* ptr : ptrs) {
-    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
-  }
-  return true;
-}
 
 // What both Hopper kernels ask of a call, beside a tile for its head dim and
 // their grid limits: fp16/bf16; only the score options src/sm90_options.h
@@ -34,11 +25,7 @@ inline bool Sm90CommonSupports(const FlashParams& p) {
       p.group_size != p.num_heads_q / p.num_heads_kv) {
     return false;
   }
-  const int64_t strides[] = {p.q_batch_stride, p.q_row_stride, p.q_head_stride,
-                             p.k_batch_stride, p.k_row_stride, p.k_head_stride,
-                             p.v_batch_stride, p.v_row_stride, p.v_head_stride,
-                             p.o_batch_stride, p.o_row_stride, p.o_head_stride};
-  for (int64_t s : strides) {
+  for (int64_t s : QkvoStrides(p)) {
     if (s % 8 != 0 || s < 0 || s >= (int64_t{1} << 39)) return false;
   }
   return Aligned16({p.q, p.k, p.v, p.o}) && p.seqlen_q < (int64_t{1} << 31) - 256 &&
