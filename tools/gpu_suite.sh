@@ -77,9 +77,10 @@ run_tests() {
     echo "== part $PART: ${#tests[@]} tests"
   fi
   (cd tests && CUDA_VISIBLE_DEVICES=$TEST_GPU XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -v -rfE -p no:cacheprovider \
+    timeout -s INT "${TEST_TIMEOUT:-420}" python3 -m pytest -v -rfE -p no:cacheprovider \
     --tb=short -n "${WORKERS:-8}" "${tests[@]}" > "$OUT/pytest.log" 2>&1)
-  # -v keeps every finished test's result when the timeout cuts the run.
+  # -v keeps every finished test's result when the timeout cuts the run; SIGINT
+  # lets pytest still print the failures' tracebacks and the summary.
   grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest.log" | grep -v "^\[gw.*PASSED" | tail -30
   echo "== tests in ${SECONDS}s"
   CUDA_VISIBLE_DEVICES=$TEST_GPU timeout 120 python3 examples/quickstart.py 2>&1 \
