@@ -3,7 +3,8 @@
 On a GPU machine every other test runs on the GPU, so these are the ones
 that compile the CPU custom calls with that machine's jax. Each step is its
 own process and its own test, from the smallest program up (one call; its
-gradient; ppermute alone over two host devices; ring attention over them),
+gradient; ppermute alone over two host devices; a batch split over them,
+through custom_partitioning; ring attention over them),
 so that a crash in XLA's compile names the step that causes it.
 """
 
@@ -59,6 +60,13 @@ f = shard_map(lambda x: jax.lax.ppermute(x, "seq", [(0, 1), (1, 0)]), mesh=mesh,
               in_specs=P("seq"), out_specs=P("seq"))
 x = jnp.arange(8.0)
 close(jax.jit(f)(x), jnp.concatenate([x[4:], x[:4]]))
+""",
+    "batch_sharded_two_devices": """
+mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+q, k, v = (jnp.concatenate([x, x[:, ::-1]]) for x in inputs(37))
+put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data")))
+close(jax.jit(jax_flash2.flash_attention)(put(q), put(k), put(v)),
+      jax_flash2.flash_attention(q, k, v))
 """,
     "ring_two_devices": """
 from jax_flash2 import context_parallel as cp
