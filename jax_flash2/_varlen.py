@@ -106,6 +106,19 @@ def choose_path(cu_seqlens_q, cu_seqlens_k, positional: bool, seqused_k=None) ->
   return "packed" if seqused_k is None and same_offsets(cu_seqlens_q, cu_seqlens_k) else "padded"
 
 
+# Up to this many (token, offset) comparisons the search compares each token
+# with every offset (one fused op on a GPU; the CPU compiler may hold the
+# [total, n + 1] comparisons, 16 MB at this bound); past it a binary search,
+# a while loop of log2(n + 1) steps, each a separate launch on a GPU.
+_COMPARE_ALL_MAX = 1 << 22
+
+
+def _sequence_of(offsets, token):
+  """int32 count of offsets <= each token (searchsorted, side="right")."""
+  method = "compare_all" if offsets.shape[0] * token.shape[0] <= _COMPARE_ALL_MAX else "scan"
+  return jnp.searchsorted(offsets, token, side="right", method=method).astype(jnp.int32)
+
+
 def segment_ids_from_offsets(cu_seqlens, total: int, pad_id: int, used=None):
   """[total] int32: 2 b for the tokens of sequence b, pad_id outside
   [cu[0], cu[-1]); with used ([n] int32), 2 b + 1 for the tokens of
@@ -114,12 +127,12 @@ def segment_ids_from_offsets(cu_seqlens, total: int, pad_id: int, used=None):
   Even ids for the sequences leave an odd id between consecutive ones, for
   keys no query may see (queries only ever get even ids), so the ids stay
   non-decreasing along the row and the kernels' per-block id ranges tight.
-  O(total log n) on the device; a length-0 sequence owns no token (the
-  search picks the last b with cu[b] <= t). Contents are trusted: offsets
-  that are not non-decreasing give ids that are not the sequences.
+  A length-0 sequence owns no token (the search picks the last b with
+  cu[b] <= t). Contents are trusted: offsets that are not non-decreasing
+  give ids that are not the sequences.
   """
   token = jnp.arange(total, dtype=jnp.int32)
-  seq = jnp.searchsorted(cu_seqlens, token, side="right").astype(jnp.int32) - 1
+  seq = _sequence_of(cu_seqlens, token) - 1
   ids = 2 * seq
   if used is not None:
     # seq is outside [0, n) only for tokens outside every sequence, which
@@ -179,7 +192,7 @@ def _slot_of_token(cu_seqlens, max_seqlen: int, total: int):
   """Flat index into [n * P] of each packed token; tokens past cu[-1] get
   slot 0, a padding slot when P exceeds every length."""
   token = jnp.arange(total)
-  seq = jnp.searchsorted(cu_seqlens[1:], token, side="right")
+  seq = _sequence_of(cu_seqlens[1:], token)
   lengths = cu_seqlens[1:] - cu_seqlens[:-1]
   slot = seq * max_seqlen + (max_seqlen - lengths[seq]) + (token - cu_seqlens[seq])
   return jnp.where(token < cu_seqlens[-1], slot, 0)
