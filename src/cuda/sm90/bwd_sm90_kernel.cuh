@@ -168,6 +168,124 @@ struct BwdSm90Smem {
   static_assert(Tr::kQBytes % 1024 == 0 && Tr::kDsBytes % 1024 == 0 && kBars % 8 == 0);
 };
 
+// Tile t (BwdSm90Args): key block n_begin of (b, kv_head), and the query
+// blocks [m_block_begin, + num_m_blocks) that may see one of its keys, once
+// per query head of the group: num_iters iterations.
+struct BwdSm90TileSpan {
+  int n_begin, b, kv_head;
+  int m_block_begin, num_m_blocks, num_iters;
+};
+
+// A consumer thread: warpgroup cg owns keys [64 cg, 64 cg + 64) of a tile,
+// warp w of it 16 keys (accumulator rows g, g + 8), lane column pair t4.
+struct BwdSm90Thread {
+  int cg, wg_tid, warp, lane, g, t4;
+};
+
+// A stream-K piece (BwdSm90Tile): the first of a tile's two pieces to get
+// here parks its dK, dV (BwdSm90ParkPiece); the second adds them to its own
+// (BwdSm90AddPiece) and goes on to the epilogue. Both warpgroups take the
+// same role (barrier 7 spans them); a thread's registers go to [register]
+// [consumer thread], so each store and load is one coalesced row.
+struct BwdSm90Piece {
+  int* ready;
+  float* partial;
+};
+
+template <int kHeadDim>
+__device__ __forceinline__ BwdSm90Piece BwdSm90ArrivePiece(const BwdSm90Args& args,
+                                                           const BwdSm90Thread& me,
+                                                           int* piece_role, int slot) {
+  int* arrivals = args.sk_flags + 2 * slot;
+  BwdSm90Piece piece;
+  piece.ready = arrivals + 1;
+  piece.partial = args.sk_partial + slot * BwdSm90SlotFloats(kHeadDim) + 128 * me.cg + me.wg_tid;
+  if (me.cg == 0 && me.wg_tid == 0) *piece_role = atomicAdd(arrivals, 1);
+  NamedBarrierSync(7, 256);
+  return piece;
+}
+
+template <class Tr>
+__device__ __forceinline__ void BwdSm90ParkPiece(const BwdSm90Piece& piece,
+                                                 const BwdSm90Thread& me,
+                                                 const float (&acc_dk)[Tr::kAcc],
+                                                 const float (&acc_dv)[Tr::kAcc]) {
+  constexpr int kRow = 128 * kBwdConsumerWarpgroups;
+  float* partial = piece.partial;
+#pragma unroll
+  for (int r = 0; r < Tr::kAcc; ++r) {
+    __stcg(partial + r * kRow, acc_dk[r]);
+    __stcg(partial + (Tr::kAcc + r) * kRow, acc_dv[r]);
+  }
+  __threadfence();
+  NamedBarrierSync(7, 256);
+  if (me.cg == 0 && me.wg_tid == 0) StoreRelease(piece.ready, 1);
+}
+
+template <class Tr>
+__device__ __forceinline__ void BwdSm90AddPiece(const BwdSm90Piece& piece,
+                                                const BwdSm90Thread& me,
+                                                float (&acc_dk)[Tr::kAcc],
+                                                float (&acc_dv)[Tr::kAcc]) {
+  constexpr int kRow = 128 * kBwdConsumerWarpgroups;
+  const float* partial = piece.partial;
+  // The other piece is storing already (it arrived first): a short wait.
+  if (me.cg == 0 && me.wg_tid == 0) {
+    while (LoadAcquire(piece.ready) == 0) {
+    }
+  }
+  NamedBarrierSync(7, 256);
+#pragma unroll
+  for (int r = 0; r < Tr::kAcc; ++r) {
+    acc_dk[r] += __ldcg(partial + r * kRow);
+    acc_dv[r] += __ldcg(partial + (Tr::kAcc + r) * kRow);
+  }
+}
+
+// The epilogue: dK = scale * acc_dk, dV = acc_dv into [B, S, K, D] (dk and
+// dv share k's strides), staged in the TMA's swizzled layout and written by
+// TMA stores: direct stores of the accumulator fragments are 4-byte pieces
+// of 8 rows per instruction. The staging is this warpgroup's own key rows
+// of the dS^T buffers (dK panel i in buffer i; dV at D = 64 in buffer 0's
+// second panel, at D = 128 in a tile of its own), not K and V, so the next
+// tile's K and V load meanwhile. The other warpgroup's dQ products read
+// these rows too: barrier 7 over both warpgroups first. Keys no query sees
+// get zeros (num_iters == 0); keys past S are dropped by the copy engine.
+// Named barriers: 7 over both consumer warpgroups, 8 + cg over warpgroup cg
+// (1 and 3-6 are the loop's). The caller has waited for the warpgroup's
+// previous stores to read their staging.
+template <typename Elem, class Tr>
+__device__ __forceinline__ void BwdSm90Epilogue(const BwdSm90Args& args,
+                                                const BwdSm90Thread& me,
+                                                const BwdSm90TileSpan& tile,
+                                                unsigned char* s_dk_stage, int dk_panel_stride,
+                                                unsigned char* s_dv_stage, int dv_panel_stride,
+                                                const float (&acc_dk)[Tr::kAcc],
+                                                const float (&acc_dv)[Tr::kAcc], bool dropout,
+                                                int seqlen_k) {
+  const FlashParams& p = args.p;
+  const int key0 = tile.n_begin + 64 * me.cg;
+  NamedBarrierSync(7, 256);
+  const float dk_scale[2] = {p.softmax_scale, p.softmax_scale};
+  // dV = (Z o P)^T dO / (1 - rate) with dropout.
+  const float dv_scale[2] = {dropout ? p.dropout_scale : 1.f, dropout ? p.dropout_scale : 1.f};
+  StageAccumulatorTile<Elem>(s_dk_stage, dk_panel_stride, me.warp, me.lane, acc_dk, dk_scale);
+  StageAccumulatorTile<Elem>(s_dv_stage, dv_panel_stride, me.warp, me.lane, acc_dv, dv_scale);
+  FenceProxyAsync();
+  NamedBarrierSync(8 + me.cg, 128);
+  if (me.wg_tid == 0 && key0 < seqlen_k) {
+    const RowHeadCoords at(args.kv_grad_heads_inner, key0, tile.kv_head);
+#pragma unroll
+    for (int panel = 0; panel < Tr::kPanels; ++panel) {
+      TmaStore4d(s_dk_stage + panel * dk_panel_stride, &args.tma_dk, panel * Tr::kPanelCols,
+                 at.c1, at.c2, tile.b);
+      TmaStore4d(s_dv_stage + panel * dv_panel_stride, &args.tma_dv, panel * Tr::kPanelCols,
+                 at.c1, at.c2, tile.b);
+    }
+    BulkCommitGroup();
+  }
+}
+
 // kScoreOptions: softcap, ALiBi and / or dropout (score_options.h). A template
 // flag, not a runtime branch: the branch alone cost the plain D = 64 kernel 8-9%
 // (spills in its main loop; H200, B4 T=S=4096 H32, causal or not).
@@ -201,14 +319,9 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   const int seqlen_k = static_cast<int>(p.seqlen_k);
   const WindowMask mask = MakeWindowMask(p);
 
-  // Tile t (BwdSm90Args): key block n_begin of (b, kv_head), and the query
-  // blocks [m_block_begin, + num_m_blocks) that may see one of its keys,
-  // once per query head of the group: num_iters iterations. Every role walks
-  // the same tiles, so the rings and barriers run on from tile to tile.
-  struct Tile {
-    int n_begin, b, kv_head;
-    int m_block_begin, num_m_blocks, num_iters;
-  };
+  // Tile t (BwdSm90TileSpan). Every role walks the same tiles, so the rings
+  // and barriers run on from tile to tile.
+  using Tile = BwdSm90TileSpan;
   const auto locate = [&](int t) {
     Tile tile;
     tile.n_begin = KeyBlockAt(t % args.num_n_blocks, args.key_block_flip) * kBlockN;
@@ -487,6 +600,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   const int lane = wg_tid % 32;
   const int g = lane / 4;        // accumulator row (and g + 8)
   const int t4 = lane % 4;       // accumulator column pair
+  const BwdSm90Thread me{cg, wg_tid, warp, lane, g, t4};
   // The exp2 factor per unit of score (score_options.h).
   const float scale_log2 = kScoreOptions ? args.units.log2 : p.softmax_scale_log2;
   const bool dropout = kScoreOptions && p.dropout_seeds != nullptr;
@@ -839,75 +953,21 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       ++kv_uses;
     }
 
-    // A stream-K piece (BwdSm90Tile): the first of a tile's two pieces to
-    // get here parks its dK, dV; the second adds them to its own and goes on
-    // to the epilogue. Both warpgroups take the same role (barrier 7 spans
-    // them); a thread's registers go to [register][consumer thread], so each
-    // store and load is one coalesced row.
-    // (The slot is read again here, not kept in a register through the loop.)
+    // A stream-K piece (BwdSm90Piece). (The slot is read again here, not
+    // kept in a register through the loop.)
     const int slot = item_at(item_index).slot;
     if (slot >= 0) {
-      int* arrivals = args.sk_flags + 2 * slot;
-      int* ready = arrivals + 1;
-      float* partial = args.sk_partial + slot * BwdSm90SlotFloats(kHeadDim) + 128 * cg + wg_tid;
-      constexpr int kRow = 128 * kBwdConsumerWarpgroups;
-      if (cg == 0 && wg_tid == 0) *piece_role = atomicAdd(arrivals, 1);
-      NamedBarrierSync(7, 256);
+      const BwdSm90Piece piece = BwdSm90ArrivePiece<kHeadDim>(args, me, piece_role, slot);
       if (*piece_role == 0) {
-#pragma unroll
-        for (int r = 0; r < Tr::kAcc; ++r) {
-          __stcg(partial + r * kRow, acc_dk[r]);
-          __stcg(partial + (Tr::kAcc + r) * kRow, acc_dv[r]);
-        }
-        __threadfence();
-        NamedBarrierSync(7, 256);
-        if (cg == 0 && wg_tid == 0) StoreRelease(ready, 1);
+        BwdSm90ParkPiece<Tr>(piece, me, acc_dk, acc_dv);
         continue;
       }
-      // The other piece is storing already (it arrived first): a short wait.
-      if (cg == 0 && wg_tid == 0) {
-        while (LoadAcquire(ready) == 0) {
-        }
-      }
-      NamedBarrierSync(7, 256);
-#pragma unroll
-      for (int r = 0; r < Tr::kAcc; ++r) {
-        acc_dk[r] += __ldcg(partial + r * kRow);
-        acc_dv[r] += __ldcg(partial + (Tr::kAcc + r) * kRow);
-      }
+      BwdSm90AddPiece<Tr>(piece, me, acc_dk, acc_dv);
     }
 
-    // Epilogue: dK = scale * acc_dk, dV = acc_dv into [B, S, K, D] (dk and
-    // dv share k's strides), staged in the TMA's swizzled layout and written
-    // by TMA stores: direct stores of the accumulator fragments are 4-byte
-    // pieces of 8 rows per instruction. The staging is this warpgroup's own
-    // key rows of the dS^T buffers (dK panel i in buffer i; dV at D = 64 in
-    // buffer 0's second panel, at D = 128 in a tile of its own), not K and
-    // V, so the next tile's K and V load meanwhile. The other warpgroup's dQ
-    // products read these rows too: barrier 7 over both warpgroups first.
-    // Keys no query sees get zeros (num_iters == 0); keys past S are dropped
-    // by the copy engine. Named barriers: 7 over both consumer warpgroups,
-    // 8 + cg over warpgroup cg (1 and 3-6 are the loop's).
     wait_staging_read();  // (an item without iterations did not wait above)
-    NamedBarrierSync(7, 256);
-    const float dk_scale[2] = {p.softmax_scale, p.softmax_scale};
-    // dV = (Z o P)^T dO / (1 - rate) with dropout.
-    const float dv_scale[2] = {dropout ? p.dropout_scale : 1.f, dropout ? p.dropout_scale : 1.f};
-    StageAccumulatorTile<Elem>(s_dk_stage, kDkPanelStride, warp, lane, acc_dk, dk_scale);
-    StageAccumulatorTile<Elem>(s_dv_stage, kDvPanelStride, warp, lane, acc_dv, dv_scale);
-    FenceProxyAsync();
-    NamedBarrierSync(8 + cg, 128);
-    if (wg_tid == 0 && key0 < seqlen_k) {
-      const RowHeadCoords at(args.kv_grad_heads_inner, key0, tile.kv_head);
-#pragma unroll
-      for (int panel = 0; panel < Tr::kPanels; ++panel) {
-        TmaStore4d(s_dk_stage + panel * kDkPanelStride, &args.tma_dk, panel * Tr::kPanelCols,
-                   at.c1, at.c2, tile.b);
-        TmaStore4d(s_dv_stage + panel * kDvPanelStride, &args.tma_dv, panel * Tr::kPanelCols,
-                   at.c1, at.c2, tile.b);
-      }
-      BulkCommitGroup();
-    }
+    BwdSm90Epilogue<Elem, Tr>(args, me, tile, s_dk_stage, kDkPanelStride, s_dv_stage,
+                              kDvPanelStride, acc_dk, acc_dv, dropout, seqlen_k);
     store_pending = true;
   }
   // The staging must outlive the copy engine's reads (the grid's completion
