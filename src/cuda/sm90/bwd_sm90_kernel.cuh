@@ -286,6 +286,190 @@ __device__ __forceinline__ void BwdSm90Epilogue(const BwdSm90Args& args,
   }
 }
 
+// The producer's TMA thread: per item, K and V of the tile, then Q and dO of
+// each query block into the ring.
+template <class Tr, class Walk, class ItemAt, class Locate, class QueryBlockAt>
+__device__ __forceinline__ void BwdSm90LoadTiles(const BwdSm90Args& args, const Walk* walk,
+                                                 const ItemAt& item_at, const Locate& locate,
+                                                 const QueryBlockAt& query_block,
+                                                 unsigned char* s_k, unsigned char* s_v,
+                                                 unsigned char* s_q, unsigned char* s_do,
+                                                 uint64_t* kv_full, uint64_t* kv_empty,
+                                                 uint64_t* q_full, uint64_t* q_empty) {
+  constexpr int kStages = Tr::kStages;
+  RingPos<kStages> ring;
+  int kv_loads = 0;  // items whose K and V this thread loaded
+  for (int item_index = 0; item_index < walk->num_items; ++item_index) {
+    const auto item = item_at(item_index);
+    const BwdSm90TileSpan tile = locate(item.tile);
+    const int it_end = min(item.it_end, tile.num_iters);
+    if (item.it_begin >= it_end) continue;  // nothing to load (dK = dV = 0)
+    if (kv_loads == 0) {
+      // (The Q, dO and dQ maps are zeroed when T = 0: no tile then gets here.)
+      PrefetchTensorMap(&args.tma_q);
+      PrefetchTensorMap(&args.tma_do);
+      PrefetchTensorMap(&args.tma_k);
+      PrefetchTensorMap(&args.tma_v);
+      PrefetchTensorMap(&args.tma_dq);
+    }
+    // K and V free? (The first tile finds them free.) The consumers free
+    // them after their last products, so this tile's loads run under the
+    // previous tile's dK, dV epilogue.
+    MbarWait(kv_empty, (kv_loads & 1) ^ 1);
+    ++kv_loads;
+    const int kv_head = tile.kv_head, n_begin = tile.n_begin;
+    MbarArriveExpectTx(kv_full, 2 * Tr::kKvBytes);
+    LoadKvTile(args, s_k, s_v, kv_full, Tr::kPanels, Tr::kKvPanelBytes, n_begin, kv_head,
+               tile.b);
+    for (int it = item.it_begin; it < it_end; ++it) {
+      const auto [h, m_begin] = query_block(tile, it);
+      // Slot free? (Parity phase ^ 1: the first pass finds every slot free.)
+      MbarWait(&q_empty[ring.stage], ring.phase ^ 1);
+      MbarArriveExpectTx(&q_full[ring.stage], 2 * Tr::kQBytes);
+      LoadQDoBlock(args, s_q + ring.stage * Tr::kQBytes, s_do + ring.stage * Tr::kQBytes,
+                   &q_full[ring.stage], Tr::kPanels, Tr::kQPanelBytes, m_begin, h, tile.b);
+      ring.Advance();
+    }
+  }
+}
+
+// The row warp: lse2 and Dvec of each stage's query block into shared
+// memory by plain loads and stores, published by the lanes' q_full
+// arrivals (release; the consumers' wait acquires). The consumers read
+// them there, with the L2 latency paid here, ahead of them. (Staged by
+// the copy engine they raced with the consumers' plain loads in
+// racecheck's eyes; read from global memory by the consumers, their
+// latency stalled the softmax.) lse2 and Dvec rows are t_pad long, a
+// multiple of kBlockM, so the rows of a block are always in bounds.
+template <class Tr, class Walk, class ItemAt, class Locate>
+__device__ __forceinline__ void BwdSm90StageRows(const BwdSm90Args& args, const Walk* walk,
+                                                 const ItemAt& item_at, const Locate& locate,
+                                                 float* s_rows, uint64_t* q_full,
+                                                 uint64_t* q_empty) {
+  constexpr int kBlockM = Tr::kBlockM;
+  constexpr int kStages = Tr::kStages;
+  const FlashParams& p = args.p;
+  const int lane = threadIdx.x % 32;
+  RingPos<kStages> ring;
+  for (int item_index = 0; item_index < walk->num_items; ++item_index) {
+    const auto item = item_at(item_index);
+    const BwdSm90TileSpan tile = locate(item.tile);
+    const int it_end = min(item.it_end, tile.num_iters);
+    // The tile's first query block, of its group's first head: the
+    // iterations (query_block) walk heads outer, blocks inner.
+    const int64_t first_row =
+        (static_cast<int64_t>(tile.b) * p.num_heads_q +
+         tile.kv_head * static_cast<int>(p.group_size)) * args.t_pad +
+        tile.m_block_begin * kBlockM;
+    for (int it = item.it_begin; it < it_end; ++it) {
+      // float4 x of the stage: lse2 rows 4 x.. for x < kBlockM / 4, then
+      // Dvec's.
+      constexpr int kVecs = kBlockM / 4;
+      const int64_t row0 = first_row + (it / tile.num_m_blocks) * args.t_pad +
+                           (it % tile.num_m_blocks) * kBlockM;
+      float4 v[kVecs / 16];
+#pragma unroll
+      for (int k = 0; k < kVecs / 16; ++k) {
+        const int x = lane + 32 * k;
+        const float* src = (x < kVecs ? args.lse2 : args.dvec) + row0 + 4 * (x % kVecs);
+        v[k] = __ldg(reinterpret_cast<const float4*>(src));
+      }
+      MbarWait(&q_empty[ring.stage], ring.phase ^ 1);
+#pragma unroll
+      for (int k = 0; k < kVecs / 16; ++k) {
+        reinterpret_cast<float4*>(s_rows + ring.stage * 2 * kBlockM)[lane + 32 * k] = v[k];
+      }
+      MbarArrive(&q_full[ring.stage]);
+      ring.Advance();
+    }
+  }
+}
+
+// The dQ warp: hands each consumer warpgroup's staged dQ tile (see
+// stage_dq) to the copy engine as two bulk tensor reductions of 32
+// columns. Named barriers of 128 + 32 threads: 3 + c, tile c staged
+// (the consumers arrive, this warp waits); 5 + c, tile c read by the
+// copy engine and free again (this warp arrives, the consumers wait).
+// Issued by a consumer thread instead, behind a barrier of its
+// warpgroup and a wait for the previous reduction's read, they cost
+// the consumers 4-7% at D = 128.
+// Deterministic (args.dq_turns, Sm90BackwardDqTurns): before a query
+// block's reductions, lane 0 waits for its turn on the block's
+// counter; once they have landed (checked when the next block's
+// staging is due, so the consumers never wait for it), it passes the
+// turn on.
+template <class Tr, class Walk, class ItemAt, class Locate, class QueryBlockAt>
+__device__ __forceinline__ void BwdSm90ReduceDq(const BwdSm90Args& args, const Walk* walk,
+                                                const ItemAt& item_at, const Locate& locate,
+                                                const QueryBlockAt& query_block,
+                                                const WindowMask& mask, unsigned char* s_dq) {
+  constexpr int kBlockM = Tr::kBlockM;
+  constexpr int kBlockN = Tr::kBlockN;
+  const FlashParams& p = args.p;
+  const int lane = threadIdx.x % 32;
+  for (int c = 0; c < kBwdConsumerWarpgroups; ++c) NamedBarrierArrive(5 + c, 160);
+  bool first = true;
+  int* turn_counter = nullptr;  // lane 0: the counter of reductions in flight
+  int next_turn = 0;
+  for (int item_index = 0; item_index < walk->num_items; ++item_index) {
+    const auto item = item_at(item_index);
+    const BwdSm90TileSpan tile = locate(item.tile);
+    const int it_end = min(item.it_end, tile.num_iters);
+    for (int it = item.it_begin; it < it_end; ++it) {
+      const auto [h, m_begin] = query_block(tile, it);
+      // dQ tiles 0 and 1 free again once the previous query block's
+      // groups are read (the oldest first): one arrival per staging
+      // after the first, so the CTA's last tiles are never handed back.
+      if (!first) {
+        static_assert(kBwdConsumerWarpgroups == 2);
+        if (lane == 0) BulkWaitGroupRead<1>();
+        __syncwarp();
+        NamedBarrierArrive(5, 160);
+        if (lane == 0) BulkWaitGroupRead<0>();
+        __syncwarp();
+        NamedBarrierArrive(6, 160);
+      }
+      first = false;
+      if (lane == 0 && turn_counter != nullptr) {
+        BulkWaitGroup<0>();
+        PassDqTurn(turn_counter, next_turn);
+        turn_counter = nullptr;
+      }
+      __syncwarp();
+#pragma unroll
+      for (int c = 0; c < kBwdConsumerWarpgroups; ++c) {
+        const int row0 = m_begin + Tr::DqRow0(c);
+        const int col0 = Tr::DqCol0(c);
+        unsigned char* dq_tile = s_dq + c * Tr::kDqTileBytes;
+        NamedBarrierSync(3 + c, 160);  // the warpgroup's tile is staged
+        if (lane == 0) {
+          if (c == 0 && args.dq_turns != nullptr) {
+            turn_counter = args.dq_turns +
+                           (tile.b * static_cast<int>(p.num_heads_q) + h) * args.num_q_blocks +
+                           m_begin / kBlockM;
+            const int turn =
+                LastKeyBlockOf(mask, m_begin, kBlockM, kBlockN, args.num_n_blocks) -
+                tile.n_begin / kBlockN;
+            WaitDqTurn(turn_counter, turn);
+            next_turn = turn + 1;
+          }
+          TmaReduceAdd4d(dq_tile, &args.tma_dq, col0, h, row0, tile.b);
+          TmaReduceAdd4d(dq_tile + Tr::kDqPanelBytes, &args.tma_dq, col0 + 32, h, row0,
+                         tile.b);
+          BulkCommitGroup();
+        }
+        __syncwarp();
+      }
+    }
+  }
+  // The reductions must land before the convert kernel reads dq_acc
+  // (and before the last turn is passed on).
+  if (lane == 0) {
+    BulkWaitGroup<0>();
+    if (turn_counter != nullptr) PassDqTurn(turn_counter, next_turn);
+  }
+}
+
 // kScoreOptions: softcap, ALiBi and / or dropout (score_options.h). A template
 // flag, not a runtime branch: the branch alone cost the plain D = 64 kernel 8-9%
 // (spills in its main loop; H200, B4 T=S=4096 H32, causal or not).
@@ -435,159 +619,12 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     // ---------------------------------------------------------------- producer
     SetMaxNRegDec<kBwdProducerRegs>();
     if (threadIdx.x == 0) {
-      RingPos<kStages> ring;
-      int kv_loads = 0;  // items whose K and V this thread loaded
-      for (int item_index = 0; item_index < walk->num_items; ++item_index) {
-        const Item item = item_at(item_index);
-        const Tile tile = locate(item.tile);
-        const int it_end = min(item.it_end, tile.num_iters);
-        if (item.it_begin >= it_end) continue;  // nothing to load (dK = dV = 0)
-        if (kv_loads == 0) {
-          // (The Q, dO and dQ maps are zeroed when T = 0: no tile then gets here.)
-          PrefetchTensorMap(&args.tma_q);
-          PrefetchTensorMap(&args.tma_do);
-          PrefetchTensorMap(&args.tma_k);
-          PrefetchTensorMap(&args.tma_v);
-          PrefetchTensorMap(&args.tma_dq);
-        }
-        // K and V free? (The first tile finds them free.) The consumers free
-        // them after their last products, so this tile's loads run under the
-        // previous tile's dK, dV epilogue.
-        MbarWait(kv_empty, (kv_loads & 1) ^ 1);
-        ++kv_loads;
-        const int kv_head = tile.kv_head, n_begin = tile.n_begin;
-        MbarArriveExpectTx(kv_full, 2 * Tr::kKvBytes);
-        LoadKvTile(args, s_k, s_v, kv_full, Tr::kPanels, Tr::kKvPanelBytes, n_begin, kv_head,
-                   tile.b);
-        for (int it = item.it_begin; it < it_end; ++it) {
-          const auto [h, m_begin] = query_block(tile, it);
-          // Slot free? (Parity phase ^ 1: the first pass finds every slot free.)
-          MbarWait(&q_empty[ring.stage], ring.phase ^ 1);
-          MbarArriveExpectTx(&q_full[ring.stage], 2 * Tr::kQBytes);
-          LoadQDoBlock(args, s_q + ring.stage * Tr::kQBytes, s_do + ring.stage * Tr::kQBytes,
-                       &q_full[ring.stage], Tr::kPanels, Tr::kQPanelBytes, m_begin, h, tile.b);
-          ring.Advance();
-        }
-      }
+      BwdSm90LoadTiles<Tr>(args, walk, item_at, locate, query_block, s_k, s_v, s_q, s_do,
+                           kv_full, kv_empty, q_full, q_empty);
     } else if (threadIdx.x / 32 == 1) {
-      // The row warp: lse2 and Dvec of each stage's query block into shared
-      // memory by plain loads and stores, published by the lanes' q_full
-      // arrivals (release; the consumers' wait acquires). The consumers read
-      // them there, with the L2 latency paid here, ahead of them. (Staged by
-      // the copy engine they raced with the consumers' plain loads in
-      // racecheck's eyes; read from global memory by the consumers, their
-      // latency stalled the softmax.) lse2 and Dvec rows are t_pad long, a
-      // multiple of kBlockM, so the rows of a block are always in bounds.
-      const int lane = threadIdx.x % 32;
-      RingPos<kStages> ring;
-      for (int item_index = 0; item_index < walk->num_items; ++item_index) {
-        const Item item = item_at(item_index);
-        const Tile tile = locate(item.tile);
-        const int it_end = min(item.it_end, tile.num_iters);
-        // The tile's first query block, of its group's first head: the
-        // iterations (query_block) walk heads outer, blocks inner.
-        const int64_t first_row =
-            (static_cast<int64_t>(tile.b) * p.num_heads_q +
-             tile.kv_head * static_cast<int>(p.group_size)) * args.t_pad +
-            tile.m_block_begin * kBlockM;
-        for (int it = item.it_begin; it < it_end; ++it) {
-          // float4 x of the stage: lse2 rows 4 x.. for x < kBlockM / 4, then
-          // Dvec's.
-          constexpr int kVecs = kBlockM / 4;
-          const int64_t row0 = first_row + (it / tile.num_m_blocks) * args.t_pad +
-                               (it % tile.num_m_blocks) * kBlockM;
-          float4 v[kVecs / 16];
-#pragma unroll
-          for (int k = 0; k < kVecs / 16; ++k) {
-            const int x = lane + 32 * k;
-            const float* src = (x < kVecs ? args.lse2 : args.dvec) + row0 + 4 * (x % kVecs);
-            v[k] = __ldg(reinterpret_cast<const float4*>(src));
-          }
-          MbarWait(&q_empty[ring.stage], ring.phase ^ 1);
-#pragma unroll
-          for (int k = 0; k < kVecs / 16; ++k) {
-            reinterpret_cast<float4*>(s_rows + ring.stage * 2 * kBlockM)[lane + 32 * k] = v[k];
-          }
-          MbarArrive(&q_full[ring.stage]);
-          ring.Advance();
-        }
-      }
+      BwdSm90StageRows<Tr>(args, walk, item_at, locate, s_rows, q_full, q_empty);
     } else if (threadIdx.x / 32 == 2) {
-      // The dQ warp: hands each consumer warpgroup's staged dQ tile (see
-      // stage_dq) to the copy engine as two bulk tensor reductions of 32
-      // columns. Named barriers of 128 + 32 threads: 3 + c, tile c staged
-      // (the consumers arrive, this warp waits); 5 + c, tile c read by the
-      // copy engine and free again (this warp arrives, the consumers wait).
-      // Issued by a consumer thread instead, behind a barrier of its
-      // warpgroup and a wait for the previous reduction's read, they cost
-      // the consumers 4-7% at D = 128.
-      // Deterministic (args.dq_turns, Sm90BackwardDqTurns): before a query
-      // block's reductions, lane 0 waits for its turn on the block's
-      // counter; once they have landed (checked when the next block's
-      // staging is due, so the consumers never wait for it), it passes the
-      // turn on.
-      const int lane = threadIdx.x % 32;
-      for (int c = 0; c < kBwdConsumerWarpgroups; ++c) NamedBarrierArrive(5 + c, 160);
-      bool first = true;
-      int* turn_counter = nullptr;  // lane 0: the counter of reductions in flight
-      int next_turn = 0;
-      for (int item_index = 0; item_index < walk->num_items; ++item_index) {
-        const Item item = item_at(item_index);
-        const Tile tile = locate(item.tile);
-        const int it_end = min(item.it_end, tile.num_iters);
-        for (int it = item.it_begin; it < it_end; ++it) {
-          const auto [h, m_begin] = query_block(tile, it);
-          // dQ tiles 0 and 1 free again once the previous query block's
-          // groups are read (the oldest first): one arrival per staging
-          // after the first, so the CTA's last tiles are never handed back.
-          if (!first) {
-            static_assert(kBwdConsumerWarpgroups == 2);
-            if (lane == 0) BulkWaitGroupRead<1>();
-            __syncwarp();
-            NamedBarrierArrive(5, 160);
-            if (lane == 0) BulkWaitGroupRead<0>();
-            __syncwarp();
-            NamedBarrierArrive(6, 160);
-          }
-          first = false;
-          if (lane == 0 && turn_counter != nullptr) {
-            BulkWaitGroup<0>();
-            PassDqTurn(turn_counter, next_turn);
-            turn_counter = nullptr;
-          }
-          __syncwarp();
-#pragma unroll
-          for (int c = 0; c < kBwdConsumerWarpgroups; ++c) {
-            const int row0 = m_begin + Tr::DqRow0(c);
-            const int col0 = Tr::DqCol0(c);
-            unsigned char* dq_tile = s_dq + c * Tr::kDqTileBytes;
-            NamedBarrierSync(3 + c, 160);  // the warpgroup's tile is staged
-            if (lane == 0) {
-              if (c == 0 && args.dq_turns != nullptr) {
-                turn_counter = args.dq_turns +
-                               (tile.b * static_cast<int>(p.num_heads_q) + h) * args.num_q_blocks +
-                               m_begin / kBlockM;
-                const int turn =
-                    LastKeyBlockOf(mask, m_begin, kBlockM, kBlockN, args.num_n_blocks) -
-                    tile.n_begin / kBlockN;
-                WaitDqTurn(turn_counter, turn);
-                next_turn = turn + 1;
-              }
-              TmaReduceAdd4d(dq_tile, &args.tma_dq, col0, h, row0, tile.b);
-              TmaReduceAdd4d(dq_tile + Tr::kDqPanelBytes, &args.tma_dq, col0 + 32, h, row0,
-                             tile.b);
-              BulkCommitGroup();
-            }
-            __syncwarp();
-          }
-        }
-      }
-      // The reductions must land before the convert kernel reads dq_acc
-      // (and before the last turn is passed on).
-      if (lane == 0) {
-        BulkWaitGroup<0>();
-        if (turn_counter != nullptr) PassDqTurn(turn_counter, next_turn);
-      }
+      BwdSm90ReduceDq<Tr>(args, walk, item_at, locate, query_block, mask, s_dq);
     }
     return;
   }
@@ -691,6 +728,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
 #pragma unroll
     for (int i = 0; i < Tr::kAcc; ++i) acc_dk[i] = acc_dv[i] = 0.f;
     if (it_begin < it_end) MbarWait(kv_full, kv_uses & 1);
+    // The mainloop, here in the kernel body: as a function of its own (per
+    // query block, or per item) it compiled to other code.
     for (int it = it_begin; it < it_end; ++it) {
       const auto [h, m_begin] = query_block(tile, it);
       const uint32_t q_off = ring.stage * Tr::kQBytes;
