@@ -228,6 +228,68 @@ struct FwdSm90Item {
   int tile, lo, hi, slot;
 };
 
+// The producer (warpgroup 0; one thread loads): per item, Q, then K and V
+// of each visible key block from the last down, into the ring.
+template <typename Elem, class Cfg, class ItemAt, class LocateItem>
+__device__ __forceinline__ void FwdSm90Producer(const FwdSm90Args& args, int num_items,
+                                                const ItemAt& item_at,
+                                                const LocateItem& locate_item,
+                                                const FwdSm90Buffers<Elem, Cfg>& buf) {
+  using Tr = typename Cfg::Tr;
+  constexpr int kHeadDim = Tr::kHeadDim;
+  constexpr int kBlockN = Tr::kBlockN;
+  constexpr int kStages = Tr::kStages;
+  const FlashParams& p = args.p;
+  SetMaxNRegDec<FwdSm90ProducerRegs(Tr::kTile)>();
+  if (threadIdx.x == 0 && p.seqlen_k > 0) {  // S == 0: no tile loads anything
+    PrefetchTensorMap(&args.tma_q);
+    PrefetchTensorMap(&args.tma_k);
+    PrefetchTensorMap(&args.tma_v);
+    if constexpr (Cfg::kTmaStoreO) PrefetchTensorMap(&args.tma_o);
+    RingPos<kStages> ring;
+    uint32_t q_phase = 0;
+    for (int i = 0; i < num_items; ++i) {
+      const FwdSm90Item it = item_at(i);
+      if (it.tile >= args.num_tiles) continue;
+      const FwdSm90TileSpan t = locate_item(it);
+      if (t.n_first >= t.n_end) continue;  // the consumers write O = 0 alone
+      const int kv_head = t.head / static_cast<int>(p.group_size);  // GQA by index
+      const int b = t.b;
+      if constexpr (Cfg::kPersistent) {
+        // The consumers are done with the previous tile's Q (first tile: free).
+        MbarWait(buf.q_empty, q_phase ^ 1);
+        q_phase ^= 1;
+      }
+      // Rows [row, + panel_bytes / 128) of `head` into dst, one panel of
+      // 64 columns at a time, completing on `full`.
+      const auto load_tile = [&](Elem* dst, int panel_bytes, const CUtensorMap* map,
+                                 bool heads_inner, uint64_t* full, int row, int head) {
+        MbarArriveExpectTx(full, Tr::kPanels * panel_bytes);
+#pragma unroll
+        for (int panel = 0; panel < Tr::kPanels; ++panel) {
+          TmaLoadRows(reinterpret_cast<unsigned char*>(dst) + panel * panel_bytes, map,
+                      heads_inner, full, panel * Tr::kPanelCols, row, head, b);
+        }
+      };
+      load_tile(buf.s_q, Tr::kQPanelBytes, &args.tma_q, args.q_heads_inner, buf.q_full,
+                t.row_begin, t.head);
+      for (int n = t.n_end - 1; n >= t.n_first; --n) {
+        const int key0 = n * kBlockN;
+        const int kv_elems = ring.stage * kBlockN * kHeadDim;  // the stage's tile
+        // Slot free? (Parity phase ^ 1: the first pass over the ring finds
+        // every slot free.)
+        MbarWait(&buf.k_empty[ring.stage], ring.phase ^ 1);
+        load_tile(buf.s_k + kv_elems, Tr::kKvPanelBytes, &args.tma_k, args.k_heads_inner,
+                  &buf.k_full[ring.stage], key0, kv_head);
+        MbarWait(&buf.v_empty[ring.stage], ring.phase ^ 1);
+        load_tile(buf.s_v + kv_elems, Tr::kKvPanelBytes, &args.tma_v, args.v_heads_inner,
+                  &buf.v_full[ring.stage], key0, kv_head);
+        ring.Advance();
+      }
+    }
+  }
+}
+
 // A consumer thread: warpgroup cg owns rows [64 cg, 64 cg + 64) of a tile;
 // what stays the same from tile to tile.
 template <typename Elem, class Cfg>
@@ -574,59 +636,15 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
   // and descriptor arithmetic then stays on the uniform datapath (+4% at D 64
   // causal T 2048; no gain, or a loss of up to 7%, measured for the other
   // kernels, which keep the plain index).
+  // The consumers' ring position, declared before the producer's branch:
+  // declared with q_phase below, its stage and phase compiled to other
+  // registers.
+  RingPos<kStages> ring;
   const int warpgroup = Cfg::kPingpong && Cfg::kSkipsKeyBlocks
                             ? __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0)
                             : static_cast<int>(threadIdx.x / 128);
   if (warpgroup == 0) {
-    // ---------------------------------------------------------------- producer
-    SetMaxNRegDec<FwdSm90ProducerRegs(Tr::kTile)>();
-    if (threadIdx.x == 0 && p.seqlen_k > 0) {  // S == 0: no tile loads anything
-      PrefetchTensorMap(&args.tma_q);
-      PrefetchTensorMap(&args.tma_k);
-      PrefetchTensorMap(&args.tma_v);
-      if constexpr (Cfg::kTmaStoreO) PrefetchTensorMap(&args.tma_o);
-      RingPos<kStages> ring;
-      uint32_t q_phase = 0;
-      for (int i = 0; i < num_items; ++i) {
-        const FwdSm90Item it = item_at(i);
-        if (it.tile >= args.num_tiles) continue;
-        const FwdSm90TileSpan t = locate_item(it);
-        if (t.n_first >= t.n_end) continue;  // the consumers write O = 0 alone
-        const int kv_head = t.head / static_cast<int>(p.group_size);  // GQA by index
-        const int b = t.b;
-        if constexpr (Cfg::kPersistent) {
-          // The consumers are done with the previous tile's Q (first tile: free).
-          MbarWait(buf.q_empty, q_phase ^ 1);
-          q_phase ^= 1;
-        }
-        // Rows [row, + panel_bytes / 128) of `head` into dst, one panel of
-        // 64 columns at a time, completing on `full`.
-        const auto load_tile = [&](Elem* dst, int panel_bytes, const CUtensorMap* map,
-                                   bool heads_inner, uint64_t* full, int row, int head) {
-          MbarArriveExpectTx(full, Tr::kPanels * panel_bytes);
-#pragma unroll
-          for (int panel = 0; panel < Tr::kPanels; ++panel) {
-            TmaLoadRows(reinterpret_cast<unsigned char*>(dst) + panel * panel_bytes, map,
-                        heads_inner, full, panel * Tr::kPanelCols, row, head, b);
-          }
-        };
-        load_tile(buf.s_q, Tr::kQPanelBytes, &args.tma_q, args.q_heads_inner, buf.q_full,
-                  t.row_begin, t.head);
-        for (int n = t.n_end - 1; n >= t.n_first; --n) {
-          const int key0 = n * kBlockN;
-          const int kv_elems = ring.stage * kBlockN * Tr::kHeadDim;  // the stage's tile
-          // Slot free? (Parity phase ^ 1: the first pass over the ring finds
-          // every slot free.)
-          MbarWait(&buf.k_empty[ring.stage], ring.phase ^ 1);
-          load_tile(buf.s_k + kv_elems, Tr::kKvPanelBytes, &args.tma_k, args.k_heads_inner,
-                    &buf.k_full[ring.stage], key0, kv_head);
-          MbarWait(&buf.v_empty[ring.stage], ring.phase ^ 1);
-          load_tile(buf.s_v + kv_elems, Tr::kKvPanelBytes, &args.tma_v, args.v_heads_inner,
-                    &buf.v_full[ring.stage], key0, kv_head);
-          ring.Advance();
-        }
-      }
-    }
+    FwdSm90Producer<Elem, Cfg>(args, num_items, item_at, locate_item, buf);
     return;
   }
 
@@ -797,7 +815,6 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
     if constexpr (kPingpong) NamedBarrierArrive(1 + (cg == kLastGroup ? 0 : cg + 1), 256);
   };
 
-  RingPos<kStages> ring;
   uint32_t q_phase = 0;
   if (Cfg::kTurnsAcrossTiles && c.cg == Cfg::kLastGroup) NamedBarrierArrive(1, 256);
   for (int item = 0; item < num_items; ++item) {
@@ -805,10 +822,8 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
     if (it.tile >= args.num_tiles) continue;
     const FwdSm90TileSpan tl = locate_item(it);
     // The mainloop: resets the row state, then per key block S = Q K^T, the
-    // softmax, O += P V, in the kernel's schedule. It and the producer stay
-    // in the kernel body: as functions (forceinline) their key-block loops
-    // were optimised before inlining, and the ring position compiled to
-    // other code.
+    // softmax, O += P V, in the kernel's schedule. Here in the kernel body:
+    // as a function of its own (forceinline) it compiled to other code.
     const int wg_row0 = tl.row_begin + 64 * cg;
     int64_t lo, hi;
     mask.KeyRange(wg_row0 + 63, wg_row0 + 64, &lo, &hi);
