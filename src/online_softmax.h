@@ -69,6 +69,19 @@ JF2_SOFTMAX_HD float RowLse(float m_natural, float l, Log log) {
   return l != 0.f ? m_natural + log(l) : -INFINITY;
 }
 
+// Both ends of a row behind one test of l, for a caller that needs both at
+// once: with RowNormalizer and RowLse apart, the compiler keeps two branches.
+struct RowEnd {
+  float normalizer;
+  float lse;
+};
+
+template <typename Divide, typename Log>
+JF2_SOFTMAX_HD RowEnd RowEndOf(float l, float numerator, float m_natural, Divide divide, Log log) {
+  if (l != 0.f) return {divide(numerator, l), m_natural + log(l)};
+  return {0.f, -INFINITY};
+}
+
 struct IeeeDivide {
   JF2_SOFTMAX_MEMBER float operator()(float a, float b) const { return a / b; }
 };

@@ -360,10 +360,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     weight[w] = mx == -INFINITY ? 0.f : FastExp2((merge_max[w * kRows + r] - mx) * scale_log2);
     l += weight[w] * merge_sum[w * kRows + r];
   }
-  // l == 0: no key (O 0, LSE -inf); a NaN score's NaN l passes (as in the
-  // prefill kernel's epilogue).
-  const float inv_l = l != 0.f ? 1.f / l : 0.f;
-  const float lse = l != 0.f ? mx * p.softmax_scale + logf(l) : -INFINITY;
+  // l == 0: no key (O 0, LSE -inf); a NaN score's NaN l passes.
+  const RowEnd end = RowEndOf(l, 1.f, mx * p.softmax_scale, IeeeDivide{}, IeeeLog{});
+  const float inv_l = end.normalizer;
+  const float lse = end.lse;
   const int t = r / group;
   const int head = kv_head * group + r % group;
   const int64_t lse_index = (b * p.num_heads_q + head) * seqlen_q + t;

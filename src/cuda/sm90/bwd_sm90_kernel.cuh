@@ -168,6 +168,308 @@ struct BwdSm90Smem {
   static_assert(Tr::kQBytes % 1024 == 0 && Tr::kDsBytes % 1024 == 0 && kBars % 8 == 0);
 };
 
+// Tile t (BwdSm90Args): key block n_begin of (b, kv_head), and the query
+// blocks [m_block_begin, + num_m_blocks) that may see one of its keys, once
+// per query head of the group: num_iters iterations.
+struct BwdSm90TileSpan {
+  int n_begin, b, kv_head;
+  int m_block_begin, num_m_blocks, num_iters;
+};
+
+// A consumer thread: warpgroup cg owns keys [64 cg, 64 cg + 64) of a tile,
+// warp w of it 16 keys (accumulator rows g, g + 8), lane column pair t4.
+struct BwdSm90Thread {
+  int cg, wg_tid, warp, lane, g, t4;
+};
+
+// A stream-K piece (BwdSm90Tile): the first of a tile's two pieces to get
+// here parks its dK, dV (BwdSm90ParkPiece); the second adds them to its own
+// (BwdSm90AddPiece) and goes on to the epilogue. Both warpgroups take the
+// same role (barrier 7 spans them); a thread's registers go to [register]
+// [consumer thread], so each store and load is one coalesced row.
+struct BwdSm90Piece {
+  int* ready;
+  float* partial;
+};
+
+template <int kHeadDim>
+__device__ __forceinline__ BwdSm90Piece BwdSm90ArrivePiece(const BwdSm90Args& args,
+                                                           const BwdSm90Thread& me,
+                                                           int* piece_role, int slot) {
+  int* arrivals = args.sk_flags + 2 * slot;
+  BwdSm90Piece piece;
+  piece.ready = arrivals + 1;
+  piece.partial = args.sk_partial + slot * BwdSm90SlotFloats(kHeadDim) + 128 * me.cg + me.wg_tid;
+  if (me.cg == 0 && me.wg_tid == 0) *piece_role = atomicAdd(arrivals, 1);
+  NamedBarrierSync(7, 256);
+  return piece;
+}
+
+template <class Tr>
+__device__ __forceinline__ void BwdSm90ParkPiece(const BwdSm90Piece& piece,
+                                                 const BwdSm90Thread& me,
+                                                 const float (&acc_dk)[Tr::kAcc],
+                                                 const float (&acc_dv)[Tr::kAcc]) {
+  constexpr int kRow = 128 * kBwdConsumerWarpgroups;
+  float* partial = piece.partial;
+#pragma unroll
+  for (int r = 0; r < Tr::kAcc; ++r) {
+    __stcg(partial + r * kRow, acc_dk[r]);
+    __stcg(partial + (Tr::kAcc + r) * kRow, acc_dv[r]);
+  }
+  __threadfence();
+  NamedBarrierSync(7, 256);
+  if (me.cg == 0 && me.wg_tid == 0) StoreRelease(piece.ready, 1);
+}
+
+template <class Tr>
+__device__ __forceinline__ void BwdSm90AddPiece(const BwdSm90Piece& piece,
+                                                const BwdSm90Thread& me,
+                                                float (&acc_dk)[Tr::kAcc],
+                                                float (&acc_dv)[Tr::kAcc]) {
+  constexpr int kRow = 128 * kBwdConsumerWarpgroups;
+  const float* partial = piece.partial;
+  // The other piece is storing already (it arrived first): a short wait.
+  if (me.cg == 0 && me.wg_tid == 0) {
+    while (LoadAcquire(piece.ready) == 0) {
+    }
+  }
+  NamedBarrierSync(7, 256);
+#pragma unroll
+  for (int r = 0; r < Tr::kAcc; ++r) {
+    acc_dk[r] += __ldcg(partial + r * kRow);
+    acc_dv[r] += __ldcg(partial + (Tr::kAcc + r) * kRow);
+  }
+}
+
+// The epilogue: dK = scale * acc_dk, dV = acc_dv into [B, S, K, D] (dk and
+// dv share k's strides), staged in the TMA's swizzled layout and written by
+// TMA stores: direct stores of the accumulator fragments are 4-byte pieces
+// of 8 rows per instruction. The staging is this warpgroup's own key rows
+// of the dS^T buffers (dK panel i in buffer i; dV at D = 64 in buffer 0's
+// second panel, at D = 128 in a tile of its own), not K and V, so the next
+// tile's K and V load meanwhile. The other warpgroup's dQ products read
+// these rows too: barrier 7 over both warpgroups first. Keys no query sees
+// get zeros (num_iters == 0); keys past S are dropped by the copy engine.
+// Named barriers: 7 over both consumer warpgroups, 8 + cg over warpgroup cg
+// (1 and 3-6 are the loop's). The caller has waited for the warpgroup's
+// previous stores to read their staging.
+template <typename Elem, class Tr>
+__device__ __forceinline__ void BwdSm90Epilogue(const BwdSm90Args& args,
+                                                const BwdSm90Thread& me,
+                                                const BwdSm90TileSpan& tile,
+                                                unsigned char* s_dk_stage, int dk_panel_stride,
+                                                unsigned char* s_dv_stage, int dv_panel_stride,
+                                                const float (&acc_dk)[Tr::kAcc],
+                                                const float (&acc_dv)[Tr::kAcc], bool dropout,
+                                                int seqlen_k) {
+  const FlashParams& p = args.p;
+  const int key0 = tile.n_begin + 64 * me.cg;
+  NamedBarrierSync(7, 256);
+  const float dk_scale[2] = {p.softmax_scale, p.softmax_scale};
+  // dV = (Z o P)^T dO / (1 - rate) with dropout.
+  const float dv_scale[2] = {dropout ? p.dropout_scale : 1.f, dropout ? p.dropout_scale : 1.f};
+  StageAccumulatorTile<Elem>(s_dk_stage, dk_panel_stride, me.warp, me.lane, acc_dk, dk_scale);
+  StageAccumulatorTile<Elem>(s_dv_stage, dv_panel_stride, me.warp, me.lane, acc_dv, dv_scale);
+  FenceProxyAsync();
+  NamedBarrierSync(8 + me.cg, 128);
+  if (me.wg_tid == 0 && key0 < seqlen_k) {
+    const RowHeadCoords at(args.kv_grad_heads_inner, key0, tile.kv_head);
+#pragma unroll
+    for (int panel = 0; panel < Tr::kPanels; ++panel) {
+      TmaStore4d(s_dk_stage + panel * dk_panel_stride, &args.tma_dk, panel * Tr::kPanelCols,
+                 at.c1, at.c2, tile.b);
+      TmaStore4d(s_dv_stage + panel * dv_panel_stride, &args.tma_dv, panel * Tr::kPanelCols,
+                 at.c1, at.c2, tile.b);
+    }
+    BulkCommitGroup();
+  }
+}
+
+// The producer's TMA thread: per item, K and V of the tile, then Q and dO of
+// each query block into the ring.
+template <class Tr, class Walk, class ItemAt, class Locate, class QueryBlockAt>
+__device__ __forceinline__ void BwdSm90LoadTiles(const BwdSm90Args& args, const Walk* walk,
+                                                 const ItemAt& item_at, const Locate& locate,
+                                                 const QueryBlockAt& query_block,
+                                                 unsigned char* s_k, unsigned char* s_v,
+                                                 unsigned char* s_q, unsigned char* s_do,
+                                                 uint64_t* kv_full, uint64_t* kv_empty,
+                                                 uint64_t* q_full, uint64_t* q_empty) {
+  constexpr int kStages = Tr::kStages;
+  RingPos<kStages> ring;
+  int kv_loads = 0;  // items whose K and V this thread loaded
+  for (int item_index = 0; item_index < walk->num_items; ++item_index) {
+    const auto item = item_at(item_index);
+    const BwdSm90TileSpan tile = locate(item.tile);
+    const int it_end = min(item.it_end, tile.num_iters);
+    if (item.it_begin >= it_end) continue;  // nothing to load (dK = dV = 0)
+    if (kv_loads == 0) {
+      // (The Q, dO and dQ maps are zeroed when T = 0: no tile then gets here.)
+      PrefetchTensorMap(&args.tma_q);
+      PrefetchTensorMap(&args.tma_do);
+      PrefetchTensorMap(&args.tma_k);
+      PrefetchTensorMap(&args.tma_v);
+      PrefetchTensorMap(&args.tma_dq);
+    }
+    // K and V free? (The first tile finds them free.) The consumers free
+    // them after their last products, so this tile's loads run under the
+    // previous tile's dK, dV epilogue.
+    MbarWait(kv_empty, (kv_loads & 1) ^ 1);
+    ++kv_loads;
+    const int kv_head = tile.kv_head, n_begin = tile.n_begin;
+    MbarArriveExpectTx(kv_full, 2 * Tr::kKvBytes);
+    LoadKvTile(args, s_k, s_v, kv_full, Tr::kPanels, Tr::kKvPanelBytes, n_begin, kv_head,
+               tile.b);
+    for (int it = item.it_begin; it < it_end; ++it) {
+      const auto [h, m_begin] = query_block(tile, it);
+      // Slot free? (Parity phase ^ 1: the first pass finds every slot free.)
+      MbarWait(&q_empty[ring.stage], ring.phase ^ 1);
+      MbarArriveExpectTx(&q_full[ring.stage], 2 * Tr::kQBytes);
+      LoadQDoBlock(args, s_q + ring.stage * Tr::kQBytes, s_do + ring.stage * Tr::kQBytes,
+                   &q_full[ring.stage], Tr::kPanels, Tr::kQPanelBytes, m_begin, h, tile.b);
+      ring.Advance();
+    }
+  }
+}
+
+// The row warp: lse2 and Dvec of each stage's query block into shared
+// memory by plain loads and stores, published by the lanes' q_full
+// arrivals (release; the consumers' wait acquires). The consumers read
+// them there, with the L2 latency paid here, ahead of them. (Staged by
+// the copy engine they raced with the consumers' plain loads in
+// racecheck's eyes; read from global memory by the consumers, their
+// latency stalled the softmax.) lse2 and Dvec rows are t_pad long, a
+// multiple of kBlockM, so the rows of a block are always in bounds.
+template <class Tr, class Walk, class ItemAt, class Locate>
+__device__ __forceinline__ void BwdSm90StageRows(const BwdSm90Args& args, const Walk* walk,
+                                                 const ItemAt& item_at, const Locate& locate,
+                                                 float* s_rows, uint64_t* q_full,
+                                                 uint64_t* q_empty) {
+  constexpr int kBlockM = Tr::kBlockM;
+  constexpr int kStages = Tr::kStages;
+  const FlashParams& p = args.p;
+  const int lane = threadIdx.x % 32;
+  RingPos<kStages> ring;
+  for (int item_index = 0; item_index < walk->num_items; ++item_index) {
+    const auto item = item_at(item_index);
+    const BwdSm90TileSpan tile = locate(item.tile);
+    const int it_end = min(item.it_end, tile.num_iters);
+    // The tile's first query block, of its group's first head: the
+    // iterations (query_block) walk heads outer, blocks inner.
+    const int64_t first_row =
+        (static_cast<int64_t>(tile.b) * p.num_heads_q +
+         tile.kv_head * static_cast<int>(p.group_size)) * args.t_pad +
+        tile.m_block_begin * kBlockM;
+    for (int it = item.it_begin; it < it_end; ++it) {
+      // float4 x of the stage: lse2 rows 4 x.. for x < kBlockM / 4, then
+      // Dvec's.
+      constexpr int kVecs = kBlockM / 4;
+      const int64_t row0 = first_row + (it / tile.num_m_blocks) * args.t_pad +
+                           (it % tile.num_m_blocks) * kBlockM;
+      float4 v[kVecs / 16];
+#pragma unroll
+      for (int k = 0; k < kVecs / 16; ++k) {
+        const int x = lane + 32 * k;
+        const float* src = (x < kVecs ? args.lse2 : args.dvec) + row0 + 4 * (x % kVecs);
+        v[k] = __ldg(reinterpret_cast<const float4*>(src));
+      }
+      MbarWait(&q_empty[ring.stage], ring.phase ^ 1);
+#pragma unroll
+      for (int k = 0; k < kVecs / 16; ++k) {
+        reinterpret_cast<float4*>(s_rows + ring.stage * 2 * kBlockM)[lane + 32 * k] = v[k];
+      }
+      MbarArrive(&q_full[ring.stage]);
+      ring.Advance();
+    }
+  }
+}
+
+// The dQ warp: hands each consumer warpgroup's staged dQ tile (see
+// stage_dq) to the copy engine as two bulk tensor reductions of 32
+// columns. Named barriers of 128 + 32 threads: 3 + c, tile c staged
+// (the consumers arrive, this warp waits); 5 + c, tile c read by the
+// copy engine and free again (this warp arrives, the consumers wait).
+// Issued by a consumer thread instead, behind a barrier of its
+// warpgroup and a wait for the previous reduction's read, they cost
+// the consumers 4-7% at D = 128.
+// Deterministic (args.dq_turns, Sm90BackwardDqTurns): before a query
+// block's reductions, lane 0 waits for its turn on the block's
+// counter; once they have landed (checked when the next block's
+// staging is due, so the consumers never wait for it), it passes the
+// turn on.
+template <class Tr, class Walk, class ItemAt, class Locate, class QueryBlockAt>
+__device__ __forceinline__ void BwdSm90ReduceDq(const BwdSm90Args& args, const Walk* walk,
+                                                const ItemAt& item_at, const Locate& locate,
+                                                const QueryBlockAt& query_block,
+                                                const WindowMask& mask, unsigned char* s_dq) {
+  constexpr int kBlockM = Tr::kBlockM;
+  constexpr int kBlockN = Tr::kBlockN;
+  const FlashParams& p = args.p;
+  const int lane = threadIdx.x % 32;
+  for (int c = 0; c < kBwdConsumerWarpgroups; ++c) NamedBarrierArrive(5 + c, 160);
+  bool first = true;
+  int* turn_counter = nullptr;  // lane 0: the counter of reductions in flight
+  int next_turn = 0;
+  for (int item_index = 0; item_index < walk->num_items; ++item_index) {
+    const auto item = item_at(item_index);
+    const BwdSm90TileSpan tile = locate(item.tile);
+    const int it_end = min(item.it_end, tile.num_iters);
+    for (int it = item.it_begin; it < it_end; ++it) {
+      const auto [h, m_begin] = query_block(tile, it);
+      // dQ tiles 0 and 1 free again once the previous query block's
+      // groups are read (the oldest first): one arrival per staging
+      // after the first, so the CTA's last tiles are never handed back.
+      if (!first) {
+        static_assert(kBwdConsumerWarpgroups == 2);
+        if (lane == 0) BulkWaitGroupRead<1>();
+        __syncwarp();
+        NamedBarrierArrive(5, 160);
+        if (lane == 0) BulkWaitGroupRead<0>();
+        __syncwarp();
+        NamedBarrierArrive(6, 160);
+      }
+      first = false;
+      if (lane == 0 && turn_counter != nullptr) {
+        BulkWaitGroup<0>();
+        PassDqTurn(turn_counter, next_turn);
+        turn_counter = nullptr;
+      }
+      __syncwarp();
+#pragma unroll
+      for (int c = 0; c < kBwdConsumerWarpgroups; ++c) {
+        const int row0 = m_begin + Tr::DqRow0(c);
+        const int col0 = Tr::DqCol0(c);
+        unsigned char* dq_tile = s_dq + c * Tr::kDqTileBytes;
+        NamedBarrierSync(3 + c, 160);  // the warpgroup's tile is staged
+        if (lane == 0) {
+          if (c == 0 && args.dq_turns != nullptr) {
+            turn_counter = args.dq_turns +
+                           (tile.b * static_cast<int>(p.num_heads_q) + h) * args.num_q_blocks +
+                           m_begin / kBlockM;
+            const int turn =
+                LastKeyBlockOf(mask, m_begin, kBlockM, kBlockN, args.num_n_blocks) -
+                tile.n_begin / kBlockN;
+            WaitDqTurn(turn_counter, turn);
+            next_turn = turn + 1;
+          }
+          TmaReduceAdd4d(dq_tile, &args.tma_dq, col0, h, row0, tile.b);
+          TmaReduceAdd4d(dq_tile + Tr::kDqPanelBytes, &args.tma_dq, col0 + 32, h, row0,
+                         tile.b);
+          BulkCommitGroup();
+        }
+        __syncwarp();
+      }
+    }
+  }
+  // The reductions must land before the convert kernel reads dq_acc
+  // (and before the last turn is passed on).
+  if (lane == 0) {
+    BulkWaitGroup<0>();
+    if (turn_counter != nullptr) PassDqTurn(turn_counter, next_turn);
+  }
+}
+
 // kScoreOptions: softcap, ALiBi and / or dropout (score_options.h). A template
 // flag, not a runtime branch: the branch alone cost the plain D = 64 kernel 8-9%
 // (spills in its main loop; H200, B4 T=S=4096 H32, causal or not).
@@ -201,14 +503,9 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   const int seqlen_k = static_cast<int>(p.seqlen_k);
   const WindowMask mask = MakeWindowMask(p);
 
-  // Tile t (BwdSm90Args): key block n_begin of (b, kv_head), and the query
-  // blocks [m_block_begin, + num_m_blocks) that may see one of its keys,
-  // once per query head of the group: num_iters iterations. Every role walks
-  // the same tiles, so the rings and barriers run on from tile to tile.
-  struct Tile {
-    int n_begin, b, kv_head;
-    int m_block_begin, num_m_blocks, num_iters;
-  };
+  // Tile t (BwdSm90TileSpan). Every role walks the same tiles, so the rings
+  // and barriers run on from tile to tile.
+  using Tile = BwdSm90TileSpan;
   const auto locate = [&](int t) {
     Tile tile;
     tile.n_begin = KeyBlockAt(t % args.num_n_blocks, args.key_block_flip) * kBlockN;
@@ -322,159 +619,12 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     // ---------------------------------------------------------------- producer
     SetMaxNRegDec<kBwdProducerRegs>();
     if (threadIdx.x == 0) {
-      RingPos<kStages> ring;
-      int kv_loads = 0;  // items whose K and V this thread loaded
-      for (int item_index = 0; item_index < walk->num_items; ++item_index) {
-        const Item item = item_at(item_index);
-        const Tile tile = locate(item.tile);
-        const int it_end = min(item.it_end, tile.num_iters);
-        if (item.it_begin >= it_end) continue;  // nothing to load (dK = dV = 0)
-        if (kv_loads == 0) {
-          // (The Q, dO and dQ maps are zeroed when T = 0: no tile then gets here.)
-          PrefetchTensorMap(&args.tma_q);
-          PrefetchTensorMap(&args.tma_do);
-          PrefetchTensorMap(&args.tma_k);
-          PrefetchTensorMap(&args.tma_v);
-          PrefetchTensorMap(&args.tma_dq);
-        }
-        // K and V free? (The first tile finds them free.) The consumers free
-        // them after their last products, so this tile's loads run under the
-        // previous tile's dK, dV epilogue.
-        MbarWait(kv_empty, (kv_loads & 1) ^ 1);
-        ++kv_loads;
-        const int kv_head = tile.kv_head, n_begin = tile.n_begin;
-        MbarArriveExpectTx(kv_full, 2 * Tr::kKvBytes);
-        LoadKvTile(args, s_k, s_v, kv_full, Tr::kPanels, Tr::kKvPanelBytes, n_begin, kv_head,
-                   tile.b);
-        for (int it = item.it_begin; it < it_end; ++it) {
-          const auto [h, m_begin] = query_block(tile, it);
-          // Slot free? (Parity phase ^ 1: the first pass finds every slot free.)
-          MbarWait(&q_empty[ring.stage], ring.phase ^ 1);
-          MbarArriveExpectTx(&q_full[ring.stage], 2 * Tr::kQBytes);
-          LoadQDoBlock(args, s_q + ring.stage * Tr::kQBytes, s_do + ring.stage * Tr::kQBytes,
-                       &q_full[ring.stage], Tr::kPanels, Tr::kQPanelBytes, m_begin, h, tile.b);
-          ring.Advance();
-        }
-      }
+      BwdSm90LoadTiles<Tr>(args, walk, item_at, locate, query_block, s_k, s_v, s_q, s_do,
+                           kv_full, kv_empty, q_full, q_empty);
     } else if (threadIdx.x / 32 == 1) {
-      // The row warp: lse2 and Dvec of each stage's query block into shared
-      // memory by plain loads and stores, published by the lanes' q_full
-      // arrivals (release; the consumers' wait acquires). The consumers read
-      // them there, with the L2 latency paid here, ahead of them. (Staged by
-      // the copy engine they raced with the consumers' plain loads in
-      // racecheck's eyes; read from global memory by the consumers, their
-      // latency stalled the softmax.) lse2 and Dvec rows are t_pad long, a
-      // multiple of kBlockM, so the rows of a block are always in bounds.
-      const int lane = threadIdx.x % 32;
-      RingPos<kStages> ring;
-      for (int item_index = 0; item_index < walk->num_items; ++item_index) {
-        const Item item = item_at(item_index);
-        const Tile tile = locate(item.tile);
-        const int it_end = min(item.it_end, tile.num_iters);
-        // The tile's first query block, of its group's first head: the
-        // iterations (query_block) walk heads outer, blocks inner.
-        const int64_t first_row =
-            (static_cast<int64_t>(tile.b) * p.num_heads_q +
-             tile.kv_head * static_cast<int>(p.group_size)) * args.t_pad +
-            tile.m_block_begin * kBlockM;
-        for (int it = item.it_begin; it < it_end; ++it) {
-          // float4 x of the stage: lse2 rows 4 x.. for x < kBlockM / 4, then
-          // Dvec's.
-          constexpr int kVecs = kBlockM / 4;
-          const int64_t row0 = first_row + (it / tile.num_m_blocks) * args.t_pad +
-                               (it % tile.num_m_blocks) * kBlockM;
-          float4 v[kVecs / 16];
-#pragma unroll
-          for (int k = 0; k < kVecs / 16; ++k) {
-            const int x = lane + 32 * k;
-            const float* src = (x < kVecs ? args.lse2 : args.dvec) + row0 + 4 * (x % kVecs);
-            v[k] = __ldg(reinterpret_cast<const float4*>(src));
-          }
-          MbarWait(&q_empty[ring.stage], ring.phase ^ 1);
-#pragma unroll
-          for (int k = 0; k < kVecs / 16; ++k) {
-            reinterpret_cast<float4*>(s_rows + ring.stage * 2 * kBlockM)[lane + 32 * k] = v[k];
-          }
-          MbarArrive(&q_full[ring.stage]);
-          ring.Advance();
-        }
-      }
+      BwdSm90StageRows<Tr>(args, walk, item_at, locate, s_rows, q_full, q_empty);
     } else if (threadIdx.x / 32 == 2) {
-      // The dQ warp: hands each consumer warpgroup's staged dQ tile (see
-      // stage_dq) to the copy engine as two bulk tensor reductions of 32
-      // columns. Named barriers of 128 + 32 threads: 3 + c, tile c staged
-      // (the consumers arrive, this warp waits); 5 + c, tile c read by the
-      // copy engine and free again (this warp arrives, the consumers wait).
-      // Issued by a consumer thread instead, behind a barrier of its
-      // warpgroup and a wait for the previous reduction's read, they cost
-      // the consumers 4-7% at D = 128.
-      // Deterministic (args.dq_turns, Sm90BackwardDqTurns): before a query
-      // block's reductions, lane 0 waits for its turn on the block's
-      // counter; once they have landed (checked when the next block's
-      // staging is due, so the consumers never wait for it), it passes the
-      // turn on.
-      const int lane = threadIdx.x % 32;
-      for (int c = 0; c < kBwdConsumerWarpgroups; ++c) NamedBarrierArrive(5 + c, 160);
-      bool first = true;
-      int* turn_counter = nullptr;  // lane 0: the counter of reductions in flight
-      int next_turn = 0;
-      for (int item_index = 0; item_index < walk->num_items; ++item_index) {
-        const Item item = item_at(item_index);
-        const Tile tile = locate(item.tile);
-        const int it_end = min(item.it_end, tile.num_iters);
-        for (int it = item.it_begin; it < it_end; ++it) {
-          const auto [h, m_begin] = query_block(tile, it);
-          // dQ tiles 0 and 1 free again once the previous query block's
-          // groups are read (the oldest first): one arrival per staging
-          // after the first, so the CTA's last tiles are never handed back.
-          if (!first) {
-            static_assert(kBwdConsumerWarpgroups == 2);
-            if (lane == 0) BulkWaitGroupRead<1>();
-            __syncwarp();
-            NamedBarrierArrive(5, 160);
-            if (lane == 0) BulkWaitGroupRead<0>();
-            __syncwarp();
-            NamedBarrierArrive(6, 160);
-          }
-          first = false;
-          if (lane == 0 && turn_counter != nullptr) {
-            BulkWaitGroup<0>();
-            PassDqTurn(turn_counter, next_turn);
-            turn_counter = nullptr;
-          }
-          __syncwarp();
-#pragma unroll
-          for (int c = 0; c < kBwdConsumerWarpgroups; ++c) {
-            const int row0 = m_begin + Tr::DqRow0(c);
-            const int col0 = Tr::DqCol0(c);
-            unsigned char* dq_tile = s_dq + c * Tr::kDqTileBytes;
-            NamedBarrierSync(3 + c, 160);  // the warpgroup's tile is staged
-            if (lane == 0) {
-              if (c == 0 && args.dq_turns != nullptr) {
-                turn_counter = args.dq_turns +
-                               (tile.b * static_cast<int>(p.num_heads_q) + h) * args.num_q_blocks +
-                               m_begin / kBlockM;
-                const int turn =
-                    LastKeyBlockOf(mask, m_begin, kBlockM, kBlockN, args.num_n_blocks) -
-                    tile.n_begin / kBlockN;
-                WaitDqTurn(turn_counter, turn);
-                next_turn = turn + 1;
-              }
-              TmaReduceAdd4d(dq_tile, &args.tma_dq, col0, h, row0, tile.b);
-              TmaReduceAdd4d(dq_tile + Tr::kDqPanelBytes, &args.tma_dq, col0 + 32, h, row0,
-                             tile.b);
-              BulkCommitGroup();
-            }
-            __syncwarp();
-          }
-        }
-      }
-      // The reductions must land before the convert kernel reads dq_acc
-      // (and before the last turn is passed on).
-      if (lane == 0) {
-        BulkWaitGroup<0>();
-        if (turn_counter != nullptr) PassDqTurn(turn_counter, next_turn);
-      }
+      BwdSm90ReduceDq<Tr>(args, walk, item_at, locate, query_block, mask, s_dq);
     }
     return;
   }
@@ -487,6 +637,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   const int lane = wg_tid % 32;
   const int g = lane / 4;        // accumulator row (and g + 8)
   const int t4 = lane % 4;       // accumulator column pair
+  const BwdSm90Thread me{cg, wg_tid, warp, lane, g, t4};
   // The exp2 factor per unit of score (score_options.h).
   const float scale_log2 = kScoreOptions ? args.units.log2 : p.softmax_scale_log2;
   const bool dropout = kScoreOptions && p.dropout_seeds != nullptr;
@@ -577,6 +728,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
 #pragma unroll
     for (int i = 0; i < Tr::kAcc; ++i) acc_dk[i] = acc_dv[i] = 0.f;
     if (it_begin < it_end) MbarWait(kv_full, kv_uses & 1);
+    // The mainloop, here in the kernel body: as a function of its own (per
+    // query block, or per item) it compiled to other code.
     for (int it = it_begin; it < it_end; ++it) {
       const auto [h, m_begin] = query_block(tile, it);
       const uint32_t q_off = ring.stage * Tr::kQBytes;
@@ -839,75 +992,21 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       ++kv_uses;
     }
 
-    // A stream-K piece (BwdSm90Tile): the first of a tile's two pieces to
-    // get here parks its dK, dV; the second adds them to its own and goes on
-    // to the epilogue. Both warpgroups take the same role (barrier 7 spans
-    // them); a thread's registers go to [register][consumer thread], so each
-    // store and load is one coalesced row.
-    // (The slot is read again here, not kept in a register through the loop.)
+    // A stream-K piece (BwdSm90Piece). (The slot is read again here, not
+    // kept in a register through the loop.)
     const int slot = item_at(item_index).slot;
     if (slot >= 0) {
-      int* arrivals = args.sk_flags + 2 * slot;
-      int* ready = arrivals + 1;
-      float* partial = args.sk_partial + slot * BwdSm90SlotFloats(kHeadDim) + 128 * cg + wg_tid;
-      constexpr int kRow = 128 * kBwdConsumerWarpgroups;
-      if (cg == 0 && wg_tid == 0) *piece_role = atomicAdd(arrivals, 1);
-      NamedBarrierSync(7, 256);
+      const BwdSm90Piece piece = BwdSm90ArrivePiece<kHeadDim>(args, me, piece_role, slot);
       if (*piece_role == 0) {
-#pragma unroll
-        for (int r = 0; r < Tr::kAcc; ++r) {
-          __stcg(partial + r * kRow, acc_dk[r]);
-          __stcg(partial + (Tr::kAcc + r) * kRow, acc_dv[r]);
-        }
-        __threadfence();
-        NamedBarrierSync(7, 256);
-        if (cg == 0 && wg_tid == 0) StoreRelease(ready, 1);
+        BwdSm90ParkPiece<Tr>(piece, me, acc_dk, acc_dv);
         continue;
       }
-      // The other piece is storing already (it arrived first): a short wait.
-      if (cg == 0 && wg_tid == 0) {
-        while (LoadAcquire(ready) == 0) {
-        }
-      }
-      NamedBarrierSync(7, 256);
-#pragma unroll
-      for (int r = 0; r < Tr::kAcc; ++r) {
-        acc_dk[r] += __ldcg(partial + r * kRow);
-        acc_dv[r] += __ldcg(partial + (Tr::kAcc + r) * kRow);
-      }
+      BwdSm90AddPiece<Tr>(piece, me, acc_dk, acc_dv);
     }
 
-    // Epilogue: dK = scale * acc_dk, dV = acc_dv into [B, S, K, D] (dk and
-    // dv share k's strides), staged in the TMA's swizzled layout and written
-    // by TMA stores: direct stores of the accumulator fragments are 4-byte
-    // pieces of 8 rows per instruction. The staging is this warpgroup's own
-    // key rows of the dS^T buffers (dK panel i in buffer i; dV at D = 64 in
-    // buffer 0's second panel, at D = 128 in a tile of its own), not K and
-    // V, so the next tile's K and V load meanwhile. The other warpgroup's dQ
-    // products read these rows too: barrier 7 over both warpgroups first.
-    // Keys no query sees get zeros (num_iters == 0); keys past S are dropped
-    // by the copy engine. Named barriers: 7 over both consumer warpgroups,
-    // 8 + cg over warpgroup cg (1 and 3-6 are the loop's).
     wait_staging_read();  // (an item without iterations did not wait above)
-    NamedBarrierSync(7, 256);
-    const float dk_scale[2] = {p.softmax_scale, p.softmax_scale};
-    // dV = (Z o P)^T dO / (1 - rate) with dropout.
-    const float dv_scale[2] = {dropout ? p.dropout_scale : 1.f, dropout ? p.dropout_scale : 1.f};
-    StageAccumulatorTile<Elem>(s_dk_stage, kDkPanelStride, warp, lane, acc_dk, dk_scale);
-    StageAccumulatorTile<Elem>(s_dv_stage, kDvPanelStride, warp, lane, acc_dv, dv_scale);
-    FenceProxyAsync();
-    NamedBarrierSync(8 + cg, 128);
-    if (wg_tid == 0 && key0 < seqlen_k) {
-      const RowHeadCoords at(args.kv_grad_heads_inner, key0, tile.kv_head);
-#pragma unroll
-      for (int panel = 0; panel < Tr::kPanels; ++panel) {
-        TmaStore4d(s_dk_stage + panel * kDkPanelStride, &args.tma_dk, panel * Tr::kPanelCols,
-                   at.c1, at.c2, tile.b);
-        TmaStore4d(s_dv_stage + panel * kDvPanelStride, &args.tma_dv, panel * Tr::kPanelCols,
-                   at.c1, at.c2, tile.b);
-      }
-      BulkCommitGroup();
-    }
+    BwdSm90Epilogue<Elem, Tr>(args, me, tile, s_dk_stage, kDkPanelStride, s_dv_stage,
+                              kDvPanelStride, acc_dk, acc_dv, dropout, seqlen_k);
     store_pending = true;
   }
   // The staging must outlive the copy engine's reads (the grid's completion

@@ -125,62 +125,404 @@ struct FwdSm90Smem {
       kO + (Tr::kStagesO ? Tr::kConsumerWarpgroups * Tr::kOWarpgroupBytes : 0);
   static_assert(kK % 1024 == 0 && kV % 1024 == 0 && kO % 1024 == 0 && Tr::kKvBytes % 1024 == 0);
 };
-
+// A kernel's compile-time choices (see FwdSm90Kernel) and what follows from
+// them.
 // kPersistent: the grid may be smaller than the tile count (see the top).
 // Otherwise each block runs its one tile, and the loops below compile to that.
 // kScoreOptions: softcap, ALiBi and / or dropout (score_options.h). A template flag,
 // not a runtime branch: the branch alone cost the plain kernels 2.5-3.7%
 // (H200, B4 T=S=4096 H16, D 64, 96, 128, causal or not, two runs of each
 // binary alternated).
+template <int kTileIndex, Sm90Schedule kSchedule_, bool kPersistent_, bool kScoreOptions_>
+struct FwdSm90Config {
+  using Tr = FwdSm90Traits<kTileIndex>;
+  using Smem = FwdSm90Smem<Tr>;
+  static constexpr Sm90Schedule kSchedule = kSchedule_;
+  static constexpr bool kPersistent = kPersistent_;
+  static constexpr bool kScoreOptions = kScoreOptions_;
+  // Tiles taller than a key block: under a causal mask a consumer
+  // warpgroup's rows can end a block or more before the tile's last row, and
+  // it skips those key blocks (see the mainloop). Elsewhere the skip is
+  // compiled out: its loop cost the 128-row D 128 kernels 2-4% at T 512-2048
+  // for nothing.
+  static constexpr bool kSkipsKeyBlocks = Tr::kBlockM > Tr::kBlockN;
+  // O goes out through shared memory and TMA (see the top) unless there is
+  // no room: the persistent grid's Q buffer holds the next tile's Q by then.
+  static constexpr bool kTmaStoreO = Tr::kStagesO || !kPersistent;
+  // Segment ids run on the rows that serve masked calls only (the launch
+  // checks): elsewhere their code is compiled out (the 176-key D 128 tile
+  // spilled 44 bytes with it).
+  static constexpr bool kServesSegments = Tr::kTile.masked;
+  // Pingpong turns (kPingpong only): consumer warpgroup cg issues its wgmmas
+  // after a bar.sync on named barrier 1 + cg, then hands the turn to the next
+  // warpgroup (round robin) with a bar.arrive on its barrier (each completes
+  // at 256 = 128 syncing + 128 arriving threads). Every warpgroup takes the
+  // same number of turns per tile (one per key block, plus one). The last
+  // warpgroup hands warpgroup 0 the first turn, and warpgroup 0 takes one
+  // extra turn at the end to consume the last one's final hand-over, so no
+  // barrier is left half-arrived when the block exits.
+  // With two consumer warpgroups (and in a grid of one tile per block) the
+  // round robin runs on from tile to tile: a warpgroup that has written its O
+  // takes its turn for the next tile's first S while the other finishes its
+  // last PV and its epilogue (D 128 T 1024-4096 +0-7% over a barrier
+  // between tiles in the self-test). With three (D 64,
+  // persistent) the turns start and end with each tile, and named barrier
+  // 1 + kConsumerWarpgroups closes it: running on measured 2-6% slower there.
+  static constexpr bool kPingpong = kSchedule == Sm90Schedule::kPingpong;
+  static constexpr bool kTurnsAcrossTiles =
+      kPingpong && (Tr::kConsumerWarpgroups == 2 || !kPersistent);
+  static constexpr bool kTurnsPerTile = kPingpong && !kTurnsAcrossTiles;
+  static constexpr int kLastGroup = Tr::kConsumerWarpgroups - 1;
+  // O staging of a warpgroup (kTmaStoreO): panels of 64 rows x 128 bytes
+  // kOPanelStride apart, in the O region or in the warpgroup's Q rows; and
+  // its named barrier (the pingpong turns use 1 .. warpgroups, the tile's
+  // closing barrier the next).
+  static constexpr int kOPanelStride = Tr::kStagesO ? 64 * 128 : Tr::kQPanelBytes;
+  static constexpr int kOStagedBarrier = 2 + Tr::kConsumerWarpgroups;
+};
+
+// The block's shared memory: Q, the K/V ring and the barriers.
+template <typename Elem, class Cfg>
+struct FwdSm90Buffers {
+  using Tr = typename Cfg::Tr;
+  using Smem = typename Cfg::Smem;
+  unsigned char* smem;
+  Elem* s_q;
+  Elem* s_k;
+  Elem* s_v;
+  // K and V have their own full/empty barriers: a K slot is released as soon
+  // as S = Q K^T has completed, a V slot only after O += P V, so the next K
+  // can land while the current V is still being read.
+  uint64_t* q_full;
+  uint64_t* q_empty;
+  uint64_t* k_full;
+  uint64_t* v_full;
+  uint64_t* k_empty;
+  uint64_t* v_empty;
+  int* piece_role;  // per consumer warpgroup
+
+  __device__ __forceinline__ explicit FwdSm90Buffers(unsigned char* base)
+      : smem(base),
+        s_q(reinterpret_cast<Elem*>(base + Smem::kQ)),
+        s_k(reinterpret_cast<Elem*>(base + Smem::kK)),
+        s_v(reinterpret_cast<Elem*>(base + Smem::kV)),
+        q_full(reinterpret_cast<uint64_t*>(base + Smem::kBars)),
+        q_empty(q_full + 1),
+        k_full(q_empty + 1),
+        v_full(k_full + Tr::kStages),
+        k_empty(v_full + Tr::kStages),
+        v_empty(k_empty + Tr::kStages),
+        piece_role(reinterpret_cast<int*>(v_empty + Tr::kStages)) {}
+};
+
+// Where a tile lies, and the key blocks [n_first, n_end) that some query of
+// it may see.
+struct FwdSm90TileSpan {
+  int head, b, row_begin, row_end, n_first, n_end;
+};
+
+// An item of a block's walk: a tile or a stream-K piece of one (key blocks
+// [lo, hi) counted from its first visible block, merged through `slot`;
+// slot -1: the whole tile).
+struct FwdSm90Item {
+  int tile, lo, hi, slot;
+};
+
+// The producer (warpgroup 0; one thread loads): per item, Q, then K and V
+// of each visible key block from the last down, into the ring.
+template <typename Elem, class Cfg, class ItemAt, class LocateItem>
+__device__ __forceinline__ void FwdSm90Producer(const FwdSm90Args& args, int num_items,
+                                                const ItemAt& item_at,
+                                                const LocateItem& locate_item,
+                                                const FwdSm90Buffers<Elem, Cfg>& buf) {
+  using Tr = typename Cfg::Tr;
+  constexpr int kHeadDim = Tr::kHeadDim;
+  constexpr int kBlockN = Tr::kBlockN;
+  constexpr int kStages = Tr::kStages;
+  const FlashParams& p = args.p;
+  SetMaxNRegDec<FwdSm90ProducerRegs(Tr::kTile)>();
+  if (threadIdx.x == 0 && p.seqlen_k > 0) {  // S == 0: no tile loads anything
+    PrefetchTensorMap(&args.tma_q);
+    PrefetchTensorMap(&args.tma_k);
+    PrefetchTensorMap(&args.tma_v);
+    if constexpr (Cfg::kTmaStoreO) PrefetchTensorMap(&args.tma_o);
+    RingPos<kStages> ring;
+    uint32_t q_phase = 0;
+    for (int i = 0; i < num_items; ++i) {
+      const FwdSm90Item it = item_at(i);
+      if (it.tile >= args.num_tiles) continue;
+      const FwdSm90TileSpan t = locate_item(it);
+      if (t.n_first >= t.n_end) continue;  // the consumers write O = 0 alone
+      const int kv_head = t.head / static_cast<int>(p.group_size);  // GQA by index
+      const int b = t.b;
+      if constexpr (Cfg::kPersistent) {
+        // The consumers are done with the previous tile's Q (first tile: free).
+        MbarWait(buf.q_empty, q_phase ^ 1);
+        q_phase ^= 1;
+      }
+      // Rows [row, + panel_bytes / 128) of `head` into dst, one panel of
+      // 64 columns at a time, completing on `full`.
+      const auto load_tile = [&](Elem* dst, int panel_bytes, const CUtensorMap* map,
+                                 bool heads_inner, uint64_t* full, int row, int head) {
+        MbarArriveExpectTx(full, Tr::kPanels * panel_bytes);
+#pragma unroll
+        for (int panel = 0; panel < Tr::kPanels; ++panel) {
+          TmaLoadRows(reinterpret_cast<unsigned char*>(dst) + panel * panel_bytes, map,
+                      heads_inner, full, panel * Tr::kPanelCols, row, head, b);
+        }
+      };
+      load_tile(buf.s_q, Tr::kQPanelBytes, &args.tma_q, args.q_heads_inner, buf.q_full,
+                t.row_begin, t.head);
+      for (int n = t.n_end - 1; n >= t.n_first; --n) {
+        const int key0 = n * kBlockN;
+        const int kv_elems = ring.stage * kBlockN * kHeadDim;  // the stage's tile
+        // Slot free? (Parity phase ^ 1: the first pass over the ring finds
+        // every slot free.)
+        MbarWait(&buf.k_empty[ring.stage], ring.phase ^ 1);
+        load_tile(buf.s_k + kv_elems, Tr::kKvPanelBytes, &args.tma_k, args.k_heads_inner,
+                  &buf.k_full[ring.stage], key0, kv_head);
+        MbarWait(&buf.v_empty[ring.stage], ring.phase ^ 1);
+        load_tile(buf.s_v + kv_elems, Tr::kKvPanelBytes, &args.tma_v, args.v_heads_inner,
+                  &buf.v_full[ring.stage], key0, kv_head);
+        ring.Advance();
+      }
+    }
+  }
+}
+
+// A consumer thread: warpgroup cg owns rows [64 cg, 64 cg + 64) of a tile;
+// what stays the same from tile to tile.
+template <typename Elem, class Cfg>
+struct FwdSm90Consumer {
+  using Tr = typename Cfg::Tr;
+  const FwdSm90Args& args;
+  const WindowMask& mask;
+  const FwdSm90Buffers<Elem, Cfg>& buf;
+  int seqlen_q;
+  bool segments;
+  int cg;
+  int wg_tid;
+  int warp;  // warp within the warpgroup: 16 rows each
+  int lane;
+  int g;     // accumulator row (and g + 8)
+  int t4;    // accumulator column pair
+  // The exp2 factor per unit of score: scale * log2(e), or cap * log2(e)
+  // with softcap (score_options.h).
+  float scale_log2;
+  // Descriptors: Q rows of this warpgroup (panel 0); K and V of stage 0.
+  uint64_t desc_q;
+  uint64_t desc_k0;
+  uint64_t desc_v0;
+  bool dropout;
+  unsigned char* s_o_staged;  // this warpgroup's O staging (Cfg::kOPanelStride)
+
+  __device__ __forceinline__ FwdSm90Consumer(const FwdSm90Args& args_, const WindowMask& mask_,
+                                             const FwdSm90Buffers<Elem, Cfg>& buf_, int seqlen_q_,
+                                             bool segments_, int warpgroup)
+      : args(args_),
+        mask(mask_),
+        buf(buf_),
+        seqlen_q(seqlen_q_),
+        segments(segments_),
+        cg(warpgroup - 1),
+        wg_tid(threadIdx.x % 128),
+        warp(wg_tid / 32),
+        lane(wg_tid % 32),
+        g(lane / 4),
+        t4(lane % 4),
+        scale_log2(Cfg::kScoreOptions ? args_.units.log2 : args_.p.softmax_scale_log2),
+        desc_q(MakeDescK(SmemAddr(buf_.s_q) + 64 * cg * 128)),
+        desc_k0(MakeDescK(SmemAddr(buf_.s_k))),
+        desc_v0(MakeDescMN(SmemAddr(buf_.s_v), Tr::kKvPanelBytes)),
+        dropout(Cfg::kScoreOptions && args_.p.dropout_seeds != nullptr),
+        s_o_staged(Tr::kStagesO
+                       ? buf_.smem + Cfg::Smem::kO + cg * Tr::kOWarpgroupBytes
+                       : buf_.smem + Cfg::Smem::kQ + cg * 64 * 128) {}
+};
+
+// A consumer thread's online-softmax state of its two rows, in the kernel's
+// own arrays (one struct of them compiled to other code): O, row max, and
+// the row sums of this lane's columns (quad-reduced at the end).
+template <class Tr>
+struct FwdSm90Rows {
+  float (&o)[Tr::kOAcc];
+  float (&row_max)[2];
+  float (&row_sum)[2];
+};
+
+// A stream-K piece (see the top): the first of a tile's two pieces to get
+// here parks its state (FwdSm90ParkPiece) and writes nothing; the second
+// merges the parked state into its own (FwdSm90MergePiece).
+struct FwdSm90Piece {
+  int* ready;
+  float* partial;  // [register][thread]: each store and load is one coalesced row
+};
+
+template <typename Elem, class Cfg>
+__device__ __forceinline__ FwdSm90Piece FwdSm90ArrivePiece(const FwdSm90Consumer<Elem, Cfg>& c,
+                                                           const FwdSm90Item& it) {
+  using Tr = typename Cfg::Tr;
+  constexpr int kPartialRegs = FwdSm90PiecePartialRegs(Tr::kHeadDim);
+  static_assert(kPartialRegs == Tr::kOAcc + 4, "O, then row max and row sum of both rows");
+  const int pair = it.slot * Tr::kConsumerWarpgroups + c.cg;
+  int* arrivals = c.args.sk_flags + 2 * pair;
+  FwdSm90Piece piece;
+  piece.ready = arrivals + 1;
+  piece.partial =
+      c.args.sk_partial + static_cast<int64_t>(pair) * kPartialRegs * 128 + c.wg_tid;
+  if (c.wg_tid == 0) c.buf.piece_role[c.cg] = atomicAdd(arrivals, 1);
+  NamedBarrierSync(Cfg::kOStagedBarrier + c.cg, 128);
+  return piece;
+}
+
+// Whether this warpgroup's piece arrived first (FwdSm90ArrivePiece).
+template <typename Elem, class Cfg>
+__device__ __forceinline__ bool FwdSm90FirstPiece(const FwdSm90Consumer<Elem, Cfg>& c) {
+  return c.buf.piece_role[c.cg] == 0;
+}
+
+template <typename Elem, class Cfg>
+__device__ __forceinline__ void FwdSm90ParkPiece(const FwdSm90Consumer<Elem, Cfg>& c,
+                                                 const FwdSm90Piece& piece,
+                                                 const FwdSm90Rows<typename Cfg::Tr>& rows) {
+  using Tr = typename Cfg::Tr;
+  float* partial = piece.partial;
+#pragma unroll
+  for (int i = 0; i < Tr::kOAcc; ++i) __stcg(partial + i * 128, rows.o[i]);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    __stcg(partial + (Tr::kOAcc + h) * 128, rows.row_max[h]);
+    __stcg(partial + (Tr::kOAcc + 2 + h) * 128, rows.row_sum[h]);
+  }
+  __threadfence();
+  NamedBarrierSync(Cfg::kOStagedBarrier + c.cg, 128);
+  if (c.wg_tid == 0) StoreRelease(piece.ready, 1);
+}
+
+template <typename Elem, class Cfg>
+__device__ __forceinline__ void FwdSm90MergePiece(const FwdSm90Consumer<Elem, Cfg>& c,
+                                                  const FwdSm90Piece& piece,
+                                                  const FwdSm90Rows<typename Cfg::Tr>& rows) {
+  using Tr = typename Cfg::Tr;
+  const float* partial = piece.partial;
+  float (&o)[Tr::kOAcc] = rows.o;
+  float (&row_max)[2] = rows.row_max;
+  float (&row_sum)[2] = rows.row_sum;
+  // The other piece is storing already (it arrived first): a short wait.
+  if (c.wg_tid == 0) {
+    while (LoadAcquire(piece.ready) == 0) {
+    }
+  }
+  NamedBarrierSync(Cfg::kOStagedBarrier + c.cg, 128);
+  float own[2], parked[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float other_max = __ldcg(partial + (Tr::kOAcc + h) * 128);
+    const float other_sum = __ldcg(partial + (Tr::kOAcc + 2 + h) * 128);
+    const MergeWeights w = MergeTwoStates(row_max[h], other_max, c.scale_log2, FastExp2);
+    own[h] = w.own;
+    parked[h] = w.other;
+    row_max[h] = w.m;
+    row_sum[h] = row_sum[h] * own[h] + other_sum * parked[h];
+  }
+#pragma unroll
+  for (int i = 0; i < Tr::kOAcc; ++i) {
+    const int h = (i / 2) % 2;
+    o[i] = o[i] * own[h] + __ldcg(partial + i * 128) * parked[h];
+  }
+}
+
+// The end of a tile: O / l (through the warpgroup's staging and TMA, or
+// direct stores) and LSE.
+template <typename Elem, class Cfg>
+__device__ __forceinline__ void FwdSm90Epilogue(const FwdSm90Consumer<Elem, Cfg>& c,
+                                                const FwdSm90TileSpan& tl,
+                                                const FwdSm90Rows<typename Cfg::Tr>& rows) {
+  using Tr = typename Cfg::Tr;
+  constexpr int kHeadDim = Tr::kHeadDim;
+  constexpr bool kTmaStoreO = Cfg::kTmaStoreO;
+  constexpr int kOStagedBarrier = Cfg::kOStagedBarrier;
+  const FwdSm90Args& args = c.args;
+  const FlashParams& p = args.p;
+  const int seqlen_q = c.seqlen_q;
+  const int cg = c.cg, wg_tid = c.wg_tid, warp = c.warp, lane = c.lane, g = c.g, t4 = c.t4;
+  float (&o)[Tr::kOAcc] = rows.o;
+  const int wg_row0 = tl.row_begin + 64 * cg;
+  const int64_t num_heads = p.num_heads_q;
+  const int head = tl.head;
+  const int b = tl.b;
+  if constexpr (kTmaStoreO) {
+    // This warpgroup's previous store has finished reading its staging.
+    if (wg_tid == 0) BulkWaitGroupRead<0>();
+    NamedBarrierSync(kOStagedBarrier + cg, 128);
+  }
+  float lse[2], inv_l[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float l = QuadSum(rows.row_sum[h]);
+    // A row that saw a key has l >= 1, where the MUFU reciprocal and
+    // logarithm are within a few ulp, without the IEEE forms' special-case
+    // paths. Dropout's 1 / (1 - rate) goes with 1 / l (O sums Z o P, l the
+    // undropped P).
+    const float o_scale = c.dropout ? p.dropout_scale : 1.f;
+    inv_l[h] = RowNormalizer(l, o_scale, FastDivide{});
+    const float natural = Cfg::kScoreOptions ? args.units.natural : p.softmax_scale;
+    lse[h] = RowLse(rows.row_max[h] * natural, l, FastLog{});
+    if constexpr (!kTmaStoreO) {
+      const int t = wg_row0 + warp * 16 + g + 8 * h;
+      if (t >= tl.row_end) continue;
+      Elem* o_row = static_cast<Elem*>(p.o) + b * p.o_batch_stride + t * p.o_row_stride +
+                    head * p.o_head_stride;
+#pragma unroll
+      for (int j = 0; j < kHeadDim / 8; ++j) {
+        *reinterpret_cast<uint32_t*>(o_row + 8 * j + 2 * t4) =
+            PackFloat2<Elem>(o[4 * j + 2 * h] * inv_l[h], o[4 * j + 2 * h + 1] * inv_l[h]);
+      }
+    }
+  }
+  if constexpr (kTmaStoreO) {
+    StageAccumulatorTile<Elem>(c.s_o_staged, Cfg::kOPanelStride, warp, lane, o, inv_l);
+    FenceProxyAsync();
+    NamedBarrierSync(kOStagedBarrier + cg, 128);
+    // Rows past T are dropped by the copy engine (out of the map's bounds).
+    if (wg_tid == 0 && wg_row0 < tl.row_end) {
+      const RowHeadCoords at(args.o_heads_inner, wg_row0, head);
+#pragma unroll
+      for (int panel = 0; panel < Tr::kPanels; ++panel) {
+        TmaStore4d(c.s_o_staged + panel * Cfg::kOPanelStride, &args.tma_o,
+                   panel * Tr::kPanelCols, at.c1, at.c2, b);
+      }
+      BulkCommitGroup();
+    }
+  }
+  // LSE last: the proxy fence above compiles to MEMBAR.ALL.CTA, which also
+  // waits for this thread's earlier global stores (D 128 T 1024 +6% with
+  // the LSE stored after it).
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int t = wg_row0 + warp * 16 + g + 8 * h;
+    if (t4 == 0 && t < tl.row_end) p.lse[(b * num_heads + head) * seqlen_q + t] = lse[h];
+  }
+}
+
 template <typename Elem, int kTileIndex, Sm90Schedule kSchedule, bool kPersistent,
           bool kScoreOptions>
 __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]), 1)
     FwdSm90Kernel(const __grid_constant__ FwdSm90Args args) {
-  using Tr = FwdSm90Traits<kTileIndex>;
-  constexpr int kHeadDim = Tr::kHeadDim;
-  using Smem = FwdSm90Smem<Tr>;
+  using Cfg = FwdSm90Config<kTileIndex, kSchedule, kPersistent, kScoreOptions>;
+  using Tr = typename Cfg::Tr;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kStages = Tr::kStages;
-  // Tiles taller than a key block: under a causal mask a consumer
-  // warpgroup's rows can end a block or more before the tile's last row, and
-  // it skips those key blocks (see the consumers). Elsewhere the skip is
-  // compiled out: its loop cost the 128-row D 128 kernels 2-4% at T 512-2048
-  // for nothing.
-  constexpr bool kSkipsKeyBlocks = kBlockM > kBlockN;
-  // O goes out through shared memory and TMA (see the top) unless there is
-  // no room: the persistent grid's Q buffer holds the next tile's Q by then.
-  constexpr bool kTmaStoreO = Tr::kStagesO || !kPersistent;
-  // Segment ids run on the rows that serve masked calls only (the launch
-  // checks): elsewhere their code is compiled out (the 176-key D 128 tile
-  // spilled 44 bytes with it).
-  constexpr bool kServesSegments = Tr::kTile.masked;
-  const bool segments = kServesSegments && args.seg.q_span != nullptr;
+  const bool segments = Cfg::kServesSegments && args.seg.q_span != nullptr;
 
-  unsigned char* smem = AlignedDynamicSmem();
-  Elem* s_q = reinterpret_cast<Elem*>(smem + Smem::kQ);
-  Elem* s_k = reinterpret_cast<Elem*>(smem + Smem::kK);
-  Elem* s_v = reinterpret_cast<Elem*>(smem + Smem::kV);
-  // K and V have their own full/empty barriers: a K slot is released as soon
-  // as S = Q K^T has completed, a V slot only after O += P V, so the next K
-  // can land while the current V is still being read.
-  uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + Smem::kBars);
-  uint64_t* q_empty = q_full + 1;
-  uint64_t* k_full = q_empty + 1;
-  uint64_t* v_full = k_full + kStages;
-  uint64_t* k_empty = v_full + kStages;
-  uint64_t* v_empty = k_empty + kStages;
-  int* piece_role = reinterpret_cast<int*>(v_empty + kStages);  // per consumer warpgroup
-
+  const FwdSm90Buffers<Elem, Cfg> buf(AlignedDynamicSmem());
   const FlashParams& p = args.p;
   const int seqlen_q = static_cast<int>(p.seqlen_q);
   const WindowMask mask = MakeWindowMask(p);
-
   // Where tile `tile` lies, and the key blocks [n_first, n_end) that some
   // query of it may see.
-  struct Tile {
-    int head, b, row_begin, row_end, n_first, n_end;
-  };
+  using Tile = FwdSm90TileSpan;
   auto locate = [&](int tile) {
     Tile t;
     const int num_m = args.num_m_blocks;
@@ -218,9 +560,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
   // piece of one (key blocks [lo, hi) counted from its first visible block,
   // merged through `slot`; slot -1: the whole tile). Producer and consumers
   // take the same items in the same order.
-  struct Item {
-    int tile, lo, hi, slot;
-  };
+  using Item = FwdSm90Item;
   const bool stream_k = kPersistent && args.sk_first_tile < args.num_tiles;
   int num_items = 1;
   // After sk_rounds rounds of whole tiles: the tail piece [0, sk_tail_end)
@@ -275,17 +615,17 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
   };
 
   if (threadIdx.x == 0) {
-    MbarInit(q_full, 1);
-    MbarInit(q_empty, Tr::kConsumerWarps);
+    MbarInit(buf.q_full, 1);
+    MbarInit(buf.q_empty, Tr::kConsumerWarps);
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      MbarInit(&k_full[s], 1);
-      MbarInit(&v_full[s], 1);
+      MbarInit(&buf.k_full[s], 1);
+      MbarInit(&buf.v_full[s], 1);
       // Every consumer warp arrives once its own wait for the last wgmma
       // reading the slot has returned: all of them, so no warp's view of a
       // warpgroup-wide wgmma is assumed to cover another's.
-      MbarInit(&k_empty[s], Tr::kConsumerWarps);
-      MbarInit(&v_empty[s], Tr::kConsumerWarps);
+      MbarInit(&buf.k_empty[s], Tr::kConsumerWarps);
+      MbarInit(&buf.v_empty[s], Tr::kConsumerWarps);
     }
     FenceBarrierInit();
   }
@@ -296,93 +636,50 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
   // and descriptor arithmetic then stays on the uniform datapath (+4% at D 64
   // causal T 2048; no gain, or a loss of up to 7%, measured for the other
   // kernels, which keep the plain index).
-  const int warpgroup = kSchedule == Sm90Schedule::kPingpong && kSkipsKeyBlocks
+  // The consumers' ring position, declared before the producer's branch:
+  // declared with q_phase below, its stage and phase compiled to other
+  // registers.
+  RingPos<kStages> ring;
+  const int warpgroup = Cfg::kPingpong && Cfg::kSkipsKeyBlocks
                             ? __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0)
                             : static_cast<int>(threadIdx.x / 128);
   if (warpgroup == 0) {
-    // ---------------------------------------------------------------- producer
-    SetMaxNRegDec<FwdSm90ProducerRegs(Tr::kTile)>();
-    if (threadIdx.x == 0 && p.seqlen_k > 0) {  // S == 0: no tile loads anything
-      PrefetchTensorMap(&args.tma_q);
-      PrefetchTensorMap(&args.tma_k);
-      PrefetchTensorMap(&args.tma_v);
-      if constexpr (kTmaStoreO) PrefetchTensorMap(&args.tma_o);
-      RingPos<kStages> ring;
-      uint32_t q_phase = 0;
-      for (int i = 0; i < num_items; ++i) {
-        const Item it = item_at(i);
-        if (it.tile >= args.num_tiles) continue;
-        const Tile t = locate_item(it);
-        if (t.n_first >= t.n_end) continue;  // the consumers write O = 0 alone
-        const int kv_head = t.head / static_cast<int>(p.group_size);  // GQA by index
-        const int b = t.b;
-        if constexpr (kPersistent) {
-          // The consumers are done with the previous tile's Q (first tile: free).
-          MbarWait(q_empty, q_phase ^ 1);
-          q_phase ^= 1;
-        }
-        // Rows [row, + panel_bytes / 128) of `head` into dst, one panel of
-        // 64 columns at a time, completing on `full`.
-        const auto load_tile = [&](Elem* dst, int panel_bytes, const CUtensorMap* map,
-                                   bool heads_inner, uint64_t* full, int row, int head) {
-          MbarArriveExpectTx(full, Tr::kPanels * panel_bytes);
-#pragma unroll
-          for (int panel = 0; panel < Tr::kPanels; ++panel) {
-            TmaLoadRows(reinterpret_cast<unsigned char*>(dst) + panel * panel_bytes, map,
-                        heads_inner, full, panel * Tr::kPanelCols, row, head, b);
-          }
-        };
-        load_tile(s_q, Tr::kQPanelBytes, &args.tma_q, args.q_heads_inner, q_full, t.row_begin,
-                  t.head);
-        for (int n = t.n_end - 1; n >= t.n_first; --n) {
-          const int key0 = n * kBlockN;
-          const int kv_elems = ring.stage * kBlockN * kHeadDim;  // the stage's tile
-          // Slot free? (Parity phase ^ 1: the first pass over the ring finds
-          // every slot free.)
-          MbarWait(&k_empty[ring.stage], ring.phase ^ 1);
-          load_tile(s_k + kv_elems, Tr::kKvPanelBytes, &args.tma_k, args.k_heads_inner,
-                    &k_full[ring.stage], key0, kv_head);
-          MbarWait(&v_empty[ring.stage], ring.phase ^ 1);
-          load_tile(s_v + kv_elems, Tr::kKvPanelBytes, &args.tma_v, args.v_heads_inner,
-                    &v_full[ring.stage], key0, kv_head);
-          ring.Advance();
-        }
-      }
-    }
+    FwdSm90Producer<Elem, Cfg>(args, num_items, item_at, locate_item, buf);
     return;
   }
 
   // ------------------------------------------------------------------ consumers
   SetMaxNRegInc<FwdSm90ConsumerRegs(Tr::kTile)>();
-  const int cg = warpgroup - 1;         // consumer warpgroup: rows [64 cg, 64 cg + 64)
-  const int wg_tid = threadIdx.x % 128;
-  const int warp = wg_tid / 32;         // warp within the warpgroup: 16 rows each
-  const int lane = wg_tid % 32;
-  const int g = lane / 4;               // accumulator row (and g + 8)
-  const int t4 = lane % 4;              // accumulator column pair
-  // The exp2 factor per unit of score: scale * log2(e), or cap * log2(e)
-  // with softcap (score_options.h).
-  const float scale_log2 = kScoreOptions ? args.units.log2 : p.softmax_scale_log2;
-
-  // Per tile (set at the top of each): keys [full_begin, full_end) are
-  // visible to all 64 rows of this warpgroup (rows past T included: that only
-  // makes the test stricter), so a key block inside it skips the per-element
-  // mask; keys [key_lo[h], key_hi[h]) are visible to the two rows this thread
-  // holds.
-  int full_begin, full_end;
-  int key_lo[2], key_hi[2];
+  const FwdSm90Consumer<Elem, Cfg> c(args, mask, buf, seqlen_q, segments, warpgroup);
+  // The online-softmax state of this thread's two rows (FwdSm90Rows).
+  float o[Tr::kOAcc];
+  float row_max[2];
+  float row_sum[2];
+  const FwdSm90Rows<Tr> rows{o, row_max, row_sum};
+  constexpr int kHeadDim = Tr::kHeadDim;
+  constexpr bool kSkipsKeyBlocks = Cfg::kSkipsKeyBlocks;
+  constexpr bool kPingpong = Cfg::kPingpong;
+  constexpr bool kTurnsPerTile = Cfg::kTurnsPerTile;
+  constexpr int kLastGroup = Cfg::kLastGroup;
+  const int cg = c.cg, warp = c.warp, lane = c.lane, g = c.g, t4 = c.t4;
+  const float scale_log2 = c.scale_log2;
+  const uint64_t desc_q = c.desc_q, desc_k0 = c.desc_k0, desc_v0 = c.desc_v0;
+  uint64_t* const q_full = c.buf.q_full;
+  uint64_t* const q_empty = c.buf.q_empty;
+  uint64_t* const k_full = c.buf.k_full;
+  uint64_t* const v_full = c.buf.v_full;
+  uint64_t* const k_empty = c.buf.k_empty;
+  uint64_t* const v_empty = c.buf.v_empty;
+  // Keys [full_begin, full_end) are visible to all 64 rows of this
+  // warpgroup (rows past T included: that only makes the test stricter), so a
+  // key block inside it skips the per-element mask; keys [key_lo[h],
+  // key_hi[h]) are visible to the two rows this thread holds.
   // With segment ids, [full_begin, full_end) is narrowed to the key blocks
   // that hold only the one id of this warpgroup's rows, and a block outside
   // takes the id test (MaskUnequalIds) after the window's: no register more
   // through the loop (one more spilled the D 256 consumers, 28-44 bytes).
-  float o[Tr::kOAcc];
-  float row_max[2];
-  float row_sum[2];  // this lane's columns only; quad-reduced at the end
-
-  // Descriptors: Q rows of this warpgroup (panel 0); K and V of stage 0.
-  const uint64_t desc_q = MakeDescK(SmemAddr(s_q) + 64 * cg * 128);
-  const uint64_t desc_k0 = MakeDescK(SmemAddr(s_k));
-  const uint64_t desc_v0 = MakeDescMN(SmemAddr(s_v), Tr::kKvPanelBytes);
+  int full_begin, full_end;
+  int key_lo[2], key_hi[2];
 
   // S = Q K^T of the K tile in `stage` (unscaled: the scale folds into exp2).
   // Issued and committed as one wgmma group; the caller waits.
@@ -424,7 +721,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
   // issued, while S holds no registers: beside S (in the softmax) the Philox
   // calls spilled the D 256 and 176-key consumers 12-64 bytes. Indices
   // through Opaque, as for ALiBi.
-  const bool dropout = kScoreOptions && p.dropout_seeds != nullptr;
+  const bool dropout = c.dropout;
   auto keep_bits = [&](uint32_t (&keep)[KeepWords<Tr::kSAcc>()], int n, const Tile& tl,
                        int wg_row0) {
     if (!dropout) return;
@@ -510,26 +807,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
     for (int i = 0; i < Tr::kOAcc; ++i) o[i] *= correction[(i / 2) % 2];
   };
 
-  // Pingpong turns (kPingpong only): consumer warpgroup cg issues its wgmmas
-  // after a bar.sync on named barrier 1 + cg, then hands the turn to the next
-  // warpgroup (round robin) with a bar.arrive on its barrier (each completes
-  // at 256 = 128 syncing + 128 arriving threads). Every warpgroup takes the
-  // same number of turns per tile (one per key block, plus one). The last
-  // warpgroup hands warpgroup 0 the first turn, and warpgroup 0 takes one
-  // extra turn at the end to consume the last one's final hand-over, so no
-  // barrier is left half-arrived when the block exits.
-  // With two consumer warpgroups (and in a grid of one tile per block) the
-  // round robin runs on from tile to tile: a warpgroup that has written its O
-  // takes its turn for the next tile's first S while the other finishes its
-  // last PV and its epilogue (D 128 T 1024-4096 +0-7% over a barrier
-  // between tiles in the self-test). With three (D 64,
-  // persistent) the turns start and end with each tile, and named barrier
-  // 1 + kConsumerWarpgroups closes it: running on measured 2-6% slower there.
-  constexpr bool kPingpong = kSchedule == Sm90Schedule::kPingpong;
-  constexpr bool kTurnsAcrossTiles =
-      kPingpong && (Tr::kConsumerWarpgroups == 2 || !kPersistent);
-  constexpr bool kTurnsPerTile = kPingpong && !kTurnsAcrossTiles;
-  constexpr int kLastGroup = Tr::kConsumerWarpgroups - 1;
+  // The pingpong turns (FwdSm90Config).
   auto take_turn = [&] {
     if constexpr (kPingpong) NamedBarrierSync(1 + cg, 256);
   };
@@ -537,22 +815,15 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
     if constexpr (kPingpong) NamedBarrierArrive(1 + (cg == kLastGroup ? 0 : cg + 1), 256);
   };
 
-  // O staging of this warpgroup (kTmaStoreO): panels of 64 rows x 128 bytes
-  // kOPanelStride apart, in the O region or in this warpgroup's Q rows; and
-  // its named barrier (the pingpong turns use 1 .. warpgroups, the tile's
-  // closing barrier the next).
-  unsigned char* s_o_staged = Tr::kStagesO ? smem + Smem::kO + cg * Tr::kOWarpgroupBytes
-                                           : smem + Smem::kQ + cg * 64 * 128;
-  constexpr int kOPanelStride = Tr::kStagesO ? 64 * 128 : Tr::kQPanelBytes;
-  constexpr int kOStagedBarrier = 2 + Tr::kConsumerWarpgroups;
-
-  RingPos<kStages> ring;
   uint32_t q_phase = 0;
-  if (kTurnsAcrossTiles && cg == kLastGroup) NamedBarrierArrive(1, 256);
+  if (Cfg::kTurnsAcrossTiles && c.cg == Cfg::kLastGroup) NamedBarrierArrive(1, 256);
   for (int item = 0; item < num_items; ++item) {
-    const Item it = item_at(item);
+    const FwdSm90Item it = item_at(item);
     if (it.tile >= args.num_tiles) continue;
-    const Tile tl = locate_item(it);
+    const FwdSm90TileSpan tl = locate_item(it);
+    // The mainloop: resets the row state, then per key block S = Q K^T, the
+    // softmax, O += P V, in the kernel's schedule. Here in the kernel body:
+    // as a function of its own (forceinline) it compiled to other code.
     const int wg_row0 = tl.row_begin + 64 * cg;
     int64_t lo, hi;
     mask.KeyRange(wg_row0 + 63, wg_row0 + 64, &lo, &hi);
@@ -714,116 +985,20 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
         }
       }
     }
-
-    // A stream-K piece (see the top): the first of a tile's two pieces to
-    // get here parks its state, the second merges it into its own.
     if (stream_k && it.slot >= 0) {
-      constexpr int kPartialRegs = FwdSm90PiecePartialRegs(kHeadDim);
-      static_assert(kPartialRegs == Tr::kOAcc + 4, "O, then row max and row sum of both rows");
-      const int pair = it.slot * Tr::kConsumerWarpgroups + cg;
-      int* arrivals = args.sk_flags + 2 * pair;
-      int* ready = arrivals + 1;
-      // [register][thread]: each store and load is one coalesced row.
-      float* partial = args.sk_partial + static_cast<int64_t>(pair) * kPartialRegs * 128 + wg_tid;
-      if (wg_tid == 0) piece_role[cg] = atomicAdd(arrivals, 1);
-      NamedBarrierSync(kOStagedBarrier + cg, 128);
-      if (piece_role[cg] == 0) {
-#pragma unroll
-        for (int i = 0; i < Tr::kOAcc; ++i) __stcg(partial + i * 128, o[i]);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          __stcg(partial + (Tr::kOAcc + h) * 128, row_max[h]);
-          __stcg(partial + (Tr::kOAcc + 2 + h) * 128, row_sum[h]);
-        }
-        __threadfence();
-        NamedBarrierSync(kOStagedBarrier + cg, 128);
-        if (wg_tid == 0) StoreRelease(ready, 1);
+      const FwdSm90Piece piece = FwdSm90ArrivePiece<Elem, Cfg>(c, it);
+      if (FwdSm90FirstPiece<Elem, Cfg>(c)) {
+        FwdSm90ParkPiece<Elem, Cfg>(c, piece, rows);
         continue;
       }
-      if (wg_tid == 0) {
-        while (LoadAcquire(ready) == 0) {
-        }
-      }
-      NamedBarrierSync(kOStagedBarrier + cg, 128);
-      float own[2], parked[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float other_max = __ldcg(partial + (Tr::kOAcc + h) * 128);
-        const float other_sum = __ldcg(partial + (Tr::kOAcc + 2 + h) * 128);
-        const MergeWeights w = MergeTwoStates(row_max[h], other_max, scale_log2, FastExp2);
-        own[h] = w.own;
-        parked[h] = w.other;
-        row_max[h] = w.m;
-        row_sum[h] = row_sum[h] * own[h] + other_sum * parked[h];
-      }
-#pragma unroll
-      for (int i = 0; i < Tr::kOAcc; ++i) {
-        const int h = (i / 2) % 2;
-        o[i] = o[i] * own[h] + __ldcg(partial + i * 128) * parked[h];
-      }
+      FwdSm90MergePiece<Elem, Cfg>(c, piece, rows);
     }
-
-    // Epilogue: O / l and LSE.
-    const int64_t num_heads = p.num_heads_q;
-    const int head = tl.head;
-    const int b = tl.b;
-    if constexpr (kTmaStoreO) {
-      // This warpgroup's previous store has finished reading its staging.
-      if (wg_tid == 0) BulkWaitGroupRead<0>();
-      NamedBarrierSync(kOStagedBarrier + cg, 128);
-    }
-    float lse[2], inv_l[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float l = QuadSum(row_sum[h]);
-      // A row that saw a key has l >= 1, where the MUFU reciprocal and
-      // logarithm are within a few ulp, without the IEEE forms' special-case
-      // paths. Dropout's 1 / (1 - rate) goes with 1 / l (O sums Z o P, l the
-      // undropped P).
-      const float o_scale = dropout ? p.dropout_scale : 1.f;
-      inv_l[h] = RowNormalizer(l, o_scale, FastDivide{});
-      const float natural = kScoreOptions ? args.units.natural : p.softmax_scale;
-      lse[h] = RowLse(row_max[h] * natural, l, FastLog{});
-      if constexpr (!kTmaStoreO) {
-        const int t = wg_row0 + warp * 16 + g + 8 * h;
-        if (t >= tl.row_end) continue;
-        Elem* o_row = static_cast<Elem*>(p.o) + b * p.o_batch_stride + t * p.o_row_stride +
-                      head * p.o_head_stride;
-#pragma unroll
-        for (int j = 0; j < kHeadDim / 8; ++j) {
-          *reinterpret_cast<uint32_t*>(o_row + 8 * j + 2 * t4) =
-              PackFloat2<Elem>(o[4 * j + 2 * h] * inv_l[h], o[4 * j + 2 * h + 1] * inv_l[h]);
-        }
-      }
-    }
-    if constexpr (kTmaStoreO) {
-      StageAccumulatorTile<Elem>(s_o_staged, kOPanelStride, warp, lane, o, inv_l);
-      FenceProxyAsync();
-      NamedBarrierSync(kOStagedBarrier + cg, 128);
-      // Rows past T are dropped by the copy engine (out of the map's bounds).
-      if (wg_tid == 0 && wg_row0 < tl.row_end) {
-        const RowHeadCoords at(args.o_heads_inner, wg_row0, head);
-#pragma unroll
-        for (int panel = 0; panel < Tr::kPanels; ++panel) {
-          TmaStore4d(s_o_staged + panel * kOPanelStride, &args.tma_o, panel * Tr::kPanelCols,
-                     at.c1, at.c2, b);
-        }
-        BulkCommitGroup();
-      }
-    }
-    // LSE last: the proxy fence above compiles to MEMBAR.ALL.CTA, which also
-    // waits for this thread's earlier global stores (D 128 T 1024 +6% with
-    // the LSE stored after it).
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int t = wg_row0 + warp * 16 + g + 8 * h;
-      if (t4 == 0 && t < tl.row_end) p.lse[(b * num_heads + head) * seqlen_q + t] = lse[h];
-    }
+    FwdSm90Epilogue<Elem, Cfg>(c, tl, rows);
   }
-  if (kTurnsAcrossTiles && cg == 0) NamedBarrierSync(1, 256);
+  if (Cfg::kTurnsAcrossTiles && c.cg == 0) NamedBarrierSync(1, 256);
   // The staging must stay valid until the last store has read it (the
   // grid's completion covers the global writes, as for plain stores).
-  if (kTmaStoreO && wg_tid == 0) BulkWaitGroupRead<0>();
+  if (Cfg::kTmaStoreO && c.wg_tid == 0) BulkWaitGroupRead<0>();
 }
 
 }  // namespace jax_flash2::cuda::sm90
