@@ -187,6 +187,7 @@ def test_found_checks():
   assert len(NAMES) >= 14 and len(MULTI_NAMES) >= 5, (NAMES, MULTI_NAMES)
 
 
+@pytest.mark.xdist_group("cp_eight_devices")  # one subprocess per worker that runs any of them
 @pytest.mark.parametrize("name", NAMES)
 def test_eight_devices(eight_devices, name):
   found, proc = eight_devices
@@ -223,6 +224,7 @@ def two_processes():
   return found, procs, outputs
 
 
+@pytest.mark.xdist_group("cp_two_processes")
 @pytest.mark.parametrize("name", MULTI_NAMES)
 def test_two_processes(two_processes, name):
   found, procs, outputs = two_processes

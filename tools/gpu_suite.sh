@@ -68,6 +68,8 @@ aux_jobs() {
 run_tests() {
   # Several pytest workers share the GPU: no preallocation, or the second one
   # finds the memory taken. Run from tests/ so the installed package is imported.
+  # --dist loadgroup: tests of one xdist_group (the context-parallel checks,
+  # a subprocess on 8 host devices) share one worker and so one subprocess.
   SECONDS=0
   # PART=K/N: only part K of N of the suite (tools/test_part.py), so that
   # N calls of at most 10 minutes run all of it. Test ids hold spaces: an array.
@@ -78,7 +80,7 @@ run_tests() {
   fi
   (cd tests && CUDA_VISIBLE_DEVICES=$TEST_GPU XLA_PYTHON_CLIENT_PREALLOCATE=false \
     timeout -s INT "${TEST_TIMEOUT:-420}" python3 -m pytest -v -rfE -p no:cacheprovider \
-    --tb=short -n "${WORKERS:-8}" "${tests[@]}" > "$OUT/pytest.log" 2>&1)
+    --tb=short -n "${WORKERS:-8}" --dist loadgroup "${tests[@]}" > "$OUT/pytest.log" 2>&1)
   # -v keeps every finished test's result when the timeout cuts the run; SIGINT
   # lets pytest still print the failures' tracebacks and the summary.
   grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest.log" | grep -v "^\[gw.*PASSED" | tail -30
