@@ -3,9 +3,27 @@ the device line, and the table written to --out."""
 
 from __future__ import annotations
 
+import datetime
+import os
+import pathlib
+import subprocess
 import sys
 
 import jax
+
+
+def commit() -> str:
+  """The source commit: git's short hash of this checkout (with "+" when it
+  has uncommitted changes), else $JAX_FLASH2_COMMIT (a copied tree without
+  .git), else "unknown"."""
+  root = pathlib.Path(__file__).resolve().parent.parent
+  try:
+    run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True,  # noqa
+                                    timeout=10, check=True).stdout.strip()
+    dirty = bool(run("status", "--porcelain", "--untracked-files=no"))
+    return run("rev-parse", "--short", "HEAD") + ("+" if dirty else "")
+  except (OSError, subprocess.SubprocessError):
+    return os.environ.get("JAX_FLASH2_COMMIT", "unknown")
 
 
 def command() -> str:
@@ -14,8 +32,10 @@ def command() -> str:
 
 
 def header(command: str, *details: str) -> list[str]:
-  """The table's first lines: the command, then the device and jax version (and `details`)."""
-  device = [f"Device: {jax.devices()[0].device_kind}", f"jax {jax.__version__}", *details]
+  """The table's first lines: the command, then the date, commit, device and
+  jax version (and `details`)."""
+  device = [f"Date: {datetime.date.today().isoformat()}", f"commit {commit()}",
+            f"device: {jax.devices()[0].device_kind}", f"jax {jax.__version__}", *details]
   return [f"Command: `{command}`", ", ".join(device)]
 
 
