@@ -3,8 +3,9 @@
 #   bash tools/gpu_suite.sh            (logs and tables under $OUT)
 # 1. install with CUDA for sm_90a (the H200; ~30 s on 16 cores)
 # 2. the pytest suite on GPU $TEST_GPU, in parallel processes sharing it
-#    (TESTS=files to choose, PART=K/N for part K of N: the whole suite takes
-#    about 15-20 minutes with 16 workers, more than one run's 10-minute limit)
+#    (TESTS=files to choose, SUITE=gpu for the GPU-path files alone, PART=K/N
+#    for part K of N: the whole suite takes about 25-30 minutes with 16
+#    workers, more than one run's 10-minute limit)
 # 3. the quickstart
 # Optional jobs, run on GPU $AUX_GPU: beside the tests when it differs from
 # $TEST_GPU (a 2-GPU host), after them otherwise, so timings never share a GPU:
@@ -74,6 +75,13 @@ run_tests() {
   # PART=K/N: only part K of N of the suite (tools/test_part.py), so that
   # N calls of at most 10 minutes run all of it. Test ids hold spaces: an array.
   local -a tests=(${TESTS:-.})
+  # SUITE=gpu: the files that test the CUDA paths themselves, and the CPU
+  # kernels under this machine's jax (about 230 tests, ~8 minutes with 12 workers).
+  if [ "${SUITE:-}" = gpu ]; then
+    tests=(test_gpu_paths.py test_packed_gpu.py test_score_options_gpu.py test_dropout_gpu.py
+           test_kvcache_gpu.py test_float32_blockwise.py test_head_dims.py test_hostile_inputs.py
+           test_cpu_platform.py)
+  fi
   if [ -n "${PART:-}" ]; then
     mapfile -t tests < <(python3 tools/test_part.py "${PART%/*}" "${PART#*/}")
     echo "== part $PART: ${#tests[@]} tests"
