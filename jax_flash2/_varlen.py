@@ -41,11 +41,15 @@ _Q_PAD_ID = -1  # padded path: padding queries and keys never share an id
 _KV_PAD_ID = -2  # with each other or with real tokens (id 0)
 
 
+def _check_integer_array(name: str, x) -> None:
+  if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"flash_attention_varlen: {name} must be an integer array; got "
+                    f"{getattr(x, 'dtype', type(x).__name__)}")
+
+
 def check_cu_seqlens(name: str, cu_seqlens, total: int, max_seqlen) -> None:
   """Shape, dtype and (when the values are known at trace time) content checks."""
-  if not hasattr(cu_seqlens, "dtype") or not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
-    raise TypeError(f"flash_attention_varlen: {name} must be an integer array; got "
-                    f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
+  _check_integer_array(name, cu_seqlens)
   if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
     raise ValueError(f"flash_attention_varlen: {name} must be 1-D [n + 1] with n >= 1; got shape "
                      f"{tuple(cu_seqlens.shape)}")
@@ -64,9 +68,7 @@ def check_cu_seqlens(name: str, cu_seqlens, total: int, max_seqlen) -> None:
 def check_seqused_k(seqused_k, cu_seqlens_k) -> None:
   """Dtype, shape [n] and (when both are concrete) 0 <= seqused_k[b] <= the
   key length of sequence b."""
-  if not hasattr(seqused_k, "dtype") or not jnp.issubdtype(seqused_k.dtype, jnp.integer):
-    raise TypeError(f"flash_attention_varlen: seqused_k must be an integer array; got "
-                    f"{getattr(seqused_k, 'dtype', type(seqused_k).__name__)}")
+  _check_integer_array("seqused_k", seqused_k)
   n = cu_seqlens_k.shape[0] - 1
   if tuple(seqused_k.shape) != (n,):
     raise ValueError(f"flash_attention_varlen: seqused_k must be 1-D [n] = [{n}] (one entry per "

@@ -84,24 +84,27 @@ def test_varlen_bad_arguments():
 # The packed path: one row [1, total, ...] with segment ids from cu_seqlens.
 
 
-def _local_mask(q_lens, k_lens, total_q, total_k, causal=False, window_size=(-1, -1)):
+def _local_mask(q_lens, k_lens, total_q, total_k, causal=False, window_size=(-1, -1),
+                used=None):
   """[total_q, total_k] bool: query i sees key j, per sequence and bottom-right
   aligned within it (FlashAttention's varlen convention), built directly from
-  the definition. Rows and columns past the sequences see nothing."""
+  the definition. With used (seqused_k) sequence b sees only its first
+  used[b] keys, the diagonal at the used length. Rows and columns past the
+  sequences see nothing."""
   left, right = window_size
   if causal:
     right = 0 if right < 0 else min(right, 0)
   mask = np.zeros((total_q, total_k), bool)
   a = c = 0
-  for t, s in zip(q_lens, k_lens):
-    i = np.arange(t)[:, None] + s - t  # the query's diagonal key
-    j = np.arange(s)[None, :]
-    ok = np.ones((t, s), bool)
+  for t, s, u in zip(q_lens, k_lens, k_lens if used is None else used):
+    i = np.arange(t)[:, None] + u - t  # the query's diagonal key
+    j = np.arange(u)[None, :]
+    ok = np.ones((t, u), bool)
     if left >= 0:
       ok &= j >= i - left
     if right >= 0:
       ok &= j <= i + right
-    mask[a:a + t, c:c + s] = ok
+    mask[a:a + t, c:c + u] = ok
     a, c = a + t, c + s
   return mask
 
@@ -465,28 +468,6 @@ def _seqused_oracle(q, k, v, d_out, q_lens, k_lens, used, options):
   return (out, lse), grads
 
 
-def _seqused_mask(q_lens, k_lens, used, options):
-  """[total_q, total_k] bool from the definition: query i of a sequence with
-  T queries sees its used key j when the causal/window bounds around
-  i + used - T allow it."""
-  left, right = options.get("window_size", (-1, -1))
-  if options.get("causal", False):
-    right = 0 if right < 0 else min(right, 0)
-  mask = np.zeros((sum(q_lens), sum(k_lens)), bool)
-  qs = ks = 0
-  for t, s, u in zip(q_lens, k_lens, used):
-    diag = np.arange(t)[:, None] + u - t
-    j = np.arange(u)[None, :]
-    ok = np.ones((t, u), bool)
-    if left >= 0:
-      ok &= j >= diag - left
-    if right >= 0:
-      ok &= j <= diag + right
-    mask[qs:qs + t, ks:ks + u] = ok
-    qs, ks = qs + t, ks + s
-  return mask
-
-
 @pytest.mark.parametrize("case,dtype", SEQUSED_PARAMS)
 def test_seqused_k_matches_oracle(backend, case, dtype, rng):
   """Forward, LSE and gradients with seqused_k (0, partial and full, length-0
@@ -513,13 +494,16 @@ def test_seqused_k_matches_oracle(backend, case, dtype, rng):
         q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), seqused_k=seqused, return_lse=True,
         implementation=backend, **options)
 
+  visible = _local_mask(q_lens, k_lens, sum(q_lens), sum(k_lens), used=used,
+                        causal=options.get("causal", False),
+                        window_size=options.get("window_size", (-1, -1)))
   (out, lse), vjp = jax.vjp(jax.jit(f), q, k, v)
   grads = vjp((d_out, jnp.zeros_like(lse)))
   (ref_out, ref_lse), ref_grads = _seqused_oracle(q, k, v, d_out, q_lens, k_lens, used, options)
   if dtype == jnp.float32:
     plain_out, plain_lse, plain_grads = ref_out, ref_lse, ref_grads
   else:
-    mask = jnp.asarray(_seqused_mask(q_lens, k_lens, used, options))
+    mask = jnp.asarray(visible)
     finite = [jnp.nan_to_num(x) for x in (k, v)]  # the plain attention has no notion of unused
     plain_out, plain_lse, plain_grads = _plain_with_grads(q, *finite, mask, d_out,
                                                           options.get("softcap", 0.0))
@@ -532,7 +516,7 @@ def test_seqused_k_matches_oracle(backend, case, dtype, rng):
     unused[int(cu_k[b]):int(cu_k[b]) + u] = False
   assert np.all(np.asarray(grads[1])[unused] == 0) and np.all(np.asarray(grads[2])[unused] == 0)
   # Queries of sequences that use no key: out 0, LSE -inf.
-  no_key = ~_seqused_mask(q_lens, k_lens, used, options).any(axis=1)
+  no_key = ~visible.any(axis=1)
   assert np.all(np.asarray(out)[no_key] == 0) and np.all(np.isneginf(np.asarray(lse)[:, no_key]))
 
 
