@@ -26,6 +26,19 @@ def device_plan(q, k, v, **options):
   cc = tuple(int(x) for x in str(device.compute_capability).split("."))
   return jax_flash2.plan(q, k, v, compute_capability=cc, sm_count=device.core_count, **options)
 
+
+# The directory holding the jax_flash2 under test (installed or in-tree).
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(jax_flash2.__file__)))
+
+
+def package_env(drop=(), **overrides) -> dict:
+  """os.environ for a subprocess that imports this process's jax_flash2
+  (PACKAGE_ROOT first on PYTHONPATH), less the names in drop, with overrides."""
+  env = {k: v for k, v in os.environ.items() if k not in drop}
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get("PYTHONPATH")]))
+  env.update(overrides)
+  return env
+
 # Compute dtype of the model-level tests (Flax layers, the training example):
 # bfloat16 on the GPU (the CUDA kernels' dtypes; float32 there runs the
 # blockwise plain-JAX path) and float32 on CPU.

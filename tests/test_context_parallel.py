@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import pathlib
 import re
 import socket
@@ -25,19 +24,16 @@ import pytest
 
 import jax_flash2
 from jax_flash2 import context_parallel as cp
+from conftest import package_env
 
 SCRIPT = pathlib.Path(__file__).with_name("cp_checks.py")
 SOURCE = SCRIPT.read_text()
 NAMES = re.findall(r"^@check\(.*\)\ndef (\w+)", SOURCE, flags=re.M)
 MULTI_NAMES = re.findall(r"^@check\(multiprocess=True\)\ndef (\w+)", SOURCE, flags=re.M)
-ROOT = pathlib.Path(jax_flash2.__file__).parent.parent
 
 
 def _env():
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-  env.pop("XLA_FLAGS", None)
-  return env
+  return package_env(drop=("XLA_FLAGS",))
 
 
 def _parse(stdout):

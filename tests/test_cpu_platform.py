@@ -10,17 +10,13 @@ so that a crash in XLA's compile names the step that causes it.
 
 from __future__ import annotations
 
-import os
-import pathlib
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-import jax_flash2
-
-ROOT = pathlib.Path(jax_flash2.__file__).parent.parent
+from conftest import PACKAGE_ROOT, package_env
 
 PRELUDE = """
 import os
@@ -90,9 +86,8 @@ for a, b in zip(got, want):
 def test_cpu_platform_step(step):
   devices = 2 if "two_devices" in step else 1
   script = textwrap.dedent(PRELUDE.format(devices=devices)) + STEPS[step] + "\nprint('ok')\n"
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-  result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", script], cwd=ROOT,
+  env = package_env(drop=("XLA_FLAGS", "JAX_PLATFORMS"))
+  result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", script], cwd=PACKAGE_ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (
       f"{step}: exit {result.returncode}\n{result.stderr[-4000:]}")

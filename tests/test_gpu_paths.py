@@ -19,7 +19,7 @@ import pytest
 import jax_flash2
 from jax_flash2 import _ext
 
-from conftest import ON_GPU, device_plan, is_hopper, random_inputs
+from conftest import ON_GPU, device_plan, is_hopper, package_env, random_inputs
 from oracle import assert_close_to_oracle, naive_same_dtype, oracle
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
@@ -296,10 +296,7 @@ def test_small_shared_memory_tiles():
         print("d256 backward:", type(e).__name__, str(e).replace("\\n", " "))
   """)
   # Run from tests/ (conftest, oracle) with this process's jax_flash2.
-  package_root = os.path.dirname(os.path.dirname(os.path.abspath(jax_flash2.__file__)))
-  env = dict(os.environ, JAX_FLASH2_MAX_SMEM_PER_BLOCK="101376",
-             XLA_PYTHON_CLIENT_PREALLOCATE="false",
-             PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+  env = package_env(JAX_FLASH2_MAX_SMEM_PER_BLOCK="101376", XLA_PYTHON_CLIENT_PREALLOCATE="false")
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=600, cwd=os.path.dirname(__file__))
   assert out.returncode == 0, out.stdout + out.stderr

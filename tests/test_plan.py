@@ -5,7 +5,6 @@ the tile, the split counts and the shared-memory budget."""
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import pytest
 
 import jax_flash2
 from jax_flash2 import _ext
+from conftest import package_env
 from jax_flash2._plan import MAX_SMEM_PER_BLOCK
 
 CCS = [(8, 0), (8, 6), (8, 9), (9, 0)]
@@ -250,9 +250,7 @@ def test_max_smem_switch_runs_the_small_tiles(tmp_path):
   """)
   # The same jax_flash2 as this process's (installed or in-tree), from a
   # directory that shadows neither.
-  package_root = os.path.dirname(os.path.dirname(os.path.abspath(jax_flash2.__file__)))
-  env = dict(os.environ, JAX_FLASH2_MAX_SMEM_PER_BLOCK="101376", JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+  env = package_env(JAX_FLASH2_MAX_SMEM_PER_BLOCK="101376", JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=300, check=True, cwd=tmp_path)
   assert out.stdout.split() == ["sm80-prefill", "sm80", "small_smem"], out

@@ -9,7 +9,6 @@ directly on a multi-GPU host (`--platform gpu`).
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
 import subprocess
@@ -17,7 +16,7 @@ import sys
 
 import pytest
 
-import jax_flash2
+from conftest import package_env
 
 SCRIPT = pathlib.Path(__file__).with_name("multi_device_checks.py")
 # Read the names without importing the script: importing it would set XLA_FLAGS
@@ -27,11 +26,8 @@ NAMES = re.findall(r"^@check\ndef (\w+)", SCRIPT.read_text(), flags=re.M)
 
 @pytest.fixture(scope="module")
 def results():
-  root = pathlib.Path(jax_flash2.__file__).parent.parent
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
   proc = subprocess.run([sys.executable, str(SCRIPT), "--platform", "cpu", "--devices", "8",
-                         "--json"], env=env, capture_output=True, text=True, timeout=600)
+                         "--json"], env=package_env(), capture_output=True, text=True, timeout=600)
   found = {}
   for line in proc.stdout.splitlines():
     if line.startswith("{"):

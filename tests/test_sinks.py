@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -24,7 +23,7 @@ import pytest
 import jax_flash2
 from jax_flash2 import api, reference
 
-from conftest import ON_GPU, attention_fn, random_inputs, supports
+from conftest import ON_GPU, PACKAGE_ROOT, attention_fn, package_env, random_inputs, supports
 from oracle import assert_close_to_oracle, max_err, naive_same_dtype, oracle
 
 
@@ -436,16 +435,12 @@ print(json.dumps(result))
 
 
 def test_ring_attention():
-  env = dict(os.environ)
-  root = pathlib.Path(jax_flash2.__file__).parent.parent
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-  env.pop("XLA_FLAGS", None)
-  env["JAX_PLATFORMS"] = "cpu"
+  env = package_env(drop=("XLA_FLAGS",), JAX_PLATFORMS="cpu")
   # `python -c` puts the working directory first on sys.path: run it beside
   # the package under test, so a source checkout without built extensions
   # (pytest's working directory in CI) is not the one imported.
   proc = subprocess.run([sys.executable, "-c", _RING_SCRIPT], capture_output=True, text=True,
-                        env=env, cwd=root, timeout=600)
+                        env=env, cwd=PACKAGE_ROOT, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(proc.stdout.strip().splitlines()[-1])
   for strategy, errs in result.items():
