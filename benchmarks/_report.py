@@ -17,11 +17,14 @@ def commit() -> str:
   has uncommitted changes), else $JAX_FLASH2_COMMIT (a copied tree without
   .git), else "unknown"."""
   root = pathlib.Path(__file__).resolve().parent.parent
+
+  def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10,
+                          check=True).stdout.strip()
+
   try:
-    run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True,  # noqa
-                                    timeout=10, check=True).stdout.strip()
-    dirty = bool(run("status", "--porcelain", "--untracked-files=no"))
-    return run("rev-parse", "--short", "HEAD") + ("+" if dirty else "")
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    return git("rev-parse", "--short", "HEAD") + ("+" if dirty else "")
   except (OSError, subprocess.SubprocessError):
     return os.environ.get("JAX_FLASH2_COMMIT", "unknown")
 
