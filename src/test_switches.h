@@ -9,6 +9,8 @@
 //                                launched as plain stream-ordered grids, not as
 //                                programmatic dependents (cc 9.0)
 //   JAX_FLASH2_SM90_BACKWARD=0   the backward runs the sm80 kernels on cc 9.0
+//   JAX_FLASH2_KV_SPLIT_KEYS=N   a KV-cache decode call splits its keys in
+//                                shares of N (instead of the plan's rule)
 //   JAX_FLASH2_MAX_SMEM_PER_BLOCK=N
 //                                plan as if the GPU allowed at most N bytes of
 //                                shared memory per block (e.g. 101376 on an
@@ -30,6 +32,7 @@ struct TestSwitches {
   bool decode_pdl = true;
   bool sm90_backward = true;
   int64_t max_smem_per_block = 0;  // 0: the device's own limit
+  int64_t kv_split_keys = 0;       // 0: the plan's default
 };
 
 inline TestSwitches ReadTestSwitches() {
@@ -44,6 +47,10 @@ inline TestSwitches ReadTestSwitches() {
   if (const char* v = std::getenv("JAX_FLASH2_MAX_SMEM_PER_BLOCK")) {
     const long long n = std::strtoll(v, nullptr, 10);
     s.max_smem_per_block = n > 0 ? n : 0;
+  }
+  if (const char* v = std::getenv("JAX_FLASH2_KV_SPLIT_KEYS")) {
+    const long long n = std::strtoll(v, nullptr, 10);
+    s.kv_split_keys = n > 0 ? n : 0;
   }
   return s;
 }

@@ -401,6 +401,17 @@ def test_plan_names_the_decode_kernel():
   wide_table = jax.ShapeDtypeStruct((64, 256), jnp.int32)
   forward = kvcache.plan(wide, pool, pool, block_table=wide_table)["forward"]
   assert forward.splits >= 2 and forward.grid == (forward.splits, 64, 8)
+  # The small-smem tile (16-key warp steps, three blocks per SM) where it
+  # holds the packed rows; a batch of one still gets 4 blocks per SM over
+  # S_max (132 SMs, 8 K/V heads: 66 splits asked, whole 64-key shares of 4096).
+  one = jax.ShapeDtypeStruct((1, 1, 32, 128), jnp.bfloat16)
+  forward = kvcache.plan(one, pool, pool, block_table=jax.ShapeDtypeStruct((1, 256), jnp.int32))
+  forward = forward["forward"]
+  assert forward.tile["row"] == "small_smem" and forward.tile["warp_keys"] == 16, forward
+  assert forward.splits == 4096 // (16 * 4) and forward.grid == (64, 1, 8), forward
+  rows32 = jax.ShapeDtypeStruct((8, 8, 32, 128), jnp.bfloat16)  # 32 packed rows > 16
+  forward = kvcache.plan(rows32, pool, pool, block_table=table)["forward"]
+  assert forward.kernel == "sm80-decode" and forward.tile["row"] == "default", forward
   too_many = jax.ShapeDtypeStruct((8, 9, 32, 128), jnp.bfloat16)  # 36 packed rows > 32
   forward = kvcache.plan(too_many, pool, pool, block_table=table)["forward"]
   assert forward.kernel == "unsupported" and "packed rows" in forward.reason

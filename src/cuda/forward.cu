@@ -40,7 +40,7 @@ size_t ForwardScratchBytes(const FlashParams& p, const DeviceInfo& dev) {
         const DecodeTileSizes tile = DecodeTileOfRow(bucket, small_smem);
         if (tile.head_dim == 0) continue;
         bytes = std::max(bytes, SplitScratchBytes(
-                                    *q, plan_detail::MakeDecodePlan(*q, dev, tile, small_smem)));
+                                    *q, plan_detail::MakeDecodePlan(*q, dev, opts, tile, small_smem)));
       }
     }
   }

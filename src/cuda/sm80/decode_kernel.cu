@@ -171,6 +171,20 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // This warp's chunks: c_begin + warp + i * kDecodeWarps, i < num_mine.
   const int num_mine = max(0, (c_end - c_begin - warp + kDecodeWarps - 1) / kDecodeWarps);
 
+  // A split that holds no visible key (past a KV-cache sequence's end, say)
+  // writes only its empty LSE: the combine gives it weight 0 and reads none
+  // of its O. Without the Q load and the merge such a block costs little;
+  // a mixed-length batch launches many of them.
+  if (args.num_splits > 1 && c_begin >= c_end) {
+    WaitForPrimaryGrid();
+    for (int r = tid; r < num_rows; r += kDecodeWarps * 32) {
+      const int64_t lse_index =
+          (b * p.num_heads_q + kv_head * group + r % group) * seqlen_q + r / group;
+      args.lse_partial[split * p.batch * p.num_heads_q * seqlen_q + lse_index] = -INFINITY;
+    }
+    return;
+  }
+
   // Paged: k, v are a page pool (k/v_batch_stride the page stride), read
   // through the block table (load_chunk); the heads' bases are unused.
   const bool paged = p.block_table != nullptr;
@@ -221,12 +235,25 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     CpAsyncCommit();
   }
   const uint64_t kv_policy = L2Policy(args.kv_read_once);
+  // Paged: the page ids of chunk i's two 16-key halves (-1 past the
+  // sequence's end), read one chunk before load_chunk needs them: read in
+  // load_chunk itself, the table load stalled the warp before every copy.
+  const int page_size = static_cast<int>(p.page_size);
+  auto page_ids = [&](int i, int (&page)[2]) {
+    const int key0 = (c_begin + warp + i * kDecodeWarps) * kKeys;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int key = key0 + 16 * h;
+      page[h] = paged && i < num_mine && key < seqlen_k
+                    ? p.block_table[b * p.max_pages + key / page_size]
+                    : -1;
+    }
+  };
   // Offsets of a chunk's two 16-key halves from k_head / v_head (k and v
   // share strides: both come from one dense [B|pages, S|page, K, D] shape).
-  // Paged: through the block table, -1 for a half past the sequence's end or
-  // in a page outside the pool; page_size is a multiple of 16.
-  const int page_size = static_cast<int>(p.page_size);
-  auto load_chunk = [&](int i) {
+  // Paged: through the page ids, -1 for a half past the sequence's end or in
+  // a page outside the pool; page_size is a multiple of 16.
+  auto load_chunk = [&](int i, const int (&page)[2]) {
     Elem* k_dst = s_ring + (i % kStages) * 2 * kTileElems;
     const int key0 = (c_begin + warp + i * kDecodeWarps) * kKeys;
     int64_t off[2];
@@ -237,10 +264,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
         off[h] = key * p.k_row_stride;
         continue;
       }
-      const int64_t page =
-          key < seqlen_k ? p.block_table[b * p.max_pages + key / page_size] : int64_t{-1};
-      off[h] = page >= 0 && page < p.num_pages
-                   ? page * p.k_batch_stride + (key % page_size) * p.k_row_stride
+      off[h] = page[h] >= 0 && page[h] < p.num_pages
+                   ? page[h] * p.k_batch_stride + (key % page_size) * p.k_row_stride
                    : int64_t{-1};
     }
     LoadSwizzledChunk<Tr, kKeys>(k_dst, k_head, off, p.k_row_stride, seqlen_k - key0, head_dim,
@@ -248,11 +273,14 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     LoadSwizzledChunk<Tr, kKeys>(k_dst + kTileElems, v_head, off, p.k_row_stride,
                                  seqlen_k - key0, head_dim, lane, kv_policy);
   };
+  int next_page[2];  // the page ids of the next chunk to load
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) {
-    if (i < num_mine) load_chunk(i);
+    page_ids(i, next_page);
+    if (i < num_mine) load_chunk(i, next_page);
     CpAsyncCommit();  // empty groups too: the wait counts below stay fixed
   }
+  page_ids(kStages - 1, next_page);
   CpAsyncWait<kStages - 1>();  // this thread's Q chunks (the oldest group)
   __syncthreads();             // everyone's
 
@@ -293,7 +321,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   }
 
   for (int i = 0; i < num_mine; ++i) {
-    if (i + kStages - 1 < num_mine) load_chunk(i + kStages - 1);
+    if (i + kStages - 1 < num_mine) {
+      load_chunk(i + kStages - 1, next_page);
+      page_ids(i + kStages, next_page);
+    }
     CpAsyncCommit();
     CpAsyncWait<kStages - 1>();  // chunk i has landed (for this lane)
     __syncwarp();                // and for the warp

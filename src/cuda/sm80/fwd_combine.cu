@@ -106,12 +106,14 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   for (int k = 0; k < kPrefetch; ++k) {
     const int s = warp + kCombineWarps * k;
     const float w = s < num_splits ? weights[s] : 0.f;
+    if (w == 0.f) continue;  // an empty split may not have written its O
 #pragma unroll
     for (int j = 0; j < kColSlots; ++j) add(w, j, prefetched[k][j]);
   }
 #pragma unroll 8
   for (int s = warp + kCombineWarps * kPrefetch; s < num_splits; s += kCombineWarps) {
     const float w = weights[s];
+    if (w == 0.f) continue;
 #pragma unroll
     for (int j = 0; j < kColSlots; ++j) {
       const int d = lane * 4 + 128 * j;
