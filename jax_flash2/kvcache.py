@@ -402,9 +402,11 @@ def _kernel(q, k_cache, v_cache, lengths, block_table, config, layout, alibi_slo
     v_cache = _dequantize(v_cache, v_scale, layout, q.dtype)
   args = (q, k_cache, v_cache, lengths, block_table, config, layout, alibi_slopes)
   direct = lambda: _kernel_direct(*args)
-  if q.dtype == jnp.float32 or _decode_kernel_serves(q, k_cache, v_cache, block_table, config,
-                                                     alibi_slopes):
-    return direct()  # (float32 on CUDA raises when lowered: no CUDA kernel takes it)
+  # float32 has no CUDA decode kernel: on CUDA it takes the gathered path,
+  # whose flash_attention runs float32 as the other CUDA float32 calls do.
+  if q.dtype != jnp.float32 and _decode_kernel_serves(q, k_cache, v_cache, block_table, config,
+                                                      alibi_slopes):
+    return direct()
   return jax.lax.platform_dependent(cpu=direct, cuda=lambda: _kernel_gathered(*args))
 
 
@@ -502,9 +504,10 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
       The CPU kernels read the cache directly. On CUDA the decode kernel
       does (any GPU, Hopper included; bfloat16 / float16) for up to its
       packed-row limit T * H / K <= 32 (16 at D > 128 or on 99 KB GPUs),
-      without softcap or ALiBi; other calls run flash_attention's kernels
-      over a gathered copy of the visible keys ([B, S_max, K, D], O(S_max)
-      memory per sequence). kvcache.plan tells which.
+      without softcap or ALiBi; other calls (float32 among them) run
+      flash_attention's kernels over a gathered copy of the visible keys
+      ([B, S_max, K, D], O(S_max) memory per sequence). kvcache.plan tells
+      which.
 
   Returns:
     out [B, T, H, D] in q's dtype; with return_lse, (out, lse). With k, v,

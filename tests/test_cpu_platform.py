@@ -64,6 +64,28 @@ put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data")))
 close(jax.jit(jax_flash2.flash_attention)(put(q), put(k), put(v)),
       jax_flash2.flash_attention(q, k, v))
 """,
+    # The ring's parts without the ring: the kernel inside shard_map, after a
+    # ppermute of its keys, inside a lax.cond on the device index.
+    "cond_on_axis_index_two_devices": """
+mesh = Mesh(np.array(jax.devices()[:2]), ("seq",))
+try:
+  shard_map = jax.shard_map
+except AttributeError:  # older jax
+  from jax.experimental.shard_map import shard_map
+q, k, v = inputs(64)
+def local(q, k, v):
+  k = jax.lax.ppermute(k, "seq", [(0, 1), (1, 0)])
+  run = lambda: jax_flash2.flash_attention(q, k, v)
+  return jax.lax.cond(jax.lax.axis_index("seq") < 1, run, lambda: 2 * run())
+spec = P(None, "seq")
+f = shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))
+halves = lambda x: (x[:, :32], x[:, 32:])
+(q0, q1), (k0, k1), (v0, v1) = halves(q), halves(k), halves(v)
+want = jnp.concatenate([jax_flash2.flash_attention(q0, k1, v0),
+                        2 * jax_flash2.flash_attention(q1, k0, v1)], axis=1)
+close(jax.jit(f)(put(q), put(k), put(v)), want)
+""",
     "ring_two_devices": """
 from jax_flash2 import context_parallel as cp
 mesh = Mesh(np.array(jax.devices()[:2]), ("seq",))
