@@ -14,6 +14,8 @@
 #               (SM90=fwd or SM90=bwd: one of them)
 #   NCU=1       ncu sections of the Hopper backward kernel
 #   VARIANTS=1  the variant benchmark table alone
+#   PROBE_RING=1  which part of the context-parallel ring crashes XLA:CPU's
+#               compile (tools/probe_ring_compile.py)
 #   BENCH=1     the benchmark grid and the variant table
 set -u
 export PYTHONUNBUFFERED=1
@@ -54,6 +56,10 @@ aux_jobs() {
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
       build/sm90_bwd_selftest --time-only > "$OUT/ncu_bwd.txt" 2>&1
     grep -vE "^TIME|^device" "$OUT/ncu_bwd.txt" | head -150
+  fi
+  if [ "${PROBE_RING:-0}" = 1 ]; then
+    echo "== ring compile probes (XLA:CPU, two host devices)"
+    (cd /tmp && timeout 300 python3 "$OLDPWD/tools/probe_ring_compile.py")
   fi
   if [ "${VARIANTS:-0}" = 1 ]; then
     (cd benchmarks && timeout 240 python3 variant_bench.py --out "$OUT/h200_variants.md" 2>&1 | tail -30)
