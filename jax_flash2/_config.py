@@ -55,6 +55,9 @@ class AttentionConfig:
   # page_size > 0: k, v are a page pool read through the block_table operand.
   has_kv_seqlens: bool = False
   page_size: int = 0
+  # A quantized (int8 / float8_e4m3fn) cache that the kernel dequantizes with
+  # the kv_scales operand.
+  kv_quantized: bool = False
 
 
 class ExtraOperands(NamedTuple):
@@ -71,12 +74,13 @@ class ExtraOperands(NamedTuple):
   dropout_seeds: Any   # [B, H, 2] uint32: one 64-bit Philox key per (batch, head)
   kv_seqlens: Any      # [B] int32: valid keys of each sequence (KV cache)
   block_table: Any     # [B, P] int32: page ids of each sequence (paged KV cache)
+  kv_scales: Any       # [B, 2, 1 or P, K] float32: k's and v's scales (quantized KV cache)
 
   @staticmethod
   def trailing_ranks() -> "ExtraOperands":
     """Rank of each operand after its batch axes."""
     return ExtraOperands(alibi_slopes=1, q_segment_ids=1, kv_segment_ids=1, dropout_seeds=2,
-                         kv_seqlens=0, block_table=1)
+                         kv_seqlens=0, block_table=1, kv_scales=3)
 
   @staticmethod
   def used(config: "AttentionConfig") -> "ExtraOperands":
@@ -84,7 +88,8 @@ class ExtraOperands(NamedTuple):
     return ExtraOperands(alibi_slopes=config.has_alibi, q_segment_ids=config.has_segment_ids,
                          kv_segment_ids=config.has_segment_ids,
                          dropout_seeds=config.dropout_rate > 0,
-                         kv_seqlens=config.has_kv_seqlens, block_table=config.page_size > 0)
+                         kv_seqlens=config.has_kv_seqlens, block_table=config.page_size > 0,
+                         kv_scales=config.kv_quantized)
 
   @classmethod
   def split(cls, args) -> tuple[tuple, "ExtraOperands"]:
@@ -346,7 +351,8 @@ def extra_operands(q, k, alibi_slopes=None, segment_ids=None, dropout_rng=None,
   # The KV-cache operands only jax_flash2.kvcache sets (with _replace).
   return ExtraOperands(alibi_slopes=slopes, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
                        dropout_seeds=seeds, kv_seqlens=jnp.zeros((batch,), jnp.int32),
-                       block_table=jnp.zeros((batch, 1), jnp.int32))
+                       block_table=jnp.zeros((batch, 1), jnp.int32),
+                       kv_scales=jnp.zeros((batch, 2, 1, 1), jnp.float32))
 
 
 def make_config(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),

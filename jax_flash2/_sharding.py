@@ -139,7 +139,8 @@ def _specs(lead: tuple, heads: tuple, kv_heads: tuple, seq: tuple = ()):
   h, kh, s = _entry(heads), _entry(kv_heads), _entry(seq)
   extras = ExtraOperands(alibi_slopes=P(*lead, h), q_segment_ids=P(*lead, s),
                          kv_segment_ids=P(*lead, s), dropout_seeds=P(*lead, h, None),
-                         kv_seqlens=P(*lead), block_table=P(*lead, None))
+                         kv_seqlens=P(*lead), block_table=P(*lead, None),
+                         kv_scales=P(*lead, None, None, kh))
   return P(*lead, s, h, None), P(*lead, s, kh, None), P(*lead, h, s), extras
 
 
@@ -189,13 +190,14 @@ def _shardy_rule(backward: bool):
   extras = ", ".join(ExtraOperands(alibi_slopes="... h", q_segment_ids="... t",
                                    kv_segment_ids="... s",
                                    dropout_seeds="... h w",  # a seed is 2 words
-                                   kv_seqlens="...", block_table="... pg"))
+                                   kv_seqlens="...", block_table="... pg",
+                                   kv_scales="... kw ps kv"))
   if backward:
     rule = f"{q}, {k}, {v}, {o}, {lse}, {o}, {lse}, {extras} -> {q}, {k}, {v}"
   else:
     rule = f"{q}, {k}, {v}, {extras} -> {o}, {lse}"
   # Shardy wants special factors in the order they first appear.
-  return dict(sharding_rule=rule, need_replication_factors=("t", "d", "s", "e", "w", "pg"))
+  return dict(sharding_rule=rule, need_replication_factors=("t", "d", "s", "e", "w", "pg", "kw", "ps"))
 
 
 # The per-device functions: merge the leading axes into B, call the kernels.

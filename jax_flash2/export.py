@@ -8,10 +8,12 @@ keep stable, so exporting a function that uses flash_attention needs
 The exported artifact names the FFI targets jax_flash2_attention_fwd / _bwd
 with their operands (q, k, v, [the backward's out, lse, d_out, d_lse,]
 alibi_slopes [B, H], q_segment_ids [B, T], kv_segment_ids [B, S],
-dropout_seeds [B, H, 2]; an operand the call does not read is a zero-size
-constant) and attributes (softmax_scale, window_left, window_right, softcap,
-has_alibi, has_segment_ids, dropout_rate; on CUDA also sm_count, and
-deterministic on the backward): the process that deserializes and runs it
+dropout_seeds [B, H, 2], and the KV cache's kv_seqlens [B], block_table
+[B, P] and kv_scales [B, 2, 1 or P, K]; an operand the call does not read is
+a zero-size constant) and attributes (softmax_scale, window_left,
+window_right, softcap, has_alibi, has_segment_ids, dropout_rate,
+has_kv_seqlens, page_size; on CUDA also sm_count, and deterministic on the
+backward): the process that deserializes and runs it
 must `import jax_flash2` (which registers the targets) from a version with
 the same FFI signature. float32 calls exported for CUDA contain no custom
 call (they lower to plain JAX, see _lowering). Gradients

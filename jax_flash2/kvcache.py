@@ -12,9 +12,10 @@ query heads, K key/value heads (H % K == 0), D head dim; S_max the cache's
 capacity per sequence (S_max of a contiguous cache, P * page_size of a paged
 one with P = block_table.shape[1]).
 
-The kernels get the per-sequence key counts and the block table as two more
-operands of the forward custom call (ExtraOperands.kv_seqlens and
-.block_table, read when AttentionConfig.has_kv_seqlens / .page_size > 0); the
+The kernels get the per-sequence key counts, the block table and a quantized
+cache's scales as more operands of the forward custom call
+(ExtraOperands.kv_seqlens, .block_table and .kv_scales, read when
+AttentionConfig.has_kv_seqlens / .page_size > 0 / .kv_quantized); the
 append is an XLA scatter into the cache before the call, in place when the
 cache buffers are donated (jax.jit(..., donate_argnums=...)).
 """
@@ -252,6 +253,23 @@ def _dequantize(cache, scale, layout, dtype):
   return (cache.astype(jnp.float32) * s).astype(dtype)
 
 
+def _kv_scales(k_scale, v_scale, block_table, layout):
+  """The kernels' kv_scales operand, float32 [B, 2, 1 or P, K]: k's and v's
+  scale per (sequence, page slot, KV head). [K] scales once per sequence; a
+  [num_pages, K] one through the block table (P = block_table.shape[1]; a
+  page id outside the pool takes a clipped one, for rows the kernels read as
+  zeros)."""
+  per_page = k_scale.ndim == 2 or v_scale.ndim == 2
+  slots = block_table.shape[1] if per_page else 1
+
+  def per_slot(scale):
+    if scale.ndim == 2:
+      return jnp.take(scale, block_table, axis=0, mode="clip")  # [B, P, K]
+    return jnp.broadcast_to(scale[None, None, :], (layout.batch, slots, layout.num_kv_heads))
+
+  return jnp.stack([per_slot(k_scale), per_slot(v_scale)], axis=1)
+
+
 def _gathered(cache, block_table, layout):
   """[B, S_max, K, D]: the contiguous cache, or each sequence's pages in order."""
   if not layout.page_size:
@@ -323,15 +341,20 @@ def reference_with_kvcache(q, k_cache, v_cache, lengths, block_table, config, la
   return out, lse.reshape(batch, num_heads, seqlen_q)
 
 
-def _kernel_direct(q, k_cache, v_cache, lengths, block_table, config, layout, alibi_slopes):
+def _kernel_direct(q, k_cache, v_cache, lengths, block_table, config, layout, alibi_slopes,
+                   kv_scales=None):
   """(out, lse) from the platform's forward kernel with the KV-cache operands
-  (the CPU kernels; on CUDA the decode kernel)."""
+  (the CPU kernels; on CUDA the decode kernel). kv_scales (_kv_scales): the
+  caches are quantized, and the kernel dequantizes them."""
   view = jax.ShapeDtypeStruct((layout.batch, layout.capacity, layout.num_kv_heads, q.shape[3]),
                               q.dtype)
   extras = _config.extra_operands(q, view, alibi_slopes)
   table = block_table if layout.page_size else jnp.zeros((layout.batch, 1), jnp.int32)
   extras = extras._replace(kv_seqlens=jnp.clip(lengths, 0, layout.capacity).astype(jnp.int32),
                            block_table=table)
+  if kv_scales is not None:
+    extras = extras._replace(kv_scales=kv_scales)
+    config = dataclasses.replace(config, kv_quantized=True)
   out, lse = _primitives.flash_fwd_p.bind(q, k_cache, v_cache, *extras, config=config)
   return out, lse
 
@@ -389,25 +412,34 @@ def _decode_kernel_serves(q, k_cache, v_cache, block_table, config, alibi_slopes
 def _kernel(q, k_cache, v_cache, lengths, block_table, config, layout, alibi_slopes,
             k_scale, v_scale):
   """(out, lse) from the platform's kernels: the CPU kernels read the cache
-  directly; on CUDA the decode kernel does where it serves the call, else
-  flash_attention's kernels over a gathered copy (_kernel_gathered)."""
+  directly (a quantized one too, dequantizing as they load it); on CUDA the
+  decode kernel does where it serves the call, else flash_attention's
+  kernels over a gathered copy (_kernel_gathered)."""
   head_dim = q.shape[3]
   if head_dim % 8:
     raise _err(NotImplementedError,
                f"the kernels take head dims that are multiples of 8 (a cache of D={head_dim} "
                "would need a padded copy); use implementation='reference'")
-  if layout.quantized:
-    # The kernels do not dequantize yet: they read a q-dtype copy of the cache.
-    k_cache = _dequantize(k_cache, k_scale, layout, q.dtype)
-    v_cache = _dequantize(v_cache, v_scale, layout, q.dtype)
-  args = (q, k_cache, v_cache, lengths, block_table, config, layout, alibi_slopes)
-  direct = lambda: _kernel_direct(*args)
-  # float32 has no CUDA decode kernel: on CUDA it takes the gathered path,
-  # whose flash_attention runs float32 as the other CUDA float32 calls do.
-  if q.dtype != jnp.float32 and _decode_kernel_serves(q, k_cache, v_cache, block_table, config,
-                                                      alibi_slopes):
-    return direct()
-  return jax.lax.platform_dependent(cpu=direct, cuda=lambda: _kernel_gathered(*args))
+  scales = _kv_scales(k_scale, v_scale, block_table, layout) if layout.quantized else None
+
+  def cpu():
+    return _kernel_direct(q, k_cache, v_cache, lengths, block_table, config, layout,
+                          alibi_slopes, scales)
+
+  def cuda():
+    kc, vc = k_cache, v_cache
+    if layout.quantized:  # the CUDA kernels read a q-dtype copy of a quantized cache
+      kc = _dequantize(kc, k_scale, layout, q.dtype)
+      vc = _dequantize(vc, v_scale, layout, q.dtype)
+    args = (q, kc, vc, lengths, block_table, config, layout, alibi_slopes)
+    # float32 has no CUDA decode kernel: it takes the gathered path, whose
+    # flash_attention runs float32 as the other CUDA float32 calls do.
+    if q.dtype != jnp.float32 and _decode_kernel_serves(q, kc, vc, block_table, config,
+                                                        alibi_slopes):
+      return _kernel_direct(*args)
+    return _kernel_gathered(*args)
+
+  return jax.lax.platform_dependent(cpu=cpu, cuda=cuda)
 
 
 def plan(q, k_cache, v_cache, *, block_table=None, compute_capability: tuple[int, int] | None = (9, 0),
@@ -497,8 +529,9 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
       stored value x_q stands for x_q * scale (int8: symmetric, |x_q| <=
       127; float8_e4m3fn: |x_q| <= 448); appended tokens are stored as
       round / saturate(x / scale). The reference dequantizes before the
-      products; the kernels do not dequantize in-kernel yet: they read a
-      q-dtype copy made by XLA (a pass over the whole cache per call).
+      products; the CPU kernels dequantize each row as they load it (no
+      copy); the CUDA kernels read a q-dtype copy made by XLA (a pass over
+      the whole cache per call; no in-kernel dequantization on CUDA yet).
     implementation: None or "kernel" (the platform's kernels), or
       "reference" (plain JAX; gathers the pages and materializes the scores).
       The CPU kernels read the cache directly. On CUDA the decode kernel

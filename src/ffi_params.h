@@ -60,9 +60,16 @@ inline ffi::Error ParamsFromInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer
     return ffi::Error::InvalidArgument("jax_flash2: incompatible shapes q " + ShapeString(q) +
                                        ", k " + ShapeString(k) + ", v " + ShapeString(v));
   }
-  if (q.element_type() != k.element_type() || q.element_type() != v.element_type()) {
+  // k and v may be a quantized KV cache (int8 or float8_e4m3fn, with scales:
+  // SetKvCacheInputs checks the rest); else q, k, v share one dtype.
+  const ffi::DataType kv_type = k.element_type();
+  const bool quantized = kv_type == ffi::DataType::S8 || kv_type == ffi::DataType::F8E4M3FN;
+  if ((!quantized && q.element_type() != kv_type) || v.element_type() != kv_type) {
     return ffi::Error::InvalidArgument("jax_flash2: q, k, v must share one dtype");
   }
+  p->kv_quant = !quantized                      ? KvQuant::kNone
+                : kv_type == ffi::DataType::S8 ? KvQuant::kInt8
+                                               : KvQuant::kFloat8E4M3;
   if (ffi::Error err = ToDType(q.element_type(), &p->dtype); err.failure()) return err;
   if (qd[3] % 8 != 0 || qd[3] > 256 || qd[3] <= 0) {
     return ffi::Error::InvalidArgument("jax_flash2: head_dim must be a multiple of 8 in [8, 256]; "
@@ -168,7 +175,8 @@ inline ffi::Error SetOptionalInputs(const ffi::AnyBuffer& alibi_slopes,
 // values read as zeros), so a traced bad value cannot make them read out of
 // bounds.
 inline ffi::Error SetKvCacheInputs(const ffi::AnyBuffer& kv_seqlens,
-                                   const ffi::AnyBuffer& block_table, bool has_kv_seqlens,
+                                   const ffi::AnyBuffer& block_table,
+                                   const ffi::AnyBuffer& kv_scales, bool has_kv_seqlens,
                                    int64_t page_size, int64_t num_pages, FlashParams* p) {
   if (page_size < 0 || (page_size > 0 && !has_kv_seqlens)) {
     return ffi::Error::InvalidArgument("jax_flash2: page_size must be >= 0, and > 0 only with "
@@ -198,6 +206,21 @@ inline ffi::Error SetKvCacheInputs(const ffi::AnyBuffer& kv_seqlens,
     p->seqlen_k = td[1] * page_size;
   }
   p->kv_seqlens = has_kv_seqlens ? static_cast<const int32_t*>(kv_seqlens.untyped_data()) : nullptr;
+  // A quantized cache: kv_scales float32 [B, 2, 1 or max_pages, K].
+  if (p->kv_quant != KvQuant::kNone) {
+    const auto sd = kv_scales.dimensions();
+    const bool ok = has_kv_seqlens && kv_scales.element_type() == ffi::DataType::F32 &&
+                    sd.size() == 4 && sd[0] == p->batch && sd[1] == 2 &&
+                    (sd[2] == 1 || (page_size > 0 && sd[2] == p->max_pages)) &&
+                    sd[3] == p->num_heads_kv;
+    if (!ok) {
+      return ffi::Error::InvalidArgument(
+          "jax_flash2: an int8 / float8_e4m3fn k, v is a KV cache (kv_seqlens) with kv_scales "
+          "float32 [B, 2, 1 or max_pages, K]; got kv_scales " + ShapeString(kv_scales));
+    }
+    p->kv_scales = static_cast<const float*>(kv_scales.untyped_data());
+    p->kv_scale_pages = sd[2];
+  }
   return ffi::Error::Success();
 }
 
@@ -253,6 +276,7 @@ struct OptionalInputs {
   ffi::AnyBuffer dropout_seeds;   // [B, H, 2] uint32
   ffi::AnyBuffer kv_seqlens;      // [B] int32
   ffi::AnyBuffer block_table;     // [B, P] int32
+  ffi::AnyBuffer kv_scales;       // [B, 2, 1 or P, K] float32
 };
 
 // FlashParams of a forward call: inputs q, k, v (+ optional), outputs out, lse.
@@ -263,7 +287,7 @@ inline ffi::Error ForwardParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
   JF2_RETURN_IF_ERROR(ParamsFromInputs(q, k, v, attrs.softmax_scale, attrs.window_left,
                                        attrs.window_right, attrs.softcap, p, attrs.page_size));
   JF2_RETURN_IF_ERROR(SetKvCacheInputs(optional.kv_seqlens, optional.block_table,
-                                       attrs.has_kv_seqlens, attrs.page_size,
+                                       optional.kv_scales, attrs.has_kv_seqlens, attrs.page_size,
                                        k.dimensions()[0], p));
   JF2_RETURN_IF_ERROR(SetOptionalInputs(optional.alibi_slopes, optional.q_segment_ids,
                                         optional.kv_segment_ids, optional.dropout_seeds,
@@ -316,6 +340,7 @@ auto ForwardOperands(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // dropout_seeds: [B, H, 2] uint32, read if dropout_rate > 0
       .template Arg<ffi::AnyBuffer>()  // kv_seqlens: [B] int32, read if has_kv_seqlens
       .template Arg<ffi::AnyBuffer>()  // block_table: [B, P] int32, read if page_size > 0
+      .template Arg<ffi::AnyBuffer>()  // kv_scales: [B, 2, 1|P, K] float32, read if k is int8/fp8
       .template Ret<ffi::AnyBuffer>()  // out: [B, T, H, D]
       .template Ret<ffi::AnyBuffer>();  // lse: [B, H, T] float32
 }
@@ -335,6 +360,7 @@ auto BackwardOperands(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // dropout_seeds: [B, H, 2] uint32, the forward's
       .template Arg<ffi::AnyBuffer>()  // kv_seqlens: unused (the KV-cache call is forward only)
       .template Arg<ffi::AnyBuffer>()  // block_table: unused
+      .template Arg<ffi::AnyBuffer>()  // kv_scales: unused
       .template Ret<ffi::AnyBuffer>()  // dq: [B, T, H, D]
       .template Ret<ffi::AnyBuffer>()  // dk: [B, S, K, D], summed over each head group
       .template Ret<ffi::AnyBuffer>();  // dv: [B, S, K, D], summed over each head group

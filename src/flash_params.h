@@ -16,6 +16,9 @@ enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 inline int DTypeBytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 
+// The element type of a quantized KV cache (k and v); kNone: q's dtype.
+enum class KvQuant : int { kNone = 0, kInt8 = 1, kFloat8E4M3 = 2 };
+
 struct FlashParams {
   DType dtype = DType::kFloat32;
 
@@ -95,7 +98,27 @@ struct FlashParams {
   int64_t max_pages = 0;
   int64_t num_pages = 0;
   int64_t page_size = 0;
+  // Quantized KV cache (forward only, with kv_seqlens): k and v hold int8 or
+  // float8_e4m3fn x_q standing for x_q * scale. kv_scales: float32 [B, 2,
+  // kv_scale_pages, K] (k's, then v's): one scale per KV head
+  // (kv_scale_pages 1) or per page slot of the block table and KV head
+  // (kv_scale_pages max_pages; KvScale).
+  KvQuant kv_quant = KvQuant::kNone;
+  const float* kv_scales = nullptr;
+  int64_t kv_scale_pages = 0;
 };
+
+// The scale of key j of sequence b, KV head kv_head, for k (which 0) or v
+// (which 1); 1 for a cache that is not quantized.
+inline
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+float KvScale(const FlashParams& p, int64_t b, int which, int64_t j, int64_t kv_head) {
+  if (p.kv_scales == nullptr) return 1.0f;
+  const int64_t slot = p.kv_scale_pages > 1 ? j / p.page_size : 0;
+  return p.kv_scales[((b * 2 + which) * p.kv_scale_pages + slot) * p.num_heads_kv + kv_head];
+}
 
 // Valid keys of sequence b: kv_seqlens[b] clamped to [0, S], else S.
 inline

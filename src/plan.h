@@ -385,6 +385,10 @@ inline std::string ForwardUnsupported(const FlashParams& p, const DeviceInfo& de
            " (max 65535), H=" + std::to_string(p.num_heads_q) + " (max 65535), T=" +
            std::to_string(p.seqlen_q) + ", S=" + std::to_string(p.seqlen_k);
   }
+  if (p.kv_quant != KvQuant::kNone) {
+    return "a quantized (int8 / float8_e4m3fn) KV cache: the CUDA kernels read a dequantized "
+           "copy (jax_flash2.kvcache makes it)";
+  }
   if (p.kv_seqlens != nullptr) return plan_detail::KvCacheUnserved(p, dev);
   const int smem = cuda::FwdSmemBytes(cuda::FwdTileFor(p.head_dim), 1, p.dropout_seeds != nullptr);
   if (static_cast<size_t>(smem) > dev.max_smem_per_block_optin) {

@@ -291,6 +291,37 @@ def test_quantized_cache_against_oracle_on_dequantized_values(implementation, dt
                                  atol=float(np.max(k_scale)) * 2.0**-9)
 
 
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_cpu_kernels_read_the_quantized_cache_itself(dtype):
+  """The CPU kernel takes the int8 / fp8 contiguous cache and its [K] scales
+  as operands (no dequantized copy of the cache in the program) and matches
+  the oracle on the dequantized values; the fp8 slots past each length hold
+  NaN, which never reaches the output."""
+  case = _case(23, seqlen_q=2, append=False, lengths=[5, 17, 33])
+  kv_heads = case["k_cache"].shape[2]
+  rng = np.random.default_rng(9)
+  k_scale, v_scale = (jnp.asarray(rng.uniform(0.035, 0.05, (kv_heads,)), jnp.float32)
+                      for _ in range(2))
+  kq, vq = (kvcache.quantize(jnp.asarray(case[n]), dtype, s)
+            for n, s in (("k_cache", k_scale), ("v_cache", v_scale)))
+  fn = jax.jit(lambda q, kq, vq, n: jax_flash2.flash_attention_with_kvcache(
+      q, kq, vq, cache_seqlens=n, k_scale=k_scale, v_scale=v_scale, return_lse=True))
+  args = (jnp.asarray(case["q"]), kq, vq, jnp.asarray(case["lengths"]))
+  program = fn.lower(*args).as_text()
+  element = "i8" if dtype == jnp.int8 else "f8E4M3FN"
+  cache_type = "x".join(map(str, kq.shape))
+  calls = [line for line in program.splitlines() if "custom_call" in line and "jax_flash2" in line]
+  assert len(calls) == 1 and f"tensor<{cache_type}x{element}>" in calls[0], calls
+  assert f"tensor<{cache_type}xf32>" not in program  # no float copy of the cache
+  out, lse = fn(*args)
+  keys, values = (np.asarray(c.astype(jnp.float32) * s[None, None, :, None])
+                  for c, s in ((kq, k_scale), (vq, v_scale)))
+  expected_out, expected_lse = _oracle(case["q"], keys, values, case["visible"], causal=True)
+  assert np.all(np.isfinite(np.asarray(out)))
+  _close(np.asarray(out), expected_out, atol=1e-4)
+  _close(np.asarray(lse), expected_lse, atol=1e-4)
+
+
 def test_vmap_of_contiguous_kernel_call():
   case = _case(31, seqlen_q=3, append=False, lengths=[3, 9, 20])
   q, kc, vc = (jnp.asarray(case[n]) for n in ("q", "k_cache", "v_cache"))

@@ -108,8 +108,9 @@ def test_alibi_slopes_get_zero_gradient(backend, rng):
 @pytest.mark.parametrize("platform", ["cpu", "cuda"])
 def test_unread_inputs_are_placeholders(platform):
   """The optional inputs a call does not read (ALiBi slopes, segment ids,
-  dropout seeds, KV-cache lengths and block table) reach the kernels as zero-size constants, so XLA computes
-  nothing for them; the ones it reads keep their shapes."""
+  dropout seeds, the KV-cache lengths, block table and scales) reach the
+  kernels as zero-size constants, so XLA computes nothing for them; the ones
+  it reads keep their shapes."""
   if platform == "cuda" and _ext.cuda_ext is None:
     pytest.skip("needs the CUDA extension to lower for CUDA")
   q = jnp.ones((2, 9, 2, 16), jnp.bfloat16)
@@ -121,8 +122,8 @@ def test_unread_inputs_are_placeholders(platform):
     (operands,) = re.findall(r"stablehlo\.custom_call @jax_flash2_\w+\(.*\} : \((.*)\) ->", ir)
     return [t.strip() for t in operands.split(",")][3:]
 
-  # ..., then the KV-cache lengths and block table (read by kvcache calls only).
-  unread_kv = ["tensor<0xi32>", "tensor<0xi32>"]
+  # ..., then the KV-cache lengths, block table and scales (read by kvcache calls only).
+  unread_kv = ["tensor<0xi32>", "tensor<0xi32>", "tensor<0xf32>"]
   assert operand_types() == ["tensor<0xf32>", "tensor<0xi32>", "tensor<0xi32>",
                              "tensor<0xui32>"] + unread_kv
   assert operand_types(alibi_slopes=slopes) == [

@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "../flash_params.h"
 
@@ -86,6 +88,45 @@ inline void LoadRow(const void* base, DType dtype, int64_t offset, int64_t n, fl
     case DType::kBFloat16: {
       const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
       for (int64_t i = 0; i < n; ++i) dst[i] = BFloat16ToFloat(src[i]);
+      break;
+    }
+  }
+}
+
+// float8_e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no
+// infinities, S.1111.111 is NaN) to float32, exactly.
+inline float Float8E4M3ToFloat(uint8_t bits) {
+  const int exponent = (bits >> 3) & 0xf;
+  const int mantissa = bits & 0x7;
+  float magnitude;
+  if (exponent == 0xf && mantissa == 0x7) {
+    magnitude = std::numeric_limits<float>::quiet_NaN();
+  } else if (exponent == 0) {
+    magnitude = std::ldexp(static_cast<float>(mantissa), -9);  // subnormal: m / 8 * 2^-6
+  } else {
+    magnitude = std::ldexp(static_cast<float>(8 + mantissa), exponent - 10);
+  }
+  return (bits & 0x80) ? -magnitude : magnitude;
+}
+
+// dst[0..n) = scale * x for row `offset` of a KV-cache tensor: in the call's
+// dtype, or quantized (int8, float8_e4m3fn) standing for x_q * scale.
+inline void LoadKvRow(const void* base, DType dtype, KvQuant quant, int64_t offset, int64_t n,
+                      float scale, float* dst) {
+  switch (quant) {
+    case KvQuant::kNone:
+      LoadRow(base, dtype, offset, n, dst);
+      if (scale != 1.0f)
+        for (int64_t i = 0; i < n; ++i) dst[i] *= scale;
+      break;
+    case KvQuant::kInt8: {
+      const int8_t* src = static_cast<const int8_t*>(base) + offset;
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+      break;
+    }
+    case KvQuant::kFloat8E4M3: {
+      const uint8_t* src = static_cast<const uint8_t*>(base) + offset;
+      for (int64_t i = 0; i < n; ++i) dst[i] = Float8E4M3ToFloat(src[i]) * scale;
       break;
     }
   }

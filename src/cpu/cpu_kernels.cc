@@ -189,10 +189,11 @@ void LoadTileTransposed(const void* base, DType dtype, int64_t offset, int64_t r
   }
 }
 
-// Keys [n0, n0 + keys) of (b, kv_head) as K^T [dp x kBlockN] and V [kBlockN x
-// dp] tiles, row by row through the block table when the cache is paged (a
-// page id outside the pool reads as zero rows).
-void LoadPagedKvTiles(const FlashParams& p, int64_t b, int64_t kv_head, int64_t n0,
+// Keys [n0, n0 + keys) of (b, kv_head) of a KV cache as K^T [dp x kBlockN]
+// and V [kBlockN x dp] tiles, row by row (through the block table when the
+// cache is paged; a page id outside the pool reads as zero rows), a
+// quantized cache dequantized with its scales.
+void LoadKvCacheTiles(const FlashParams& p, int64_t b, int64_t kv_head, int64_t n0,
                       int64_t keys, int64_t d, int64_t dp, float* row_buffer, float* kt,
                       float* v) {
   std::fill(kt, kt + dp * kBlockN, 0.0f);
@@ -201,11 +202,13 @@ void LoadPagedKvTiles(const FlashParams& p, int64_t b, int64_t kv_head, int64_t 
     int64_t row;
     const int64_t page = KvBlockOf(p, b, n0 + r, &row);
     if (page < 0) continue;
-    LoadRow(p.k, p.dtype, page * p.k_batch_stride + row * p.k_row_stride +
-            kv_head * p.k_head_stride, d, row_buffer);
+    LoadKvRow(p.k, p.dtype, p.kv_quant,
+              page * p.k_batch_stride + row * p.k_row_stride + kv_head * p.k_head_stride, d,
+              KvScale(p, b, 0, n0 + r, kv_head), row_buffer);
     for (int64_t c = 0; c < d; ++c) kt[c * kBlockN + r] = row_buffer[c];
-    LoadRow(p.v, p.dtype, page * p.v_batch_stride + row * p.v_row_stride +
-            kv_head * p.v_head_stride, d, v + r * dp);
+    LoadKvRow(p.v, p.dtype, p.kv_quant,
+              page * p.v_batch_stride + row * p.v_row_stride + kv_head * p.v_head_stride, d,
+              KvScale(p, b, 1, n0 + r, kv_head), v + r * dp);
   }
 }
 
@@ -252,8 +255,8 @@ void ForwardBlock(const FlashParams& p, float* ws, int64_t b, int64_t h, int64_t
     const int64_t keys = std::min(kBlockN, mask.seqlen_k - n0);
     // No query of this block shares a segment with a key of it: P = 0, skip.
     if (!segments.BlockMayMatch(m0, m0 + rows, n0, n0 + keys)) continue;
-    if (p.block_table != nullptr) {
-      LoadPagedKvTiles(p, b, kv_head, n0, keys, d, dp, row_buffer, kt, v);
+    if (p.block_table != nullptr || p.kv_quant != KvQuant::kNone) {
+      LoadKvCacheTiles(p, b, kv_head, n0, keys, d, dp, row_buffer, kt, v);
     } else {
       const int64_t k_offset =
           b * p.k_batch_stride + n0 * p.k_row_stride + kv_head * p.k_head_stride;

@@ -19,6 +19,7 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                        ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer q_segment_ids,
                        ffi::AnyBuffer kv_segment_ids, ffi::AnyBuffer dropout_seeds,
                        ffi::AnyBuffer kv_seqlens, ffi::AnyBuffer block_table,
+                       ffi::AnyBuffer kv_scales,
                        ffi::Result<ffi::AnyBuffer> out,
                        ffi::Result<ffi::AnyBuffer> lse, float softmax_scale, int64_t window_left,
                        int64_t window_right, float softcap, bool has_alibi, bool has_segment_ids,
@@ -26,7 +27,7 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
   FlashParams p;
   JF2_RETURN_IF_ERROR(ForwardParams(
       q, k, v, {alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds, kv_seqlens,
-                block_table}, *out, *lse,
+                block_table, kv_scales}, *out, *lse,
       {softmax_scale, window_left, window_right, softcap, has_alibi, has_segment_ids,
        dropout_rate, has_kv_seqlens, page_size}, &p));
   SharedLoopRunner runner = MakeRunner(pool);
@@ -39,7 +40,8 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
                         ffi::AnyBuffer d_lse, ffi::AnyBuffer alibi_slopes,
                         ffi::AnyBuffer q_segment_ids, ffi::AnyBuffer kv_segment_ids,
                         ffi::AnyBuffer dropout_seeds, ffi::AnyBuffer kv_seqlens,
-                        ffi::AnyBuffer block_table, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::AnyBuffer block_table,
+                        ffi::AnyBuffer kv_scales, ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float softmax_scale, int64_t window_left,
                         int64_t window_right, float softcap, bool has_alibi,
                         bool has_segment_ids, float dropout_rate, bool has_kv_seqlens,
@@ -47,7 +49,8 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
   FlashParams p;
   JF2_RETURN_IF_ERROR(BackwardParams(
       q, k, v, out, lse, d_out, d_lse,
-      {alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds, kv_seqlens, block_table},
+      {alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds, kv_seqlens, block_table,
+       kv_scales},
       *dq, *dk, *dv,
       {softmax_scale, window_left, window_right, softcap, has_alibi, has_segment_ids,
        dropout_rate, has_kv_seqlens, page_size},
