@@ -40,6 +40,8 @@ __all__ = ["PAGE_SIZE_MULTIPLE", "QUANTIZED_DTYPES", "flash_attention_with_kvcac
 # step.
 PAGE_SIZE_MULTIPLE = 16
 QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
+# src/flash_params.h's KvQuant of a cache dtype.
+_KV_QUANT = {np.dtype(jnp.int8): 1, np.dtype(jnp.float8_e4m3fn): 2}
 _NAME = "flash_attention_with_kvcache"
 
 
@@ -402,8 +404,9 @@ def _decode_kernel_serves(q, k_cache, v_cache, block_table, config, alibi_slopes
   for cc in ccs:
     if cc not in _plan.MAX_SMEM_PER_BLOCK:
       return False
-    kernel = plan(q, k_cache, v_cache, block_table=block_table, compute_capability=cc,
-                  **options)["forward"].kernel
+    kernel = _forward_plan(q, k_cache, v_cache, block_table, cc, 132, None, options["causal"],
+                           options["softmax_scale"], options["window_size"], options["softcap"],
+                           options["alibi_slopes"])["forward"].kernel
     if kernel != "sm80-decode":
       return False
   return True
@@ -422,24 +425,27 @@ def _kernel(q, k_cache, v_cache, lengths, block_table, config, layout, alibi_slo
                "would need a padded copy); use implementation='reference'")
   scales = _kv_scales(k_scale, v_scale, block_table, layout) if layout.quantized else None
 
-  def cpu():
+  def direct():  # the kernel reads the cache (a quantized one with its scales) itself
     return _kernel_direct(q, k_cache, v_cache, lengths, block_table, config, layout,
                           alibi_slopes, scales)
 
   def cuda():
+    # float32 has no CUDA decode kernel: it takes the gathered path, whose
+    # flash_attention runs float32 as the other CUDA float32 calls do. A
+    # quantized cache goes to the decode kernel where its plan takes one
+    # (JAX_FLASH2_DECODE_QUANT=1), else as a q-dtype copy made here.
+    decode = lambda kc, vc: q.dtype != jnp.float32 and _decode_kernel_serves(
+        q, kc, vc, block_table, config, alibi_slopes)
+    if decode(k_cache, v_cache):
+      return direct()
     kc, vc = k_cache, v_cache
-    if layout.quantized:  # the CUDA kernels read a q-dtype copy of a quantized cache
+    if layout.quantized:
       kc = _dequantize(kc, k_scale, layout, q.dtype)
       vc = _dequantize(vc, v_scale, layout, q.dtype)
     args = (q, kc, vc, lengths, block_table, config, layout, alibi_slopes)
-    # float32 has no CUDA decode kernel: it takes the gathered path, whose
-    # flash_attention runs float32 as the other CUDA float32 calls do.
-    if q.dtype != jnp.float32 and _decode_kernel_serves(q, kc, vc, block_table, config,
-                                                        alibi_slopes):
-      return _kernel_direct(*args)
-    return _kernel_gathered(*args)
+    return _kernel_direct(*args) if decode(kc, vc) else _kernel_gathered(*args)
 
-  return jax.lax.platform_dependent(cpu=cpu, cuda=cuda)
+  return jax.lax.platform_dependent(cpu=direct, cuda=cuda)
 
 
 def plan(q, k_cache, v_cache, *, block_table=None, compute_capability: tuple[int, int] | None = (9, 0),
@@ -452,8 +458,30 @@ def plan(q, k_cache, v_cache, *, block_table=None, compute_capability: tuple[int
   Returns {"forward": jax_flash2._plan.KernelPlan}: on CUDA always the decode
   kernel ("sm80-decode", on Hopper too: it is the one kernel that reads
   per-sequence lengths and block tables), or "unsupported" with the reason
-  (more than its packed-row limit of T * H / K, softcap or ALiBi).
+  (more than its packed-row limit of T * H / K, softcap or ALiBi). For an
+  int8 / float8_e4m3fn cache, the kernel that reads it, or, when that is
+  none, the one that reads its dequantized copy (the reason says so).
   """
+  stored = _forward_plan(q, k_cache, v_cache, block_table, compute_capability, sm_count,
+                         max_smem_per_block, causal, softmax_scale, window_size, softcap,
+                         alibi_slopes)
+  if k_cache.dtype not in QUANTIZED_DTYPES or stored["forward"].kernel != "unsupported":
+    return stored
+  copy = jax.ShapeDtypeStruct(k_cache.shape, q.dtype)
+  result = _forward_plan(q, copy, copy, block_table, compute_capability, sm_count,
+                         max_smem_per_block, causal, softmax_scale, window_size, softcap,
+                         alibi_slopes)
+  if result["forward"].kernel == "unsupported":
+    return result
+  forward = dataclasses.replace(result["forward"], reason=(
+      f"over XLA's {jnp.dtype(q.dtype).name} copy of the cache ({stored['forward'].reason})"))
+  return {"forward": forward}
+
+
+def _forward_plan(q, k_cache, v_cache, block_table, compute_capability, sm_count,
+                  max_smem_per_block, causal, softmax_scale, window_size, softcap,
+                  alibi_slopes):
+  """plan() for the cache as stored (an int8 / fp8 one read by the kernel itself)."""
   lengths = jax.ShapeDtypeStruct((q.shape[0],), jnp.int32)
   layout = _check(q, k_cache, v_cache, lengths, None, None, block_table,
                   *((jax.ShapeDtypeStruct((k_cache.shape[2],), jnp.float32),) * 2
@@ -477,7 +505,7 @@ def plan(q, k_cache, v_cache, *, block_table=None, compute_capability: tuple[int
       has_alibi=config.has_alibi, has_segment_ids=False, dropout_rate=0.0, deterministic=False,
       cc_major=major, cc_minor=minor, sm_count=int(sm_count),
       max_smem_per_block=int(max_smem_per_block), have_sm90=have_sm90, has_kv_seqlens=True,
-      page_size=layout.page_size)
+      page_size=layout.page_size, kv_quant=_KV_QUANT.get(np.dtype(k_cache.dtype), 0))
   return {"forward": _plan._kernel_plan(d)}
 
 

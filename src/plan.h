@@ -369,6 +369,17 @@ inline std::string KvCacheUnserved(const FlashParams& p, const DeviceInfo& dev) 
            std::to_string(dev.max_smem_per_block_optin) + " bytes) at D=" +
            std::to_string(p.head_dim);
   }
+  if (p.kv_quant != KvQuant::kNone) {
+    // The in-kernel dequantization has not run on a GPU yet: off unless asked for.
+    if (!GetTestSwitches().decode_quant) {
+      return "KV cache: int8 / float8_e4m3fn caches are dequantized by XLA for the CUDA kernels "
+             "(JAX_FLASH2_DECODE_QUANT=1: the decode kernel dequantizes them itself)";
+    }
+    if (p.head_dim % 16 != 0) {
+      return "KV cache: an int8 / float8_e4m3fn cache needs head_dim D % 16 == 0 in the decode "
+             "kernel (its 16-byte copies); got D=" + std::to_string(p.head_dim);
+    }
+  }
   return "";
 }
 
@@ -385,11 +396,8 @@ inline std::string ForwardUnsupported(const FlashParams& p, const DeviceInfo& de
            " (max 65535), H=" + std::to_string(p.num_heads_q) + " (max 65535), T=" +
            std::to_string(p.seqlen_q) + ", S=" + std::to_string(p.seqlen_k);
   }
-  if (p.kv_quant != KvQuant::kNone) {
-    return "a quantized (int8 / float8_e4m3fn) KV cache: the CUDA kernels read a dequantized "
-           "copy (jax_flash2.kvcache makes it)";
-  }
   if (p.kv_seqlens != nullptr) return plan_detail::KvCacheUnserved(p, dev);
+  if (p.kv_quant != KvQuant::kNone) return "an int8 / float8_e4m3fn k, v must be a KV cache";
   const int smem = cuda::FwdSmemBytes(cuda::FwdTileFor(p.head_dim), 1, p.dropout_seeds != nullptr);
   if (static_cast<size_t>(smem) > dev.max_smem_per_block_optin) {
     return "head_dim D=" + std::to_string(p.head_dim) + (p.dropout_seeds ? " with dropout" : "") +

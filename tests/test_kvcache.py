@@ -9,6 +9,8 @@ in unused pages and in the append slots before the append.
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,7 @@ import pytest
 
 import jax_flash2
 from jax_flash2 import kvcache
+from conftest import package_env
 from oracle import oracle
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -320,6 +323,33 @@ def test_cpu_kernels_read_the_quantized_cache_itself(dtype):
   assert np.all(np.isfinite(np.asarray(out)))
   _close(np.asarray(out), expected_out, atol=1e-4)
   _close(np.asarray(lse), expected_lse, atol=1e-4)
+
+
+_QUANT_PLAN = """
+import jax, jax.numpy as jnp
+from jax_flash2 import kvcache
+q = jax.ShapeDtypeStruct((8, 1, 32, 128), jnp.bfloat16)
+pool = jax.ShapeDtypeStruct((2048, 16, 8, 128), jnp.int8)
+table = jax.ShapeDtypeStruct((8, 256), jnp.int32)
+forward = kvcache.plan(q, pool, pool, block_table=table)["forward"]
+print(forward.kernel, "|", forward.reason)
+"""
+
+
+@pytest.mark.parametrize("switch", [None, "1"])
+def test_plan_of_a_quantized_cache(switch, tmp_path):
+  """On CUDA the decode kernel reads an int8 cache itself only under
+  JAX_FLASH2_DECODE_QUANT=1 (read once per process); otherwise the plan names
+  the kernel that reads XLA's bfloat16 copy, and says so."""
+  env = package_env(JAX_PLATFORMS="cpu", **({"JAX_FLASH2_DECODE_QUANT": switch} if switch else {}))
+  out = subprocess.run([sys.executable, "-c", _QUANT_PLAN], env=env, capture_output=True,
+                       text=True, timeout=300, check=True, cwd=tmp_path).stdout
+  kernel, reason = (x.strip() for x in out.split("|"))
+  assert kernel == "sm80-decode", out
+  if switch:
+    assert "copy" not in reason, out
+  else:
+    assert "bfloat16 copy" in reason and "JAX_FLASH2_DECODE_QUANT=1" in reason, out
 
 
 def test_vmap_of_contiguous_kernel_call():

@@ -115,3 +115,60 @@ def test_append_in_place_on_gpu():
   page, slot = int(table[1, 5 // 64]), 5 % 64
   np.testing.assert_array_equal(np.asarray(kp2[page, slot], np.float32),
                                 np.asarray(k_new[1, 0], np.float32))
+
+
+# The decode kernel's own dequantization (off by default: JAX_FLASH2_DECODE_QUANT,
+# read once per process, so in a process of its own): int8 and fp8 caches,
+# contiguous (per-head scales) and paged (per-page scales), every head-dim
+# bucket, bfloat16 and float16 q, against the reference on the same stored values.
+_QUANTIZED_DECODE = """
+import jax, jax.numpy as jnp, numpy as np
+from jax_flash2 import kvcache
+rng = np.random.default_rng(0)
+SHAPES = [  # batch, T, H, K, D, capacity, lengths, page_size
+    (4, 1, 32, 8, 128, 2048, [0, 2048, 1, 777], 16),
+    (3, 1, 8, 1, 64, 1024, [1024, 5, 300], 64),
+    (2, 3, 16, 4, 128, 4096, [17, 4093], 256),       # 12 rows: the 16-key tile
+    (2, 4, 32, 4, 128, 1024, [1000, 3], 64),         # 32 rows: the 32-key tile, two m16 tiles
+    (2, 1, 16, 2, 256, 1024, [900, 33], 32),
+    (1, 1, 32, 8, 128, 32768, [32767], 64),          # many splits
+]
+for dtype in (jnp.int8, jnp.float8_e4m3fn):
+  for q_dtype in (jnp.bfloat16, jnp.float16):
+    for batch, t, h, kh, d, cap, lengths, page in SHAPES:
+      pages = batch * cap // page + 1
+      table = jnp.asarray(rng.permutation(pages)[:batch * cap // page].reshape(batch, -1), jnp.int32)
+      q = jnp.asarray(rng.standard_normal((batch, t, h, d)) * 3, q_dtype)
+      for paged in (False, True):
+        shape = (pages, page, kh, d) if paged else (batch, cap, kh, d)
+        scale_shape = (pages, kh) if paged else (kh,)
+        ks, vs = (jnp.asarray(rng.uniform(0.01, 0.05, scale_shape), jnp.float32) for _ in range(2))
+        raw = [jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2)]
+        kc, vc = (kvcache.quantize(x, dtype, s if not paged else s[:, None]) for x, s in zip(raw, (ks, vs)))
+        args = dict(cache_seqlens=jnp.asarray(lengths, jnp.int32), block_table=table if paged else None,
+                    k_scale=ks, v_scale=vs, return_lse=True)
+        plan = kvcache.plan(q, kc, vc, block_table=args["block_table"])["forward"]
+        assert plan.kernel == "sm80-decode" and "copy" not in plan.reason, plan
+        fn = jax.jit(lambda q, kc, vc, impl: kvcache.flash_attention_with_kvcache(
+            q, kc, vc, implementation=impl, **args), static_argnums=3)
+        ir = fn.lower(q, kc, vc, "kernel").as_text()
+        assert "x" + ("i8" if dtype == jnp.int8 else "f8E4M3FN") + ">" in [
+            l for l in ir.splitlines() if "custom_call" in l and "jax_flash2" in l][0]
+        (out, lse), (ref, ref_lse) = (fn(q, kc, vc, i) for i in ("kernel", "reference"))
+        out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+        assert np.all(np.isfinite(out)), (dtype, q_dtype, d, paged)
+        np.testing.assert_allclose(out, ref, atol=2e-2, rtol=2e-2, err_msg=str((dtype, q_dtype, d, t, paged)))
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=2e-3, rtol=2e-3)
+print("ok")
+"""
+
+
+def test_quantized_caches_in_the_decode_kernel(tmp_path):
+  import subprocess
+  import sys
+
+  from conftest import package_env
+  env = package_env(JAX_FLASH2_DECODE_QUANT="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  out = subprocess.run([sys.executable, "-c", _QUANTIZED_DECODE], env=env, capture_output=True,
+                       text=True, timeout=600, cwd=tmp_path)
+  assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-4000:]

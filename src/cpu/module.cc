@@ -27,7 +27,7 @@ nb::dict Plan(bool backward, int dtype, int64_t batch, int64_t seqlen_q, int64_t
               int64_t window_right, float softcap, bool has_alibi, bool has_segment_ids,
               float dropout_rate, bool deterministic, int cc_major, int cc_minor, int sm_count,
               int64_t max_smem_per_block, bool have_sm90, bool has_kv_seqlens,
-              int64_t page_size) {
+              int64_t page_size, int kv_quant) {
   using namespace jax_flash2;
   // Stands in for every buffer: the plan reads only whether an option's
   // operand is there and whether addresses are 16-byte aligned.
@@ -58,6 +58,8 @@ nb::dict Plan(bool backward, int dtype, int64_t batch, int64_t seqlen_q, int64_t
   }
   p.deterministic = deterministic;
   if (has_kv_seqlens) p.kv_seqlens = reinterpret_cast<const int32_t*>(buffer);
+  p.kv_quant = static_cast<KvQuant>(kv_quant);
+  if (p.kv_quant != KvQuant::kNone) p.kv_scales = reinterpret_cast<const float*>(buffer);
   if (page_size > 0) {  // seqlen_k is the block table's max_pages * page_size
     p.block_table = reinterpret_cast<const int32_t*>(buffer);
     p.page_size = page_size;
@@ -135,7 +137,7 @@ NB_MODULE(_cpu_ext, m) {
         nb::arg("has_alibi"), nb::arg("has_segment_ids"), nb::arg("dropout_rate"),
         nb::arg("deterministic"), nb::arg("cc_major"), nb::arg("cc_minor"), nb::arg("sm_count"),
         nb::arg("max_smem_per_block"), nb::arg("have_sm90"),
-        nb::arg("has_kv_seqlens") = false, nb::arg("page_size") = 0,
+        nb::arg("has_kv_seqlens") = false, nb::arg("page_size") = 0, nb::arg("kv_quant") = 0,
         "The CUDA kernels' plan of a call (src/plan.h), for jax_flash2.plan.");
   m.def("choose_num_splits", &jax_flash2::ChooseNumSplits, nb::arg("batch_heads_mblocks"),
         nb::arg("num_n_blocks"), nb::arg("block_slots"), nb::arg("max_splits"),

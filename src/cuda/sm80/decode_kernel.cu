@@ -18,6 +18,7 @@
 // partials that FwdCombineKernel merges (fwd_launch.cu).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -112,10 +113,119 @@ __device__ __forceinline__ void LoadSwizzledChunk(Elem* tile, const Elem* head_b
   }
 }
 
-template <typename Elem, int kHeadDim, int kMTiles, bool kSmallSmem>
+// A quantized cache (int8 or float8_e4m3fn; Cache names the element type):
+// the warp stages a chunk's bytes with cp.async, then writes them as float16
+// into a swizzled tile that the float16 mma path reads like any other. Both
+// element types are exact in float16 (integers up to 127; every e4m3 value),
+// so the scales stay out of the tiles: k's multiply S, v's multiply P (as a
+// ratio to the block's first v scale, folded back in at the end). Q is
+// float16 too, each row scaled by a power of two that puts its largest
+// |q| in [2^14, 2^15): bfloat16's range fits, its 8-bit significands are exact.
+template <class Tr, int kRows, typename Cache>
+__device__ __forceinline__ void LoadStagedChunk(uint8_t* stage, const Cache* head_base,
+                                                const int64_t (&off)[2], int64_t row_stride,
+                                                int num_rows, int head_dim, int lane,
+                                                uint64_t l2_policy) {
+  // 16-byte pieces of 16 elements; the plan asks head_dim % 16 == 0, so a
+  // piece is wholly inside a row or past its end.
+  constexpr int kPiecesPerRow = Tr::kHeadDim / 16;
+  static_assert(kRows * kPiecesPerRow % 32 == 0 && kRows <= 32);
+#pragma unroll
+  for (int i = 0; i < kRows * kPiecesPerRow / 32; ++i) {
+    const int idx = lane + 32 * i;
+    const int r = idx / kPiecesPerRow, c = idx % kPiecesPerRow;
+    const int half = r >= 16 ? 1 : 0;
+    const bool valid = r < num_rows && off[half] >= 0 && c * 16 < head_dim;
+    const Cache* src = valid ? head_base + off[half] + (r - 16 * half) * row_stride + c * 16
+                             : head_base;
+    CpAsync16(stage + r * Tr::kHeadDim + c * 16, src, valid, l2_policy);
+  }
+}
+
+// Four cache elements (one 32-bit word) as two float16 pairs, exactly.
+template <typename Cache>
+__device__ __forceinline__ void QuantizedToHalf4(uint32_t word, uint32_t* lo, uint32_t* hi) {
+  if constexpr (std::is_same_v<Cache, int8_t>) {
+    // x + 128 into the low byte of float16 1024 (0x6400): 1024 + 128 + x,
+    // exact (the spacing there is 1); subtracting 1152 leaves x.
+    const uint32_t biased = word ^ 0x80808080u;
+    const __half2 offset = __halves2half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480));
+    uint32_t a = __byte_perm(biased, 0x64646464u, 0x5140);
+    uint32_t b = __byte_perm(biased, 0x64646464u, 0x7362);
+    const __half2 ha = __hsub2(*reinterpret_cast<__half2*>(&a), offset);
+    const __half2 hb = __hsub2(*reinterpret_cast<__half2*>(&b), offset);
+    *lo = *reinterpret_cast<const uint32_t*>(&ha);
+    *hi = *reinterpret_cast<const uint32_t*>(&hb);
+  } else {
+    const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(
+        static_cast<__nv_fp8x2_storage_t>(word & 0xffffu), __NV_E4M3);
+    const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(
+        static_cast<__nv_fp8x2_storage_t>(word >> 16), __NV_E4M3);
+    *lo = static_cast<uint32_t>(a.x) | (static_cast<uint32_t>(a.y) << 16);
+    *hi = static_cast<uint32_t>(b.x) | (static_cast<uint32_t>(b.y) << 16);
+  }
+}
+
+// One warp's staged chunk (kRows rows of kHeadDim bytes) as float16 in a
+// swizzled tile (SwizzledOffset): 16 bytes in, two 16-byte chunks out.
+template <int kHeadDim, int kRows, typename Cache>
+__device__ __forceinline__ void DequantizeChunk(const uint8_t* stage, __half* tile, int lane) {
+  constexpr int kPiecesPerRow = kHeadDim / 16;
+#pragma unroll
+  for (int i = 0; i < kRows * kPiecesPerRow / 32; ++i) {
+    const int idx = lane + 32 * i;
+    const int r = idx / kPiecesPerRow, c = idx % kPiecesPerRow;
+    const uint4 raw = *reinterpret_cast<const uint4*>(stage + r * kHeadDim + c * 16);
+    uint4 first, second;
+    QuantizedToHalf4<Cache>(raw.x, &first.x, &first.y);
+    QuantizedToHalf4<Cache>(raw.y, &first.z, &first.w);
+    QuantizedToHalf4<Cache>(raw.z, &second.x, &second.y);
+    QuantizedToHalf4<Cache>(raw.w, &second.z, &second.w);
+    *reinterpret_cast<uint4*>(tile + SwizzledOffset<kHeadDim>(r, 2 * c)) = first;
+    *reinterpret_cast<uint4*>(tile + SwizzledOffset<kHeadDim>(r, 2 * c + 1)) = second;
+  }
+}
+
+// Q rows [0, num_rows) of the padded Q tile, bfloat16 (q_is_bf16) or
+// float16, rewritten in place as float16 times 2^e per row (max |q| in [2^14,
+// 2^15); e = 0 for a row of zeros or with an infinity); 2^-e, the factor that
+// takes S back, goes into the row's padding (kQStride - kHeadDim >= 2
+// elements), a warp per row.
+template <int kHeadDim, int kQStride>
+__device__ __forceinline__ void ScaleQToHalf(uint16_t* s_q, int num_rows, bool q_is_bf16,
+                                             int warp, int lane) {
+  constexpr int kPerLane = kHeadDim / 32;
+  static_assert(kHeadDim % 32 == 0 && kQStride - kHeadDim >= 2);
+  for (int r = warp; r < num_rows; r += kDecodeWarps) {
+    uint16_t* row = s_q + r * kQStride;
+    float x[kPerLane];
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const uint16_t bits = row[lane + 32 * j];
+      x[j] = q_is_bf16 ? __bfloat162float(__ushort_as_bfloat16(bits))
+                       : __half2float(__ushort_as_half(bits));
+      amax = fmaxf(amax, fabsf(x[j]));  // fmaxf drops a NaN: it stays NaN below
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const int e = amax > 0.f && amax < INFINITY ? 14 - ilogbf(amax) : 0;
+    __syncwarp();  // every lane has read its elements before any is rewritten
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      row[lane + 32 * j] = __half_as_ushort(__float2half_rn(ldexpf(x[j], e)));
+    }
+    if (lane == 0) *reinterpret_cast<float*>(row + kHeadDim) = ldexpf(1.f, -e);
+  }
+}
+
+template <typename Elem, int kHeadDim, int kMTiles, bool kSmallSmem, typename Cache = Elem>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
     DecodeKernel(const __grid_constant__ FwdArgs args) {
   using Tr = DecodeTraits<kHeadDim, kMTiles, kSmallSmem>;
+  // Quantized: Elem is __half (the mma type), q and out are p.dtype.
+  constexpr bool kQuantized = !std::is_same_v<Cache, Elem>;
+  static_assert(!kQuantized || std::is_same_v<Elem, __half>);
   constexpr int kRows = Tr::kRows;
   constexpr int kKeys = Tr::kBlockN;
   constexpr int kStages = Tr::kStages;
@@ -188,10 +298,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // Paged: k, v are a page pool (k/v_batch_stride the page stride), read
   // through the block table (load_chunk); the heads' bases are unused.
   const bool paged = p.block_table != nullptr;
-  const Elem* k_head = static_cast<const Elem*>(p.k) +
-                       (paged ? 0 : b * p.k_batch_stride) + kv_head * p.k_head_stride;
-  const Elem* v_head = static_cast<const Elem*>(p.v) +
-                       (paged ? 0 : b * p.v_batch_stride) + kv_head * p.v_head_stride;
+  const Cache* k_head = static_cast<const Cache*>(p.k) +
+                        (paged ? 0 : b * p.k_batch_stride) + kv_head * p.k_head_stride;
+  const Cache* v_head = static_cast<const Cache*>(p.v) +
+                        (paged ? 0 : b * p.v_batch_stride) + kv_head * p.v_head_stride;
   // Packed row r (< num_rows) is query r / group of head kv_head * group + r % group.
   auto q_row = [&](int r) {
     return static_cast<const Elem*>(p.q) + b * p.q_batch_stride + (r / group) * p.q_row_stride +
@@ -208,7 +318,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // during that grid's tail: B1 S32k 24.2-24.6 -> 22.1-22.6 us (one, three
   // or four chunks measured slower).
   {
-    const int row_bytes = head_dim * static_cast<int>(sizeof(Elem));
+    const int row_bytes = head_dim * static_cast<int>(sizeof(Cache));
 #pragma unroll
     for (int i = 0; i < kStages; ++i) {
       const int key = (c_begin + warp + i * kDecodeWarps) * kKeys + lane;
@@ -216,7 +326,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
       PrefetchRowL2(k_head + key * p.k_row_stride, row_bytes);
       PrefetchRowL2(v_head + key * p.v_row_stride, row_bytes);
     }
-    if (tid < num_rows) PrefetchRowL2(q_row(tid), row_bytes);
+    if (tid < num_rows) PrefetchRowL2(q_row(tid), head_dim * 2);
   }
   WaitForPrimaryGrid();
 
@@ -253,6 +363,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // share strides: both come from one dense [B|pages, S|page, K, D] shape).
   // Paged: through the page ids, -1 for a half past the sequence's end or in
   // a page outside the pool; page_size is a multiple of 16.
+  // Quantized: the warp's ring holds kStages staged chunks of bytes, then
+  // one float16 K and V tile pair that DequantizeChunk fills.
+  static_assert(!kQuantized || kStages == 2, "the scale pipeline below holds two chunks");
+  uint8_t* s_stage = reinterpret_cast<uint8_t*>(s_ring);
+  Elem* s_work = reinterpret_cast<Elem*>(s_stage + kStages * 2 * kTileElems);
   auto load_chunk = [&](int i, const int (&page)[2]) {
     Elem* k_dst = s_ring + (i % kStages) * 2 * kTileElems;
     const int key0 = (c_begin + warp + i * kDecodeWarps) * kKeys;
@@ -268,11 +383,44 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
                    ? page[h] * p.k_batch_stride + (key % page_size) * p.k_row_stride
                    : int64_t{-1};
     }
-    LoadSwizzledChunk<Tr, kKeys>(k_dst, k_head, off, p.k_row_stride, seqlen_k - key0, head_dim,
+    if constexpr (kQuantized) {
+      uint8_t* stage = s_stage + (i % kStages) * 2 * kTileElems;
+      LoadStagedChunk<Tr, kKeys>(stage, k_head, off, p.k_row_stride, seqlen_k - key0, head_dim,
                                  lane, kv_policy);
-    LoadSwizzledChunk<Tr, kKeys>(k_dst + kTileElems, v_head, off, p.k_row_stride,
+      LoadStagedChunk<Tr, kKeys>(stage + kTileElems, v_head, off, p.k_row_stride,
                                  seqlen_k - key0, head_dim, lane, kv_policy);
+    } else {
+      LoadSwizzledChunk<Tr, kKeys>(k_dst, k_head, off, p.k_row_stride, seqlen_k - key0,
+                                   head_dim, lane, kv_policy);
+      LoadSwizzledChunk<Tr, kKeys>(k_dst + kTileElems, v_head, off, p.k_row_stride,
+                                   seqlen_k - key0, head_dim, lane, kv_policy);
+    }
   };
+  // Quantized: the k and v scales of chunk i's two 16-key halves (KvScale),
+  // read as its copy is issued and used when it is computed; v's as a ratio
+  // to v_ref, the v scale of the block's first key, which the end multiplies
+  // back (float16 P times a ratio near 1 neither overflows nor underflows).
+  struct HalfScales {
+    float k[2], v[2];
+  };
+  auto scales_of = [&](int i) {
+    HalfScales sc;
+    const int key0 = (c_begin + warp + i * kDecodeWarps) * kKeys;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int key = min(key0 + 16 * h, max(seqlen_k - 1, 0));
+      sc.k[h] = KvScale(p, b, 0, key, kv_head);
+      sc.v[h] = KvScale(p, b, 1, key, kv_head);
+    }
+    return sc;
+  };
+  float v_ref = 1.f;
+  if constexpr (kQuantized) {
+    v_ref = KvScale(p, b, 1, min(c_begin * kKeys, max(seqlen_k - 1, 0)), kv_head);
+    if (!(v_ref > 0.f && v_ref < INFINITY)) v_ref = 1.f;
+  }
+  const float inv_v_ref = 1.f / v_ref;
+  HalfScales scales_now{}, scales_next{};
   int next_page[2];  // the page ids of the next chunk to load
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) {
@@ -281,8 +429,25 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     CpAsyncCommit();  // empty groups too: the wait counts below stay fixed
   }
   page_ids(kStages - 1, next_page);
+  if constexpr (kQuantized) scales_now = scales_of(0);
   CpAsyncWait<kStages - 1>();  // this thread's Q chunks (the oldest group)
   __syncthreads();             // everyone's
+  // Quantized: S from the mma times row_scale (Q's power of two back) is q . k.
+  float row_scale[kMTiles][2];
+  if constexpr (kQuantized) {
+    ScaleQToHalf<kHeadDim, kQStride>(reinterpret_cast<uint16_t*>(s_q), num_rows,
+                                     p.dtype == DType::kBFloat16, warp, lane);
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = mt * 16 + g + 8 * h;
+        row_scale[mt][h] =
+            r < num_rows ? *reinterpret_cast<const float*>(s_q + r * kQStride + kHeadDim) : 1.f;
+      }
+    }
+  }
 
   // ldmatrix lane addresses as in fwd_kernel.cuh (rows 0-15 of the first
   // tile for every warp; ComputeS steps to the others): Q padded, K and V
@@ -290,10 +455,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // transposed: row ((lane / 8) % 2) * 8 + lane % 8, half lane / 16).
   const uint32_t q_addr =
       SmemAddress(s_q) + ((lane % 8 + ((lane / 8) % 2) * 8) * kQStride + (lane / 16) * 8) * 2;
-  const uint32_t k_addr = SmemAddress(s_ring) + ((lane / 16) * 8 + lane % 8) * kHeadDim * 2;
+  Elem* const k_tiles = kQuantized ? s_work : s_ring;  // stage 0's K tile, or the float16 one
+  const uint32_t k_addr = SmemAddress(k_tiles) + ((lane / 16) * 8 + lane % 8) * kHeadDim * 2;
   const uint32_t k_y16 = (((lane / 8) % 2) ^ (lane % 8)) * 16;
   const uint32_t v_addr =
-      SmemAddress(s_ring + kTileElems) + (((lane / 8) % 2) * 8 + lane % 8) * kHeadDim * 2;
+      SmemAddress(k_tiles + kTileElems) + (((lane / 8) % 2) * 8 + lane % 8) * kHeadDim * 2;
   const uint32_t v_y16 = ((lane / 16) ^ (lane % 8)) * 16;
   const float scale_log2 = p.softmax_scale_log2;
 
@@ -324,20 +490,45 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     if (i + kStages - 1 < num_mine) {
       load_chunk(i + kStages - 1, next_page);
       page_ids(i + kStages, next_page);
+      if constexpr (kQuantized) scales_next = scales_of(i + kStages - 1);
     }
     CpAsyncCommit();
     CpAsyncWait<kStages - 1>();  // chunk i has landed (for this lane)
     __syncwarp();                // and for the warp
-    const uint32_t stage_bytes = (i % kStages) * 2 * kTileElems * 2;
+    uint32_t stage_bytes = (i % kStages) * 2 * kTileElems * 2;
+    if constexpr (kQuantized) {
+      const uint8_t* stage = s_stage + (i % kStages) * 2 * kTileElems;
+      DequantizeChunk<kHeadDim, kKeys, Cache>(stage, s_work, lane);
+      DequantizeChunk<kHeadDim, kKeys, Cache>(stage + kTileElems, s_work + kTileElems, lane);
+      __syncwarp();
+      stage_bytes = 0;  // one float16 tile pair
+    }
     const int key0 = (c_begin + warp + i * kDecodeWarps) * kKeys;
     float s[kMTiles][kNT][4];
     fwd::ComputeS<Tr, Elem, kMTiles>(s, fwd::PaddedTileAt<kQStride>{q_addr},
                                      SwizzledTileAt<kHeadDim>{k_addr + stage_bytes, k_y16},
                                      head_dim);
+    if constexpr (kQuantized) {  // n8 tile nt lies in 16-key half nt / 2
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][nt][e] *= row_scale[mt][e / 2] * scales_now.k[nt / 2];
+    }
     if (key0 < full_begin || key0 + kKeys > full_end) {
       fwd::MaskScores<Tr>(s, key0, key_lo, key_hi, t4);
     }
     fwd::OnlineSoftmax<Tr>(s, o, row_max, row_sum, scale_log2);
+    if constexpr (kQuantized) {  // P's column sums are in; now P times v's scale ratio
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][nt][e] *= scales_now.v[nt / 2] * inv_v_ref;
+      scales_now = scales_next;
+    }
     fwd::AccumulatePV<Tr, Elem, kMTiles>(
         s, o, SwizzledTileAt<kHeadDim>{v_addr + stage_bytes, v_y16}, head_dim);
     __syncwarp();  // the warp is done reading this stage before it is refilled
@@ -393,7 +584,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   }
   // l == 0: no key (O 0, LSE -inf); a NaN score's NaN l passes.
   const RowEnd end = RowEndOf(l, 1.f, mx * p.softmax_scale, IeeeDivide{}, IeeeLog{});
-  const float inv_l = end.normalizer;
+  const float inv_l = kQuantized ? end.normalizer * v_ref : end.normalizer;
   const float lse = end.lse;
   const int t = r / group;
   const int head = kv_head * group + r % group;
@@ -417,6 +608,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     acc = make_float4(acc.x * inv_l, acc.y * inv_l, acc.z * inv_l, acc.w * inv_l);
     if (write_partial) {
       *reinterpret_cast<float4*>(args.o_partial + part * head_dim + d) = acc;
+    } else if constexpr (kQuantized) {  // out is q's dtype, not the mma's
+      *reinterpret_cast<uint2*>(o_row + d) =
+          p.dtype == DType::kBFloat16
+              ? make_uint2(PackFloat2<__nv_bfloat16>(acc.x, acc.y),
+                           PackFloat2<__nv_bfloat16>(acc.z, acc.w))
+              : make_uint2(PackFloat2<__half>(acc.x, acc.y), PackFloat2<__half>(acc.z, acc.w));
     } else {
       *reinterpret_cast<uint2*>(o_row + d) =
           make_uint2(PackFloat2<Elem>(acc.x, acc.y), PackFloat2<Elem>(acc.z, acc.w));
@@ -431,10 +628,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   }
 }
 
-template <typename Elem, int kHeadDim, int kMTiles, bool kSmallSmem = false>
+template <typename Elem, int kHeadDim, int kMTiles, bool kSmallSmem = false,
+          typename Cache = Elem>
 cudaError_t LaunchDecodeFor(const FwdArgs& args, cudaStream_t stream) {
   using Tr = DecodeTraits<kHeadDim, kMTiles, kSmallSmem>;
-  const auto kernel = &DecodeKernel<Elem, kHeadDim, kMTiles, kSmallSmem>;
+  const auto kernel = &DecodeKernel<Elem, kHeadDim, kMTiles, kSmallSmem, Cache>;
   constexpr int kSmemBytes = DecodeSmemBytes(Tr::kTile, kMTiles);
   static std::atomic<uint64_t> opted_in{0};
   const cudaError_t err =
@@ -462,6 +660,36 @@ cudaError_t LaunchDecodeKernel(const FwdArgs& args, int bucket, int m_tiles, boo
     case 1281: return LaunchDecodeFor<Elem, 128, 1>(args, stream);
     case 1282: return LaunchDecodeFor<Elem, 128, 2>(args, stream);
     case 2561: return LaunchDecodeFor<Elem, 256, 1>(args, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// Quantized caches: the float16 kernels for every q dtype (see DecodeKernel).
+template <typename Cache>
+cudaError_t LaunchQuantizedDecodeFor(const FwdArgs& args, int bucket, int m_tiles,
+                                     bool small_smem, cudaStream_t stream) {
+  if (small_smem) {
+    return bucket * 10 + m_tiles == 1281
+               ? LaunchDecodeFor<__half, 128, 1, true, Cache>(args, stream)
+               : cudaErrorInvalidValue;
+  }
+  switch (bucket * 10 + m_tiles) {
+    case 641: return LaunchDecodeFor<__half, 64, 1, false, Cache>(args, stream);
+    case 642: return LaunchDecodeFor<__half, 64, 2, false, Cache>(args, stream);
+    case 1281: return LaunchDecodeFor<__half, 128, 1, false, Cache>(args, stream);
+    case 1282: return LaunchDecodeFor<__half, 128, 2, false, Cache>(args, stream);
+    case 2561: return LaunchDecodeFor<__half, 256, 1, false, Cache>(args, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t LaunchQuantizedDecodeKernel(const FwdArgs& args, int bucket, int m_tiles,
+                                        bool small_smem, cudaStream_t stream) {
+  switch (args.p.kv_quant) {
+    case KvQuant::kInt8:
+      return LaunchQuantizedDecodeFor<int8_t>(args, bucket, m_tiles, small_smem, stream);
+    case KvQuant::kFloat8E4M3:
+      return LaunchQuantizedDecodeFor<__nv_fp8_e4m3>(args, bucket, m_tiles, small_smem, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -25,9 +25,11 @@ cudaError_t LaunchBucket(const FwdArgs& args, int bucket, cudaStream_t stream) {
 template <typename Elem>
 cudaError_t LaunchTyped(const FwdArgs& args, bool decode, bool small_smem, int bucket,
                         int m_tiles, cudaStream_t stream) {
-  const cudaError_t err = decode
-                              ? LaunchDecodeKernel<Elem>(args, bucket, m_tiles, small_smem, stream)
-                              : LaunchBucket<Elem>(args, bucket, stream);
+  const cudaError_t err =
+      !decode ? LaunchBucket<Elem>(args, bucket, stream)
+      : args.p.kv_quant != KvQuant::kNone
+          ? LaunchQuantizedDecodeKernel(args, bucket, m_tiles, small_smem, stream)
+          : LaunchDecodeKernel<Elem>(args, bucket, m_tiles, small_smem, stream);
   if (err != cudaSuccess || args.num_splits <= 1) return err;
   return LaunchFwdCombine<Elem>(args, stream);
 }

@@ -65,6 +65,12 @@ template <typename Elem>
 cudaError_t LaunchDecodeKernel(const FwdArgs& args, int bucket, int m_tiles, bool small_smem,
                                cudaStream_t stream);
 
+// The same for a quantized KV cache (args.p.kv_quant: int8 or float8_e4m3fn
+// k and v with args.p.kv_scales), dequantized in the kernel, for bfloat16 or
+// float16 q; decode_kernel.cu.
+cudaError_t LaunchQuantizedDecodeKernel(const FwdArgs& args, int bucket, int m_tiles,
+                                        bool small_smem, cudaStream_t stream);
+
 // Merges the split partials into O (Elem) and LSE; fwd_combine.cu.
 template <typename Elem>
 cudaError_t LaunchFwdCombine(const FwdArgs& args, cudaStream_t stream);
