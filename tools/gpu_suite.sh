@@ -14,6 +14,8 @@
 #               (SM90=fwd or SM90=bwd: one of them)
 #   NCU=1       ncu sections of the Hopper backward kernel
 #   VARIANTS=1  the variant benchmark table alone
+#   QUANT=1     the decode kernel's int8 / fp8 dequantization: its GPU test,
+#               then the KV-cache table with it (JAX_FLASH2_DECODE_QUANT=1)
 #   PROBE_RING=1  which part of the context-parallel ring crashes XLA:CPU's
 #               compile (tools/probe_ring_compile.py)
 #   BENCH=1     the benchmark grid and the variant table
@@ -56,6 +58,13 @@ aux_jobs() {
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
       build/sm90_bwd_selftest --time-only > "$OUT/ncu_bwd.txt" 2>&1
     grep -vE "^TIME|^device" "$OUT/ncu_bwd.txt" | head -150
+  fi
+  if [ "${QUANT:-0}" = 1 ]; then
+    echo "== quantized KV caches in the decode kernel"
+    (cd tests && XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 python3 -m pytest -q \
+      -p no:cacheprovider test_kvcache_gpu.py -k quantized 2>&1 | tail -15)
+    (cd benchmarks && JAX_FLASH2_DECODE_QUANT=1 timeout 240 python3 kvcache_bench.py --quick \
+      --steps 20 --warmup 0.2 --out "$OUT/kvcache_quant.md" 2>&1 | grep -A30 "^Command")
   fi
   if [ "${PROBE_RING:-0}" = 1 ]; then
     echo "== ring compile probes (XLA:CPU, two host devices)"
