@@ -53,6 +53,23 @@ def f(q, k, v):
   lse = jnp.concatenate([l1, l2], axis=2)
   return out, lse
 sm(f, (X, L))(x, x, x)""",
+    "custom_vjp": """
+@jax.custom_vjp
+def g(q, k, v):
+  return fa(q, k, v)
+g.defvjp(lambda q, k, v: (fa(q, k, v), None), lambda _, t: (t, t, t))
+sm(g)(x, x, x)""",
+    "merge_under_cond": """
+def f(q, k, v):
+  o1, l1 = fa(q, k, v, return_lse=True)
+  k2 = jax.lax.ppermute(k, "seq", [(0, 1), (1, 0)])  # collectives outside the cond
+  def other(o, l):
+    o2, l2 = fa(q, k2, v, return_lse=True)
+    return o + o2.astype(jnp.float32), jnp.logaddexp(l, l2)
+  o, l = jax.lax.cond(jax.lax.axis_index("seq") > 0, other, lambda o, l: (o, l),
+                      o1.astype(jnp.float32), l1)
+  return o, l
+sm(f, (X, L))(x, x, x)""",
     "allgather_unmasked": ("cp.context_parallel_attention(x, x, x, mesh=mesh, axis_name='seq', "
                            "strategy='allgather')"),
     "allgather_causal": ("cp.context_parallel_attention(x, x, x, mesh=mesh, axis_name='seq', "
