@@ -134,7 +134,9 @@ __device__ __forceinline__ void LoadStagedChunk(uint8_t* stage, const Cache* hea
   for (int i = 0; i < kRows * kPiecesPerRow / 32; ++i) {
     const int idx = lane + 32 * i;
     const int r = idx / kPiecesPerRow, c = idx % kPiecesPerRow;
-    const int half = r >= 16 ? 1 : 0;
+    // r >= 16 exactly when 32 i >= 16 kPiecesPerRow (a multiple of 32, and
+    // lane < 32): the half is known at compile time, so off stays in registers.
+    const int half = 32 * i >= 16 * kPiecesPerRow ? 1 : 0;
     const bool valid = r < num_rows && off[half] >= 0 && c * 16 < head_dim;
     const Cache* src = valid ? head_base + off[half] + (r - 16 * half) * row_stride + c * 16
                              : head_base;
