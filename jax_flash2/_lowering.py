@@ -131,7 +131,7 @@ def _cuda_rule(target: str, backward: bool):
     batch, seqlen_q, heads_q, head_dim = ctx.avals_in[0].shape
     seqlen_k, heads_kv = ctx.avals_in[1].shape[1:3]
     if config.page_size > 0:  # k is a page pool: S is the block table's pages
-      seqlen_k = ctx.avals_in[-1].shape[1] * config.page_size
+      seqlen_k = ExtraOperands.split(ctx.avals_in)[1].block_table.shape[1] * config.page_size
     ctx, args = _without_unused_inputs(ctx, args, config)
     sm_count, cc_major = _gpu_plan()
     # Scratch (split-KV partials; D and the fp32 dQ accumulator) is an extra

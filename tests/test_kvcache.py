@@ -9,6 +9,7 @@ in unused pages and in the append slots before the append.
 from __future__ import annotations
 
 import functools
+import re
 import subprocess
 import sys
 
@@ -350,6 +351,28 @@ def test_plan_of_a_quantized_cache(switch, tmp_path):
     assert "copy" not in reason, out
   else:
     assert "bfloat16 copy" in reason and "JAX_FLASH2_DECODE_QUANT=1" in reason, out
+
+
+@pytest.mark.skipif(jax_flash2._ext.cuda_ext is None,
+                    reason="needs the CUDA extension to lower for CUDA")
+def test_cuda_lowering_sizes_the_workspace_for_the_pages():
+  """Lowered for CUDA, a paged call's workspace is planned for S = max_pages *
+  page_size (the block table's width, not any other operand's)."""
+  from jax_flash2 import _lowering
+  batch, heads, kv_heads, dim, page, max_pages = 8, 32, 8, 128, 16, 256
+  q = jnp.ones((batch, 1, heads, dim), jnp.bfloat16)
+  pool = jnp.ones((64, page, kv_heads, dim), jnp.bfloat16)
+  table = jnp.zeros((batch, max_pages), jnp.int32)
+  fn = jax.jit(lambda q, pool, table, n: jax_flash2.flash_attention_with_kvcache(
+      q, pool, pool, cache_seqlens=n, block_table=table))
+  ir = fn.trace(q, pool, table, jnp.zeros((batch,), jnp.int32)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  (results,) = re.findall(r"stablehlo\.custom_call @jax_flash2_\w+\(.*\) -> \((.*)\)", ir)
+  workspace = int(re.findall(r"tensor<(\d+)xui8>", results)[0])
+  sm_count, cc_major = _lowering._gpu_plan()
+  expected = jax_flash2._ext.cuda_ext.workspace_bytes(
+      False, batch, 1, max_pages * page, heads, kv_heads, dim, -1, 0, sm_count, False, cc_major)
+  assert workspace == max(expected, 1) and expected > 0, (workspace, expected)
 
 
 def test_vmap_of_contiguous_kernel_call():
