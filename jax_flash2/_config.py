@@ -352,7 +352,7 @@ def extra_operands(q, k, alibi_slopes=None, segment_ids=None, dropout_rng=None,
   return ExtraOperands(alibi_slopes=slopes, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
                        dropout_seeds=seeds, kv_seqlens=jnp.zeros((batch,), jnp.int32),
                        block_table=jnp.zeros((batch, 1), jnp.int32),
-                       kv_scales=jnp.zeros((batch, 2, 1, 1), jnp.float32))
+                       kv_scales=jnp.zeros((batch, 2, 1, k.shape[2]), jnp.float32))
 
 
 def make_config(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
