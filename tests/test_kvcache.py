@@ -377,6 +377,37 @@ def test_cuda_lowering_sizes_the_workspace_for_the_pages():
   assert workspace == max(expected, 1) and expected > 0, (workspace, expected)
 
 
+_QUANT_LOWERING = """
+import re, jax, jax.numpy as jnp
+from jax_flash2 import kvcache
+q = jnp.ones((8, 1, 32, 128), jnp.bfloat16)
+pool = jnp.ones((64, 16, 8, 128), jnp.int8)
+table = jnp.zeros((8, 256), jnp.int32)
+scale = jnp.ones((64, 8), jnp.float32)
+fn = jax.jit(lambda q, pool, table, n: kvcache.flash_attention_with_kvcache(
+    q, pool, pool, cache_seqlens=n, block_table=table, k_scale=scale, v_scale=scale))
+ir = fn.trace(q, pool, table, jnp.zeros((8,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+print([l for l in ir.splitlines() if "custom_call @jax_flash2" in l][0])
+"""
+
+
+@pytest.mark.skipif(jax_flash2._ext.cuda_ext is None,
+                    reason="needs the CUDA extension to lower for CUDA")
+@pytest.mark.parametrize("switch", [None, "1"])
+def test_cuda_lowering_of_a_quantized_cache(switch, tmp_path):
+  """Lowered for CUDA under JAX_FLASH2_DECODE_QUANT=1, the call hands the
+  kernel the int8 pool and the kv_scales operand [B, 2, max_pages, K];
+  without it, a bfloat16 copy and a zero-size stand-in."""
+  env = package_env(JAX_PLATFORMS="cpu", **({"JAX_FLASH2_DECODE_QUANT": switch} if switch else {}))
+  call = subprocess.run([sys.executable, "-c", _QUANT_LOWERING], env=env, capture_output=True,
+                        text=True, timeout=300, check=True, cwd=tmp_path).stdout
+  operands = re.findall(r"tensor<[^>]*>", call.split("->")[0])
+  if switch:
+    assert "tensor<64x16x8x128xi8>" in operands and "tensor<8x2x256x8xf32>" in operands, call
+  else:
+    assert "tensor<64x16x8x128xbf16>" in operands and "tensor<0xf32>" in operands, call
+
+
 def test_vmap_of_contiguous_kernel_call():
   case = _case(31, seqlen_q=3, append=False, lengths=[3, 9, 20])
   q, kc, vc = (jnp.asarray(case[n]) for n in ("q", "k_cache", "v_cache"))
