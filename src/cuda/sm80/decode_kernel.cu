@@ -645,53 +645,43 @@ cudaError_t LaunchDecodeFor(const FwdArgs& args, cudaStream_t stream) {
   return LaunchWithFwdArgs(kernel, grid, dim3(kDecodeWarps * 32), kSmemBytes, stream, args);
 }
 
+// The kernel of a tile row (bucket, m_tiles, small_smem): Elem the mma type,
+// Cache the K/V element (Elem, or int8 / e4m3 with Elem __half).
+template <typename Elem, typename Cache>
+cudaError_t LaunchDecodeRow(const FwdArgs& args, int bucket, int m_tiles, bool small_smem,
+                            cudaStream_t stream) {
+  if (small_smem) {
+    switch (bucket * 10 + m_tiles) {
+      case 1281: return LaunchDecodeFor<Elem, 128, 1, true, Cache>(args, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  }
+  switch (bucket * 10 + m_tiles) {
+    case 641: return LaunchDecodeFor<Elem, 64, 1, false, Cache>(args, stream);
+    case 642: return LaunchDecodeFor<Elem, 64, 2, false, Cache>(args, stream);
+    case 1281: return LaunchDecodeFor<Elem, 128, 1, false, Cache>(args, stream);
+    case 1282: return LaunchDecodeFor<Elem, 128, 2, false, Cache>(args, stream);
+    case 2561: return LaunchDecodeFor<Elem, 256, 1, false, Cache>(args, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 }  // namespace
 
 template <typename Elem>
 cudaError_t LaunchDecodeKernel(const FwdArgs& args, int bucket, int m_tiles, bool small_smem,
                                cudaStream_t stream) {
-  if (small_smem) {
-    switch (bucket * 10 + m_tiles) {
-      case 1281: return LaunchDecodeFor<Elem, 128, 1, true>(args, stream);
-      default: return cudaErrorInvalidValue;
-    }
-  }
-  switch (bucket * 10 + m_tiles) {
-    case 641: return LaunchDecodeFor<Elem, 64, 1>(args, stream);
-    case 642: return LaunchDecodeFor<Elem, 64, 2>(args, stream);
-    case 1281: return LaunchDecodeFor<Elem, 128, 1>(args, stream);
-    case 1282: return LaunchDecodeFor<Elem, 128, 2>(args, stream);
-    case 2561: return LaunchDecodeFor<Elem, 256, 1>(args, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return LaunchDecodeRow<Elem, Elem>(args, bucket, m_tiles, small_smem, stream);
 }
 
 // Quantized caches: the float16 kernels for every q dtype (see DecodeKernel).
-template <typename Cache>
-cudaError_t LaunchQuantizedDecodeFor(const FwdArgs& args, int bucket, int m_tiles,
-                                     bool small_smem, cudaStream_t stream) {
-  if (small_smem) {
-    return bucket * 10 + m_tiles == 1281
-               ? LaunchDecodeFor<__half, 128, 1, true, Cache>(args, stream)
-               : cudaErrorInvalidValue;
-  }
-  switch (bucket * 10 + m_tiles) {
-    case 641: return LaunchDecodeFor<__half, 64, 1, false, Cache>(args, stream);
-    case 642: return LaunchDecodeFor<__half, 64, 2, false, Cache>(args, stream);
-    case 1281: return LaunchDecodeFor<__half, 128, 1, false, Cache>(args, stream);
-    case 1282: return LaunchDecodeFor<__half, 128, 2, false, Cache>(args, stream);
-    case 2561: return LaunchDecodeFor<__half, 256, 1, false, Cache>(args, stream);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
 cudaError_t LaunchQuantizedDecodeKernel(const FwdArgs& args, int bucket, int m_tiles,
                                         bool small_smem, cudaStream_t stream) {
   switch (args.p.kv_quant) {
     case KvQuant::kInt8:
-      return LaunchQuantizedDecodeFor<int8_t>(args, bucket, m_tiles, small_smem, stream);
+      return LaunchDecodeRow<__half, int8_t>(args, bucket, m_tiles, small_smem, stream);
     case KvQuant::kFloat8E4M3:
-      return LaunchQuantizedDecodeFor<__nv_fp8_e4m3>(args, bucket, m_tiles, small_smem, stream);
+      return LaunchDecodeRow<__half, __nv_fp8_e4m3>(args, bucket, m_tiles, small_smem, stream);
     default: return cudaErrorInvalidValue;
   }
 }
