@@ -261,15 +261,10 @@ def _kv_scales(k_scale, v_scale, block_table, layout):
   [num_pages, K] one through the block table (P = block_table.shape[1]; a
   page id outside the pool takes a clipped one, for rows the kernels read as
   zeros)."""
-  per_page = k_scale.ndim == 2 or v_scale.ndim == 2
-  slots = block_table.shape[1] if per_page else 1
-
-  def per_slot(scale):
-    if scale.ndim == 2:
-      return jnp.take(scale, block_table, axis=0, mode="clip")  # [B, P, K]
-    return jnp.broadcast_to(scale[None, None, :], (layout.batch, slots, layout.num_kv_heads))
-
-  return jnp.stack([per_slot(k_scale), per_slot(v_scale)], axis=1)
+  slots = block_table.shape[1] if k_scale.ndim == 2 or v_scale.ndim == 2 else 1
+  shape = (layout.batch, slots, layout.num_kv_heads)
+  return jnp.stack([jnp.broadcast_to(_scale_of(s, block_table), shape)
+                    for s in (k_scale, v_scale)], axis=1)
 
 
 def _gathered(cache, block_table, layout):
@@ -400,13 +395,12 @@ def _decode_kernel_serves(q, k_cache, v_cache, block_table, config, alibi_slopes
          for d in gpus} or {(9, 0)}
   options = dict(softmax_scale=config.softmax_scale,
                  window_size=(config.window_left, config.window_right), softcap=config.softcap,
-                 alibi_slopes=alibi_slopes, causal=False)
+                 alibi_slopes=alibi_slopes, causal=False, sm_count=132,
+                 max_smem_per_block=None)
   for cc in ccs:
     if cc not in _plan.MAX_SMEM_PER_BLOCK:
       return False
-    kernel = _forward_plan(q, k_cache, v_cache, block_table, cc, 132, None, options["causal"],
-                           options["softmax_scale"], options["window_size"], options["softcap"],
-                           options["alibi_slopes"])["forward"].kernel
+    kernel = _forward_plan(q, k_cache, v_cache, block_table, cc, **options)["forward"].kernel
     if kernel != "sm80-decode":
       return False
   return True
@@ -462,15 +456,14 @@ def plan(q, k_cache, v_cache, *, block_table=None, compute_capability: tuple[int
   int8 / float8_e4m3fn cache, the kernel that reads it, or, when that is
   none, the one that reads its dequantized copy (the reason says so).
   """
-  stored = _forward_plan(q, k_cache, v_cache, block_table, compute_capability, sm_count,
-                         max_smem_per_block, causal, softmax_scale, window_size, softcap,
-                         alibi_slopes)
+  options = dict(sm_count=sm_count, max_smem_per_block=max_smem_per_block, causal=causal,
+                 softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                 alibi_slopes=alibi_slopes)
+  stored = _forward_plan(q, k_cache, v_cache, block_table, compute_capability, **options)
   if k_cache.dtype not in QUANTIZED_DTYPES or stored["forward"].kernel != "unsupported":
     return stored
   copy = jax.ShapeDtypeStruct(k_cache.shape, q.dtype)
-  result = _forward_plan(q, copy, copy, block_table, compute_capability, sm_count,
-                         max_smem_per_block, causal, softmax_scale, window_size, softcap,
-                         alibi_slopes)
+  result = _forward_plan(q, copy, copy, block_table, compute_capability, **options)
   if result["forward"].kernel == "unsupported":
     return result
   forward = dataclasses.replace(result["forward"], reason=(
@@ -478,7 +471,7 @@ def plan(q, k_cache, v_cache, *, block_table=None, compute_capability: tuple[int
   return {"forward": forward}
 
 
-def _forward_plan(q, k_cache, v_cache, block_table, compute_capability, sm_count,
+def _forward_plan(q, k_cache, v_cache, block_table, compute_capability, *, sm_count,
                   max_smem_per_block, causal, softmax_scale, window_size, softcap,
                   alibi_slopes):
   """plan() for the cache as stored (an int8 / fp8 one read by the kernel itself)."""

@@ -54,14 +54,11 @@ struct PlanOptions {
   bool have_sm90 = false;      // the build has the Hopper kernels (sm_90a)
   bool decode_kernel = true;   // JAX_FLASH2_DECODE_KERNEL
   bool sm90_backward = true;   // JAX_FLASH2_SM90_BACKWARD
-  int64_t kv_split_keys = kKvCacheSplitKeys;  // JAX_FLASH2_KV_SPLIT_KEYS
-  bool kv_split_keys_set = false;              // ... was set: no other split rule
+  int64_t kv_split_keys = 0;   // JAX_FLASH2_KV_SPLIT_KEYS; 0: MakeDecodePlan's rule
 };
 
 inline PlanOptions PlanOptionsFrom(bool have_sm90, const TestSwitches& switches) {
-  return {have_sm90, switches.decode_kernel, switches.sm90_backward,
-          switches.kv_split_keys > 0 ? switches.kv_split_keys : kKvCacheSplitKeys,
-          switches.kv_split_keys > 0};
+  return {have_sm90, switches.decode_kernel, switches.sm90_backward, switches.kv_split_keys};
 }
 
 enum class FwdKernel : int { kUnsupported = 0, kSm80Prefill, kSm80Decode, kSm90 };
@@ -274,10 +271,11 @@ inline FwdPlan MakeDecodePlan(const FlashParams& p, const DeviceInfo& dev,
     // 16 splits 76 us, 32 splits 47 us); splits past a sequence's end exit
     // at once. JAX_FLASH2_KV_SPLIT_KEYS sets the split size alone.
     const int64_t heads = p.batch * p.num_heads_kv;
-    int64_t want = CeilDiv(p.seqlen_k, opts.kv_split_keys);
-    if (!opts.kv_split_keys_set) {
-      want = std::max(want, CeilDiv(int64_t{dev.sm_count} * kKvCacheBlocksPerSm, heads));
-    }
+    const int64_t want =
+        opts.kv_split_keys > 0
+            ? CeilDiv(p.seqlen_k, opts.kv_split_keys)
+            : std::max(CeilDiv(p.seqlen_k, kKvCacheSplitKeys),
+                       CeilDiv(int64_t{dev.sm_count} * kKvCacheBlocksPerSm, heads));
     splits = static_cast<int>(std::max<int64_t>(splits, std::min<int64_t>(want, kMaxSplits)));
   }
   if (splits > 1) {

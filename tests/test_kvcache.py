@@ -328,33 +328,6 @@ def test_cpu_kernels_read_the_quantized_cache_itself(dtype):
   _close(np.asarray(lse), expected_lse, atol=1e-4)
 
 
-_QUANT_PLAN = """
-import jax, jax.numpy as jnp
-from jax_flash2 import kvcache
-q = jax.ShapeDtypeStruct((8, 1, 32, 128), jnp.bfloat16)
-pool = jax.ShapeDtypeStruct((2048, 16, 8, 128), jnp.int8)
-table = jax.ShapeDtypeStruct((8, 256), jnp.int32)
-forward = kvcache.plan(q, pool, pool, block_table=table)["forward"]
-print(forward.kernel, "|", forward.reason)
-"""
-
-
-@pytest.mark.parametrize("switch", [None, "1"])
-def test_plan_of_a_quantized_cache(switch, tmp_path):
-  """On CUDA the decode kernel reads an int8 cache itself only under
-  JAX_FLASH2_DECODE_QUANT=1 (read once per process); otherwise the plan names
-  the kernel that reads XLA's bfloat16 copy, and says so."""
-  env = package_env(JAX_PLATFORMS="cpu", **({"JAX_FLASH2_DECODE_QUANT": switch} if switch else {}))
-  out = subprocess.run([sys.executable, "-c", _QUANT_PLAN], env=env, capture_output=True,
-                       text=True, timeout=300, check=True, cwd=tmp_path).stdout
-  kernel, reason = (x.strip() for x in out.split("|"))
-  assert kernel == "sm80-decode", out
-  if switch:
-    assert "copy" not in reason, out
-  else:
-    assert "bfloat16 copy" in reason and "JAX_FLASH2_DECODE_QUANT=1" in reason, out
-
-
 @pytest.mark.skipif(jax_flash2._ext.cuda_ext is None,
                     reason="needs the CUDA extension to lower for CUDA")
 def test_cuda_lowering_sizes_the_workspace_for_the_pages():
@@ -377,35 +350,50 @@ def test_cuda_lowering_sizes_the_workspace_for_the_pages():
   assert workspace == max(expected, 1) and expected > 0, (workspace, expected)
 
 
-_QUANT_LOWERING = """
-import re, jax, jax.numpy as jnp
+_QUANT_PLAN_AND_LOWERING = """
+import jax, jax.numpy as jnp
+import jax_flash2
 from jax_flash2 import kvcache
 q = jnp.ones((8, 1, 32, 128), jnp.bfloat16)
 pool = jnp.ones((64, 16, 8, 128), jnp.int8)
 table = jnp.zeros((8, 256), jnp.int32)
 scale = jnp.ones((64, 8), jnp.float32)
-fn = jax.jit(lambda q, pool, table, n: kvcache.flash_attention_with_kvcache(
-    q, pool, pool, cache_seqlens=n, block_table=table, k_scale=scale, v_scale=scale))
-ir = fn.trace(q, pool, table, jnp.zeros((8,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-print([l for l in ir.splitlines() if "custom_call @jax_flash2" in l][0])
+forward = kvcache.plan(q, pool, pool, block_table=table)["forward"]
+print(forward.kernel, "|", forward.reason)
+if jax_flash2._ext.cuda_ext is not None:  # lowering for CUDA needs the extension
+  fn = jax.jit(lambda q, pool, table, n: kvcache.flash_attention_with_kvcache(
+      q, pool, pool, cache_seqlens=n, block_table=table, k_scale=scale, v_scale=scale))
+  ir = fn.trace(q, pool, table, jnp.zeros((8,), jnp.int32)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  print([l for l in ir.splitlines() if "custom_call @jax_flash2" in l][0])
 """
 
 
-@pytest.mark.skipif(jax_flash2._ext.cuda_ext is None,
-                    reason="needs the CUDA extension to lower for CUDA")
 @pytest.mark.parametrize("switch", [None, "1"])
-def test_cuda_lowering_of_a_quantized_cache(switch, tmp_path):
-  """Lowered for CUDA under JAX_FLASH2_DECODE_QUANT=1, the call hands the
-  kernel the int8 pool and the kv_scales operand [B, 2, max_pages, K];
-  without it, a bfloat16 copy and a zero-size stand-in."""
+def test_plan_and_cuda_lowering_of_a_quantized_cache(switch, tmp_path):
+  """On CUDA the decode kernel reads an int8 cache itself only under
+  JAX_FLASH2_DECODE_QUANT=1 (read once per process): the plan says so, and
+  the call lowered for CUDA hands the kernel the int8 pool and the kv_scales
+  operand [B, 2, max_pages, K]. Otherwise the plan names the kernel that
+  reads XLA's bfloat16 copy, and the call passes that copy and a zero-size
+  stand-in."""
   env = package_env(JAX_PLATFORMS="cpu", **({"JAX_FLASH2_DECODE_QUANT": switch} if switch else {}))
-  call = subprocess.run([sys.executable, "-c", _QUANT_LOWERING], env=env, capture_output=True,
-                        text=True, timeout=300, check=True, cwd=tmp_path).stdout
-  operands = re.findall(r"tensor<[^>]*>", call.split("->")[0])
+  out = subprocess.run([sys.executable, "-c", _QUANT_PLAN_AND_LOWERING], env=env,
+                       capture_output=True, text=True, timeout=300, check=True,
+                       cwd=tmp_path).stdout.splitlines()
+  kernel, reason = (x.strip() for x in out[0].split("|"))
+  assert kernel == "sm80-decode", out
   if switch:
-    assert "tensor<64x16x8x128xi8>" in operands and "tensor<8x2x256x8xf32>" in operands, call
+    assert "copy" not in reason, out
   else:
-    assert "tensor<64x16x8x128xbf16>" in operands and "tensor<0xf32>" in operands, call
+    assert "bfloat16 copy" in reason and "JAX_FLASH2_DECODE_QUANT=1" in reason, out
+  if jax_flash2._ext.cuda_ext is None:
+    return
+  operands = re.findall(r"tensor<[^>]*>", out[1].split("->")[0])
+  if switch:
+    assert "tensor<64x16x8x128xi8>" in operands and "tensor<8x2x256x8xf32>" in operands, out
+  else:
+    assert "tensor<64x16x8x128xbf16>" in operands and "tensor<0xf32>" in operands, out
 
 
 def test_vmap_of_contiguous_kernel_call():
