@@ -205,6 +205,25 @@ def _check_values(layout: _Layout, cache_seqlens, block_table) -> None:
                            f"{int(used_pages[b])} pages sequence {b} uses)")
 
 
+@jax.custom_jvp
+def _forward_only(x):
+  """x itself; differentiating through it raises. Applied to every float
+  input, so each route (the kernels, a gathered copy, the reference) is
+  forward only alike."""
+  return x
+
+
+@_forward_only.defjvp
+def _forward_only_jvp(primals, tangents):
+  raise NotImplementedError(
+      "jax_flash2.flash_attention_with_kvcache is forward only (it has no gradient); "
+      "differentiate jax_flash2.flash_attention instead")
+
+
+def _guarded(x):
+  return _forward_only(x) if _is_array(x) and jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
 def _scale_of(scale, page_ids):
   """The float32 scale per (entry, KV head) for a [K] or [num_pages, K] scale;
   page_ids: the pages of the entries (any shape), None for a contiguous cache."""
@@ -587,6 +606,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
                                alibi_slopes=alibi_slopes, implementation=implementation,
                                sinks=sinks)
   config = dataclasses.replace(config, has_kv_seqlens=True, page_size=layout.page_size)
+  q, k_cache, v_cache, k, v, k_scale, v_scale, alibi_slopes, sinks = (_guarded(x) for x in (
+      q, k_cache, v_cache, k, v, k_scale, v_scale, alibi_slopes, sinks))
 
   if layout.append:
     k_cache, v_cache = _append(k_cache, v_cache, k, v, cache_seqlens, block_table, layout,

@@ -70,6 +70,17 @@ def f(q, k, v):
                       o1.astype(jnp.float32), l1)
   return o, l
 sm(f, (X, L))(x, x, x)""",
+    "allgather_alone": """
+g = lambda x: jax.lax.all_gather(x, "seq", axis=1, tiled=True)
+sm(lambda q, k, v: q + g(k)[:, :q.shape[1]] + g(v)[:, q.shape[1]:])(x, x, x)""",
+    "allgather_then_kernel": """
+g = lambda x: jax.lax.all_gather(x, "seq", axis=1, tiled=True)
+sm(lambda q, k, v: fa(q, g(k), g(v)))(x, x, x)""",
+    "allgather_then_kernel_lse": """
+g = lambda x: jax.lax.all_gather(x, "seq", axis=1, tiled=True)
+sm(lambda q, k, v: fa(q, g(k), g(v), return_lse=True), (X, L))(x, x, x)""",
+    "allgather_under_jit": ("jax.jit(lambda q, k, v: cp.context_parallel_attention(q, k, v, "
+                            "mesh=mesh, axis_name='seq', strategy='allgather'))(x, x, x)"),
     "allgather_unmasked": ("cp.context_parallel_attention(x, x, x, mesh=mesh, axis_name='seq', "
                            "strategy='allgather')"),
     "allgather_causal": ("cp.context_parallel_attention(x, x, x, mesh=mesh, axis_name='seq', "
@@ -93,7 +104,10 @@ def main(argv=None) -> int:
     line = f"{name}: exit {result.returncode}"
     if result.returncode != 0:
       crashed += 1
-      line += "  " + (result.stderr.strip().splitlines() or [""])[-1][:120]
+      # faulthandler's Python stack of the crashing thread: where it died.
+      frames = [ln.strip() for ln in result.stderr.splitlines()
+                if ln.strip().startswith("File ") or ln.startswith("Fatal")]
+      line += "\n    " + "\n    ".join(frames[:14] or result.stderr.strip().splitlines()[-3:])
       if args.dump:
         env["PROBE_XLA_FLAGS"] = f"--xla_dump_to={os.path.join(args.dump, name)}"
         run()
