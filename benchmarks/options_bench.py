@@ -1,5 +1,5 @@
-"""GPU benchmark of the score options (softcap, ALiBi, both, attention sinks)
-beside the plain path, in one run, with cuDNN (jax.nn.dot_product_attention)
+"""GPU benchmark of the score options (softcap, ALiBi, both, attention sinks,
+dropout 0.1, the deterministic backward) beside the plain path, in one run, with cuDNN (jax.nn.dot_product_attention)
 where it can express the option: plain, and ALiBi as a [1, H, T, S] bias
 tensor (cuDNN has no softcap). The sinks' forward+backward includes their
 gradient (they are learnable). bf16, B = 2, H = 16; forward and forward+backward TFLOP/s, FLOPs
@@ -8,6 +8,7 @@ forward+backward; each option's ratio to the plain path of the same shape.
 
   python benchmarks/options_bench.py --out benchmarks/results/h200_options.md
   python benchmarks/options_bench.py --only plain sinks --no-cudnn
+  python benchmarks/options_bench.py --only "dropout 0.1" deterministic --no-cudnn
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import _report
 
 BATCH, HEADS = 2, 16
 SOFTCAP = 50.0
+DROPOUT = 0.1
 
 
 def alibi_slopes():
@@ -53,6 +55,8 @@ def variants(causal):
       "ALiBi": (ours(), "slopes"),
       f"softcap {SOFTCAP:g} + ALiBi": (ours(softcap=SOFTCAP), "slopes"),
       "sinks": (ours("sinks"), "sinks"),
+      f"dropout {DROPOUT:g}": (ours("dropout_rng", dropout_rate=DROPOUT), "key"),
+      "deterministic": (ours(deterministic=True), None),
       "cuDNN plain": (cudnn, None),
       "cuDNN ALiBi (bias)": (cudnn, "bias"),
   }
@@ -111,7 +115,8 @@ def main():
             continue
           if extra == "bias" and bias is None:
             bias = reference.alibi_bias(slopes[None], seqlen, seqlen).astype(jnp.bfloat16)
-          more = {"slopes": (slopes,), "bias": (bias,), "sinks": (sinks,), None: ()}[extra]
+          more = {"slopes": (slopes,), "bias": (bias,), "sinks": (sinks,),
+                  "key": (jax.random.key(seqlen),), None: ()}[extra]
           results[name] = measure(fn, qkv + more, flops, args.warmup_s, args.iters,
                                   extra_grad=extra == "sinks")
           r = results[name]

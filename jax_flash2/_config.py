@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_flash2 import _scores
+
 SUPPORTED_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 MAX_HEAD_DIM = 256
 IMPLEMENTATIONS = ("kernel", "reference")
@@ -226,7 +228,8 @@ def _check_softcap(softcap) -> float:
 
 
 def _check_dropout(dropout_rate, dropout_rng) -> float:
-  """The rate as the float32 value the kernels and the reference both use."""
+  """The rate the kernels and the reference both apply: a multiple of 1/256
+  (_scores.applied_dropout_rate), exact in float32."""
   rate = _static_number("dropout_rate", dropout_rate)
   # The float32 rounding decides: 0.99999999 rounds to 1.0, which would drop all.
   if not math.isfinite(rate) or not 0.0 <= rate or not np.float32(rate) < 1.0:
@@ -248,7 +251,7 @@ def _check_dropout(dropout_rate, dropout_rng) -> float:
   elif rate > 0:
     raise ValueError(f"flash_attention: dropout_rate={dropout_rate} needs dropout_rng, a jax PRNG "
                      "key (jax.random.key); got None")
-  return float(np.float32(rate))
+  return _scores.applied_dropout_rate(rate)
 
 
 def _check_alibi_slopes(alibi_slopes, batch: int, num_heads: int) -> None:

@@ -114,26 +114,41 @@ def philox4x32(counter, key):
   return c0, c1, c2, c3
 
 
+def applied_dropout_rate(rate: float) -> float:
+  """The rate the mask applies: rate rounded to a multiple of 1/256 in
+  [1/256, 255/256] (0 stays 0). One byte of Philox output decides a key."""
+  if rate <= 0:
+    return 0.0
+  return min(max(int(np.rint(rate * 256)), 1), 255) / 256
+
+
 def dropout_threshold(rate: float) -> int:
-  """floor(rate * 2^32) for the float32 rate: a Philox word >= this is kept."""
-  return int(float(np.float32(rate)) * 2.0**32)
+  """The applied rate in 256ths: a Philox byte >= this is kept."""
+  return int(applied_dropout_rate(rate) * 256)
+
+
+# Key k (0..15) of a Philox call is byte _KEY_BYTE[k] of word _KEY_WORD[k]
+# (src/flash_dropout.h: word w holds keys 2w, 2w+1, 2w+8, 2w+9).
+_KEY_WORD = np.array([(k % 8) // 2 for k in range(16)])
+_KEY_BYTE = np.array([k % 2 + 2 * (k // 8) for k in range(16)])
 
 
 def dropout_keep(seeds, seqlen_q: int, seqlen_k: int, rate: float, rows=None):
   """[B, H, T, S] bool (or [B, H, R, S] for query rows `rows`), the kernels'
   keep mask for seeds [B, H, 2] uint32:
-  keep(b, h, i, j) = Philox4x32-10(key = seeds[b, h], counter = (j // 4, i, 0, 0))[j % 4]
-  >= dropout_threshold(rate)."""
-  groups = -(-seqlen_k // 4)
-  j4 = jnp.arange(groups, dtype=jnp.uint32)[None, None, None, :]
+  keep(b, h, i, j) = byte (j % 16) of Philox4x32-10(key = seeds[b, h],
+  counter = (j // 16, i, 0, 0)) >= dropout_threshold(rate)."""
+  groups = -(-seqlen_k // 16)
+  j16 = jnp.arange(groups, dtype=jnp.uint32)[None, None, None, :]
   if rows is None:
     rows = jnp.arange(seqlen_q)
   i = rows.astype(jnp.uint32)[None, None, :, None]
   zero = jnp.zeros((), jnp.uint32)
   key = (seeds[:, :, None, None, 0], seeds[:, :, None, None, 1])
-  words = jnp.stack(philox4x32((j4, i, zero, zero), key), axis=-1)  # [B, H, T, S/4, 4]
-  words = words.reshape(words.shape[:3] + (4 * groups,))[..., :seqlen_k]
-  return words >= jnp.uint32(dropout_threshold(rate))
+  words = jnp.stack(philox4x32((j16, i, zero, zero), key), axis=-1)  # [B, H, T, S/16, 4]
+  keys = (words[..., _KEY_WORD] >> jnp.asarray(8 * _KEY_BYTE, jnp.uint32)) & jnp.uint32(0xFF)
+  keys = keys.reshape(keys.shape[:3] + (16 * groups,))[..., :seqlen_k]
+  return keys >= jnp.uint32(dropout_threshold(rate))
 
 
 def normalize(scores, sinks=None):

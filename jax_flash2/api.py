@@ -84,8 +84,10 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
       slices (up to 1 GiB).
     dropout_rate: static float in [0, 1), 0 = off: dropout on the attention
       weights, out = (Z o P / (1 - dropout_rate)) v with P the softmax and Z
-      a keep mask, P(keep) = 1 - dropout_rate. The LSE stays that of the
-      undropped softmax. The mask is never stored: it is a pure function of
+      a keep mask, P(keep) = 1 - dropout_rate. The rate is applied in
+      256ths: the nearest multiple of 1/256 in [1/256, 255/256]
+      (reference.applied_dropout_rate), whose 1 / (1 - rate) scales the
+      survivors. The LSE stays that of the undropped softmax. The mask is never stored: it is a pure function of
       a per-(batch, head) seed drawn from dropout_rng and the position (query
       i, key j), regenerated in the backward (see src/flash_dropout.h).
       Served by every backend (CPU and CUDA kernels, reference); forward-mode

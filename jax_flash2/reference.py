@@ -13,10 +13,11 @@ import jax.numpy as jnp
 from jax_flash2 import _config, _scores
 from jax_flash2._config import AttentionConfig, ExtraOperands
 # The score pieces, public here for tests and for users who build on them.
-from jax_flash2._scores import alibi_bias, dropout_keep, dropout_threshold, philox4x32, visible
+from jax_flash2._scores import (alibi_bias, applied_dropout_rate, dropout_keep, dropout_threshold,
+                                philox4x32, visible)
 
-__all__ = ["alibi_bias", "attention", "dropout_keep", "dropout_threshold", "forward_from_config",
-           "philox4x32", "visible"]
+__all__ = ["alibi_bias", "applied_dropout_rate", "attention", "dropout_keep", "dropout_threshold",
+           "forward_from_config", "philox4x32", "visible"]
 
 
 def forward_from_config(q, k, v, extras: ExtraOperands, config: AttentionConfig, sinks=None):

@@ -153,6 +153,15 @@ inline ffi::Error SetOptionalInputs(const ffi::AnyBuffer& alibi_slopes,
     return ffi::Error::InvalidArgument("jax_flash2: dropout_rate must be in [0, 1); got " +
                                        std::to_string(dropout_rate));
   }
+  // One byte of Philox output decides a key (flash_dropout.h): the Python
+  // layer rounds the rate to 256ths, so any other value is a caller's error.
+  const float in_256ths = dropout_rate * 256.0f;
+  if (dropout_rate > 0.0f && (in_256ths != static_cast<float>(static_cast<int>(in_256ths)) ||
+                              in_256ths < 1.0f || in_256ths > 255.0f)) {
+    return ffi::Error::InvalidArgument(
+        "jax_flash2: dropout_rate must be a multiple of 1/256 in [1/256, 255/256]; got " +
+        std::to_string(dropout_rate));
+  }
   p->dropout_rate = dropout_rate;
   p->dropout_seeds =
       dropout_rate > 0.0f ? static_cast<const uint32_t*>(dropout_seeds.untyped_data()) : nullptr;

@@ -78,8 +78,9 @@ struct FlashParams {
   bool deterministic = false;
 
   // Dropout on the softmax (flash_dropout.h): [B, H, 2] uint32 seeds, or null
-  // when off. A score survives when its Philox word is >= dropout_threshold
-  // (floor(rate * 2^32)); survivors are scaled by dropout_scale = 1 / (1 - rate).
+  // when off. A score survives when its Philox byte is >= dropout_threshold
+  // (the rate, a multiple of 1/256, in 256ths); survivors are scaled by
+  // dropout_scale = 1 / (1 - rate).
   // The LSE is of the undropped softmax.
   const uint32_t* dropout_seeds = nullptr;
   float dropout_rate = 0.0f;

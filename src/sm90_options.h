@@ -12,7 +12,7 @@ namespace jax_flash2 {
 // name of the first one they do not (the sm80 kernels run those calls).
 inline const char* Sm90UnservedOption(const FlashParams& p) {
   // Softcap, ALiBi and dropout: served (sm90/score_options.h,
-  // sm90/dropout.cuh). Segment ids: served (sm90/segments.cuh), when given
+  // dropout_bits.cuh). Segment ids: served (sm90/segments.cuh), when given
   // in pairs.
   if ((p.q_segment_ids == nullptr) != (p.kv_segment_ids == nullptr)) return "segment_ids";
   return nullptr;

@@ -79,10 +79,12 @@ def oracle(q, k, v, d_out, d_lse, *, causal=False, softmax_scale=None, window_si
   with np.errstate(divide="ignore"):
     lse = (row_max + np.log(row_sum))[..., 0]                    # [B, H, T]; -inf if empty
   probs = weights / np.where(row_sum > 0, row_sum, 1.0)
-  # dropped = Z o P / (1 - rate): what multiplies v; d dropped / d P = Z / (1 - rate).
+  # dropped = Z o P / (1 - rate): what multiplies v; d dropped / d P = Z / (1 - rate),
+  # at the rate the mask applies (a multiple of 1/256).
   keep_scale = 1.0
   if dropout_keep is not None:
-    keep_scale = np.asarray(dropout_keep, np.float64) / (1.0 - dropout_rate)
+    rate = reference.applied_dropout_rate(dropout_rate)
+    keep_scale = np.asarray(dropout_keep, np.float64) / (1.0 - rate)
   dropped = probs * keep_scale
   out = dropped @ vh                                             # [B, H, T, D]
   do = d_out.transpose(0, 2, 1, 3)
@@ -139,7 +141,8 @@ def naive_same_dtype(q, k, v, *, causal=False, softmax_scale=None, window_size=(
     lse = jnp.logaddexp(lse, sinks.astype(dtype)[None, :, None])
   probs = jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0)[..., None])
   if dropout_keep is not None:
-    probs = jnp.where(dropout_keep, probs * jnp.asarray(1 / (1 - dropout_rate), dtype), 0)
+    rate = reference.applied_dropout_rate(dropout_rate)
+    probs = jnp.where(dropout_keep, probs * jnp.asarray(1 / (1 - rate), dtype), 0)
   out = jnp.einsum("bhts,bshd->bthd", probs.astype(dtype), vr, preferred_element_type=dtype)
   return out, lse
 

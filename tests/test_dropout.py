@@ -29,7 +29,7 @@ def _tol(f32_tol, dtype=DTYPE):
 def kernel_mask(key, batch, heads, seqlen_q, seqlen_k, rate, backend="kernel"):
   """The mask a backend actually applied, read off its output: with q = 0 every
   visible key gets P = 1 / S, and v one-hot over the keys (D = S) makes
-  out[b, i, h, j] = Z[b, h, i, j] / (S (1 - rate))."""
+  out[b, i, h, j] = Z[b, h, i, j] / (S (1 - rate)), rate the applied one."""
   dtype = DTYPE if backend == "kernel" else jnp.float32
   q = jnp.zeros((batch, seqlen_q, heads, seqlen_k), dtype)
   k = jnp.zeros((batch, seqlen_k, 1, seqlen_k), dtype)
@@ -37,7 +37,8 @@ def kernel_mask(key, batch, heads, seqlen_q, seqlen_k, rate, backend="kernel"):
   out = jax_flash2.flash_attention(q, k, v, dropout_rate=rate, dropout_rng=key,
                                    implementation=backend)
   # [B, H, T, S]; a 16-bit output rounds 1 / (S (1 - rate)) to 2^-11 relative.
-  scaled = np.asarray(out, np.float32).transpose(0, 2, 1, 3) * seqlen_k * (1 - rate)
+  applied = reference.applied_dropout_rate(rate)
+  scaled = np.asarray(out, np.float32).transpose(0, 2, 1, 3) * seqlen_k * (1 - applied)
   tol = 1e-4 if dtype == jnp.float32 else 2e-3
   assert np.all((np.abs(scaled) < 1e-5) | (np.abs(scaled - 1) < tol)), "entries not 0 or 1"
   return scaled > 0.5
@@ -64,6 +65,7 @@ def test_kernel_mask_is_the_reference_mask_and_keeps_one_minus_rate(rate):
   ours = kernel_mask(key, batch, heads, seqlen_q, seqlen_k, rate)
   expected = keep_mask(key, batch, heads, seqlen_q, seqlen_k, rate)
   np.testing.assert_array_equal(ours, expected)
+  rate = reference.applied_dropout_rate(rate)  # the statistics below are of this rate
   np.testing.assert_array_equal(kernel_mask(key, batch, heads, seqlen_q, seqlen_k, rate,
                                             "reference"), expected)
   # Keep rate within 5 standard deviations of a Bernoulli(1 - rate) mean.
@@ -82,6 +84,7 @@ def test_mask_statistics_large():
   """Keep rate per (batch, head) and per key column on a larger mask."""
   rate = 0.3
   mask = keep_mask(jax.random.key(5), 4, 8, 512, 512, rate)
+  rate = reference.applied_dropout_rate(rate)  # 77 / 256
   per_head = mask.mean(axis=(2, 3))
   sigma = np.sqrt(rate * (1 - rate) / (512 * 512))
   assert np.all(np.abs(per_head - (1 - rate)) < 5 * sigma), per_head
@@ -319,16 +322,53 @@ def test_errors():
 
 
 def test_scalar_mask_function_matches_the_reference():
-  """The scalar Philox and DropoutMask::Keep4 of src/flash_dropout.h (what the
-  CUDA kernels will call; the CPU kernels run a vectorized copy of the rounds)
+  """The scalar Philox and DropoutMask::Keep16 of src/flash_dropout.h (what the
+  CUDA kernels call; the CPU kernels run a vectorized copy of the rounds)
   against the known answers and the reference mask."""
   philox = _ext.cpu_ext.philox4x32
   assert philox(0, 0, 0, 0, 0, 0) == (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)
   assert philox(0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344, 0xA4093822, 0x299F31D0) == (
       0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)
   seeds = np.asarray([[[0x12345678, 0x9ABCDEF0]]], np.uint32)
-  for rate in (0.1, 0.75):
+  for rate in (0.1, 0.75, 1 / 256, 255 / 256):
+    applied = reference.applied_dropout_rate(rate)
     mask = np.asarray(reference.dropout_keep(jnp.asarray(seeds), 37, 64, rate))[0, 0]
-    got = np.array([[(_ext.cpu_ext.dropout_keep4(0x12345678, 0x9ABCDEF0, rate, i, j // 4)
-                      >> (j % 4)) & 1 for j in range(64)] for i in range(37)], bool)
+    got = np.array([[(_ext.cpu_ext.dropout_keep16(0x12345678, 0x9ABCDEF0, applied, i, j // 16)
+                      >> (j % 16)) & 1 for j in range(64)] for i in range(37)], bool)
     np.testing.assert_array_equal(got, mask)
+    # Key 16 g + k is byte k of the call's 16 (word (k % 8) / 2, byte k % 2 + 2 (k / 8)).
+    words = [reference.philox4x32((np.uint32(g), np.uint32(i), np.uint32(0), np.uint32(0)),
+                                  (np.uint32(0x12345678), np.uint32(0x9ABCDEF0)))
+             for i in range(3) for g in range(4)]
+    threshold = round(applied * 256)
+    by_hand = np.array([[(int(words[4 * i + j // 16][(j % 8) // 2]) >> (8 * (j % 2 + 2 * (
+        (j % 16) // 8)))) & 0xFF for j in range(64)] for i in range(3)]) >= threshold
+    np.testing.assert_array_equal(mask[:3], by_hand)
+
+
+def test_bytewise_threshold_compare_exhaustive():
+  """KeepBytes, the SWAR compare the CUDA kernels use: every byte value
+  against every threshold, in each byte position."""
+  compare = _ext.cpu_ext.dropout_keep_bytes
+  rng = np.random.default_rng(0)
+  for threshold in range(1, 256):
+    values = np.arange(256)
+    for position in range(4):
+      others = rng.integers(0, 256, size=(256, 3))
+      lanes = np.insert(others, position, values, axis=1)  # [256, 4] bytes
+      words = (lanes * (1 << (8 * np.arange(4)))).sum(axis=1)
+      got = np.array([compare(int(w), threshold * 0x01010101) for w in words])
+      want = ((lanes >= threshold) << (8 * np.arange(4) + 7)).sum(axis=1)
+      np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("rate,applied", [(0.1, 26 / 256), (0.5, 0.5), (1e-4, 1 / 256),
+                                          (0.9999, 255 / 256), (0.0, 0.0)])
+def test_rate_is_applied_in_256ths(rate, applied):
+  """One Philox byte decides a key: the rate applied is the nearest multiple
+  of 1/256 in [1/256, 255/256], and survivors are scaled by its 1 / (1 - rate),
+  on every backend alike."""
+  assert reference.applied_dropout_rate(rate) == applied
+  assert jax_flash2.api.make_config(jnp.zeros((1, 4, 1, 8)), jnp.zeros((1, 4, 1, 8)),
+                                    jnp.zeros((1, 4, 1, 8)), dropout_rate=rate,
+                                    dropout_rng=jax.random.key(0)).dropout_rate == applied

@@ -124,34 +124,32 @@ void Gemm(float* c, int64_t ldc, const float* a, int64_t a_row, int64_t a_k, con
 
 inline int64_t RoundUp(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
-typedef uint32_t UVec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-typedef uint64_t U64Vec __attribute__((vector_size(kLanes * sizeof(uint64_t))));
-
-// Philox's 32 x 32 -> 64-bit products, one per lane.
-struct MulHiLoVec {
-  void operator()(UVec a, uint32_t b, UVec* hi, UVec* lo) const {
-    const U64Vec product = __builtin_convertvector(a, U64Vec) * static_cast<uint64_t>(b);
-    *hi = __builtin_convertvector(product >> 32, UVec);
-    *lo = __builtin_convertvector(product, UVec);
+// Philox bytes of keys n0 .. n0 + kBlockN - 1 of query row i (words[j]: key
+// n0 + j's byte; kept iff >= the threshold), flash_dropout.h's mask with the
+// block's kBlockN / 16 calls in the lanes of one vector. n0 is a multiple of
+// kBlockN, so of 16: the tile covers whole calls. The callers then select
+// without branches.
+constexpr int kCallsPerBlock = kBlockN / 16;
+static_assert(kBlockN % 16 == 0, "whole Philox calls per block");
+typedef uint32_t CallVec __attribute__((vector_size(kCallsPerBlock * sizeof(uint32_t))));
+typedef uint64_t CallVec64 __attribute__((vector_size(kCallsPerBlock * sizeof(uint64_t))));
+struct MulHiLoCalls {
+  void operator()(CallVec a, uint32_t b, CallVec* hi, CallVec* lo) const {
+    const CallVec64 product = __builtin_convertvector(a, CallVec64) * static_cast<uint64_t>(b);
+    *hi = __builtin_convertvector(product >> 32, CallVec);
+    *lo = __builtin_convertvector(product, CallVec);
   }
 };
-
-// Philox words of keys n0 .. n0 + kBlockN - 1 of query row i (words[j]: key
-// n0 + j; kept iff >= the threshold), flash_dropout.h's mask with one Philox
-// counter per vector lane. n0 is a multiple of kBlockN, so of 4: the tile
-// covers whole Philox calls. The callers then select without branches.
-static_assert(kBlockN % (4 * kLanes) == 0, "whole vectors of Philox counters");
 void DropoutWords(const DropoutMask& dropout, int64_t i, int64_t n0, uint32_t* words) {
-  for (int64_t g0 = 0; g0 < kBlockN / 4; g0 += kLanes) {
-    UVec c[4];
-    for (int l = 0; l < kLanes; ++l) c[0][l] = static_cast<uint32_t>((n0 >> 2) + g0 + l);
-    c[1] = UVec{} + static_cast<uint32_t>(i);
-    c[2] = UVec{};
-    c[3] = UVec{};
-    PhiloxRounds(c, dropout.seed_lo, dropout.seed_hi, MulHiLoVec{});
-    for (int t = 0; t < 4; ++t)
-      for (int l = 0; l < kLanes; ++l) words[4 * (g0 + l) + t] = c[t][l];
-  }
+  CallVec c[4];
+  for (int l = 0; l < kCallsPerBlock; ++l) c[0][l] = static_cast<uint32_t>((n0 >> 4) + l);
+  c[1] = CallVec{} + static_cast<uint32_t>(i);
+  c[2] = CallVec{};
+  c[3] = CallVec{};
+  PhiloxRounds(c, dropout.seed_lo, dropout.seed_hi, MulHiLoCalls{});
+  for (int l = 0; l < kCallsPerBlock; ++l)
+    for (int k = 0; k < 16; ++k)
+      words[16 * l + k] = (c[KeyWord(k)][l] >> (8 * KeyByte(k))) & 0xFFu;
 }
 
 // S <- softcap * tanh(S / softcap) * out_scale for the first `rows` rows of a

@@ -149,10 +149,13 @@ NB_MODULE(_cpu_ext, m) {
           return std::tuple(r.x[0], r.x[1], r.x[2], r.x[3]);
         },
         "Philox4x32-10 of src/flash_dropout.h, for unit tests.");
-  m.def("dropout_keep4",
-        [](uint32_t seed_lo, uint32_t seed_hi, float rate, int64_t i, int64_t j4) {
+  m.def("dropout_keep16",
+        [](uint32_t seed_lo, uint32_t seed_hi, float rate, int64_t i, int64_t j16) {
           const jax_flash2::DropoutMask mask{seed_lo, seed_hi, jax_flash2::DropoutThreshold(rate)};
-          return mask.Keep4(i, j4);
+          return mask.Keep16(i, j16);
         },
-        "Keep bits of keys 4 j4 .. 4 j4 + 3 of query row i (src/flash_dropout.h), for unit tests.");
+        "Keep bits of keys 16 j16 .. 16 j16 + 15 of query row i (src/flash_dropout.h), for unit "
+        "tests.");
+  m.def("dropout_keep_bytes", &jax_flash2::KeepBytes, nb::arg("word"), nb::arg("threshold4"),
+        "flash_dropout.h's bytewise word >= threshold4 (bit 8 b + 7), for unit tests.");
 }

@@ -1,5 +1,5 @@
 // Self-test of the dropout mask on the GPU (src/flash_dropout.h): the device
-// Philox4x32-10 against Random123's known answers, and DropoutMask::Keep4 on
+// Philox4x32-10 against Random123's known answers, and DropoutMask::Keep16 on
 // the device against the same function on the host (which the Python tests
 // check against jax_flash2.reference), bit for bit. Prints the keep rate.
 //
@@ -19,10 +19,10 @@ namespace {
 
 using jax_flash2::DropoutMask;
 
-// keep[i * groups + g] = Keep4(i, g): one thread per (row, group of 4 keys).
-__global__ void Keep4Kernel(DropoutMask mask, int64_t rows, int64_t groups, uint8_t* keep) {
+// keep[i * groups + g] = Keep16(i, g): one thread per (row, group of 16 keys).
+__global__ void Keep16Kernel(DropoutMask mask, int64_t rows, int64_t groups, uint16_t* keep) {
   const int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (index < rows * groups) keep[index] = mask.Keep4(index / groups, index % groups);
+  if (index < rows * groups) keep[index] = mask.Keep16(index / groups, index % groups);
 }
 
 __global__ void PhiloxKernel(uint32_t* out) {
@@ -45,28 +45,29 @@ int main() {
   for (int t = 0; t < 4; ++t) failures += words[t] != expected[t];
   std::printf("philox known answer: %s\n", failures ? "FAIL" : "ok");
 
-  const int64_t rows = 1000, groups = 513;  // S = 2052 keys
-  uint8_t* d_keep;
-  CHECK_CUDA(cudaMalloc(&d_keep, rows * groups));
-  std::vector<uint8_t> keep(rows * groups);
-  for (const float rate : {0.1f, 0.5f, 0.9f}) {
+  const int64_t rows = 1000, groups = 129;  // S = 2064 keys
+  uint16_t* d_keep;
+  CHECK_CUDA(cudaMalloc(&d_keep, rows * groups * sizeof(uint16_t)));
+  std::vector<uint16_t> keep(rows * groups);
+  for (const float rate : {26 / 256.f, 0.5f, 230 / 256.f}) {
     const DropoutMask mask{0x12345678u, 0x9ABCDEF0u, jax_flash2::DropoutThreshold(rate)};
     const int threads = 256;
-    Keep4Kernel<<<static_cast<unsigned>((rows * groups + threads - 1) / threads), threads>>>(
+    Keep16Kernel<<<static_cast<unsigned>((rows * groups + threads - 1) / threads), threads>>>(
         mask, rows, groups, d_keep);
     CHECK_CUDA(cudaGetLastError());
-    CHECK_CUDA(cudaMemcpy(keep.data(), d_keep, keep.size(), cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(keep.data(), d_keep, keep.size() * sizeof(uint16_t),
+                          cudaMemcpyDeviceToHost));
     int64_t mismatches = 0, kept = 0;
     for (int64_t i = 0; i < rows; ++i) {
       for (int64_t g = 0; g < groups; ++g) {
-        const unsigned host = mask.Keep4(i, g);
+        const unsigned host = mask.Keep16(i, g);
         mismatches += keep[i * groups + g] != host;
         kept += __builtin_popcount(host);
       }
     }
     std::printf("rate %.2f: %lld mismatches, keep rate %.5f (expected %.5f)\n", rate,
                 static_cast<long long>(mismatches),
-                static_cast<double>(kept) / (4.0 * rows * groups), 1.0 - rate);
+                static_cast<double>(kept) / (16.0 * rows * groups), 1.0 - rate);
     failures += mismatches != 0;
   }
   CHECK_CUDA(cudaFree(d_keep));

@@ -266,10 +266,12 @@ struct HostVariants {
   std::vector<uint32_t> dropout_seeds;
 };
 
-// Random seeds for dropout at `rate` (none when rate == 0).
+// Random seeds for dropout at `rate` (none when rate == 0), the rate rounded
+// to 256ths as jax_flash2 applies it.
 template <class Rng>
 void MakeHostDropout(const FlashParams& p, float rate, Rng& rng, HostVariants* var) {
-  var->dropout_rate = rate;
+  var->dropout_rate =
+      rate == 0.f ? 0.f : std::min(std::max(std::nearbyint(rate * 256.f), 1.f), 255.f) / 256.f;
   var->dropout_seeds.clear();
   if (rate == 0.f) return;
   std::uniform_int_distribution<uint32_t> word;
@@ -292,7 +294,7 @@ inline double DropoutFactor(const FlashParams& p, const HostVariants& var, int64
   if (var.dropout_seeds.empty()) return 1.0;
   const uint32_t* seed = &var.dropout_seeds[2 * (b * p.num_heads_q + h)];
   const DropoutMask mask{seed[0], seed[1], DropoutThreshold(var.dropout_rate)};
-  const bool keep = (mask.Keep4(t, j / 4) >> (j % 4)) & 1u;
+  const bool keep = (mask.Keep16(t, j / 16) >> (j % 16)) & 1u;
   return keep ? static_cast<double>(1.0f / (1.0f - var.dropout_rate)) : 0.0;
 }
 

@@ -43,7 +43,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "../../flash_dropout.h"
+#include "../dropout_bits.cuh"
 #include "../../flash_mask.h"
 #include "../../flash_params.h"
 #include "../flash_cuda.h"
@@ -193,40 +193,6 @@ __device__ __forceinline__ void LoadTileAsync(Elem* smem, const Elem* gmem, cons
   }
 }
 
-// Dropout keep bits Z of this lane's S^T elements: bit (nt * 2 + half) * 2 + e
-// for key n_begin + 16 wn + g + 8 half and query m_begin + m0 + 8 nt + 2 tq + e
-// (the main body's fragment layout). A Philox call gives the group of four
-// keys 4a..4a+3 of one query; those keys sit in the four lanes g % 4 = 0..3
-// with the same g / 4 and tq. So for every two n8 tiles and half, each of the
-// four lanes makes one of the four calls (tile 2 np + x / 2, column x % 2 for
-// x = g % 4) and they trade words by shuffle: a quarter of the calls of one
-// per element.
-template <typename Tr>
-__device__ __forceinline__ uint32_t BwdKeepBits(const DropoutMask& mask, int64_t m_begin,
-                                                int64_t n_begin, int m0, int wn, int g, int tq,
-                                                int lane) {
-  constexpr int kSTiles = Tr::kMw / 8;
-  static_assert(kSTiles % 2 == 0 && kSTiles * 4 <= 32);
-  const int x = g % 4;
-  uint32_t bits = 0;
-#pragma unroll
-  for (int np = 0; np < kSTiles / 2; ++np) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int64_t query = m_begin + m0 + (2 * np + x / 2) * 8 + 2 * tq + x % 2;
-      const int64_t key4 = (n_begin + wn * 16 + (g - x) + half * 8) / 4;
-      const unsigned word = mask.Keep4(query, key4);
-#pragma unroll
-      for (int src = 0; src < 4; ++src) {
-        const unsigned w = __shfl_sync(0xffffffffu, word, (lane & ~12) | (src << 2));
-        // src's call covers tile 2 np + src / 2, column src % 2; this lane's key is bit x.
-        bits |= ((w >> x) & 1u) << (((2 * np + src / 2) * 2 + half) * 2 + src % 2);
-      }
-    }
-  }
-  return bits;
-}
-
 // Key block n_block of (b, kv head) = (blockIdx.y, blockIdx.z); dQ into dq_acc.
 // kDropout == (p.dropout_seeds != nullptr), a template argument as in the
 // forward: in the runtime score-variants branch it raised the spills of the
@@ -326,10 +292,13 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
     CpAsyncCommit();
 
     // Dropout's keep bits first, while S^T and dP^T hold no registers.
-    uint32_t keep_bits = 0;
+    // Keys n_begin + 16 wn + g (+ 8) x queries m_begin + m0 + 8 nt + 2 tq + e:
+    // the accumulator layout dropout_bits.cuh's BwdKeepBits reads.
+    constexpr int kKeepAcc = Tr::kMw / 2;
+    uint32_t keep_bits[KeepWords<kKeepAcc>()] = {};
     if constexpr (kDropout) {
-      keep_bits = BwdKeepBits<Tr>(MakeDropoutMask(p, b, h), m_begin, n_begin, wd * Tr::kMw, wn, g,
-                                  tq, lane);
+      BwdKeepBits<kKeepAcc>(keep_bits, MakeDropoutMask(p, b, h), n_begin + 16 * wn + g,
+                            m_begin + wd * Tr::kMw, g, tq);
     }
 
     // S^T = K Q^T and dP^T = V dO^T for keys [16 wn, +16) x queries [m0, +kMw).
@@ -432,7 +401,7 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
             float dp = acc_dp[nt][2 * half + e];
             bool kept = true;
             if constexpr (kDropout) {
-              kept = (keep_bits >> ((nt * 2 + half) * 2 + e)) & 1u;
+              kept = BwdKept<kKeepAcc>(keep_bits, 4 * nt + 2 * half + e);
               dp = kept ? dp * p.dropout_scale : 0.f;
             }
             pv[e] = kept ? y : 0.f;

@@ -30,7 +30,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "../../flash_dropout.h"
+#include "../dropout_bits.cuh"
 #include "../../flash_mask.h"
 #include "../../online_softmax.h"
 #include "../smem_optin.h"
@@ -351,41 +351,35 @@ __device__ __forceinline__ void ApplyScoreVariants(float (&s)[Tr::kMTiles][Tr::k
 // runtime branch of one kernel); this way the dropout kernel alone spills 44
 // bytes at d128 on sm_80.
 // Rows and keys as in ApplyScoreVariants (packed row r: query r / pack of head
-// z * pack + r % pack). A lane's two keys 2 * t4 and 2 * t4 + 1 of an n8 tile
-// lie in one Philox group of four (key0 is a multiple of 8), and lane t4 ^ 1
-// needs the other half of that group: so each lane of the pair generates the
-// groups of every other n8 tile (even lanes the even tiles) and the pair swaps
-// them by shuffle, one Philox call per two tiles per row. Word (mt, h) of the
-// lane, at keep[(mt * 2 + h) * 32], holds tile nt's two keys at bits 2 nt and
-// 2 nt + 1; `keep` is the lane's slot in the warp's area.
+// z * pack + r % pack). A lane's keys 2 t4, 2 t4 + 1 of n8 tiles 2 c and
+// 2 c + 1 are word t4 of the Philox call of group c (key0 is a multiple of
+// 16): each lane makes the calls of its rows and keeps its word. The rows of
+// a quad may differ in head (packed GQA rows), so the Hopper kernels' quad
+// transpose does not apply. Word (mt, h) of the lane, at keep[(mt * 2 + h) *
+// 32], holds tile nt's two keys at bits 2 nt and 2 nt + 1; `keep` is the
+// lane's slot in the warp's area.
 template <class Tr>
 __device__ __forceinline__ void DropoutKeepBits(uint32_t* keep, const FlashParams& p, int b,
                                                 int z, int pack, int row0, int key0, int g,
                                                 int t4) {
   static_assert(Tr::kNTiles % 2 == 0 && Tr::kNTiles * 2 <= 32);
-  const int odd = t4 & 1;
 #pragma unroll 1
   for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll 1
     for (int h = 0; h < 2; ++h) {
       const int row = row0 + mt * 16 + g + 8 * h;
       const DropoutMask mask = MakeDropoutMask(p, b, z * pack + row % pack);
+      const uint32_t threshold4 = mask.Threshold4();
       const int query = row / pack;  // rows past T are never written
-      // Groups of tiles 2 np + odd, 4 bits each at bit 4 np.
-      uint32_t mine = 0;
-#pragma unroll 1
-      for (int np = 0; np < Tr::kNTiles / 2; ++np) {
-        mine |= mask.Keep4(query, (key0 + (2 * np + odd) * 8 + (t4 & 2) * 2) / 4) << (4 * np);
-      }
-      const uint32_t theirs = __shfl_xor_sync(0xffffffffu, mine, 1);
-      // This lane's keys are bits 2 odd, 2 odd + 1 of each group.
-      const uint32_t even_tiles = (odd ? theirs : mine) >> (2 * odd);
-      const uint32_t odd_tiles = (odd ? mine : theirs) >> (2 * odd);
       uint32_t own = 0;
-#pragma unroll
-      for (int np = 0; np < Tr::kNTiles / 2; ++np) {
-        own |= ((even_tiles >> (4 * np)) & 3u) << (4 * np);
-        own |= ((odd_tiles >> (4 * np)) & 3u) << (4 * np + 2);
+#pragma unroll 1
+      for (int c = 0; c < Tr::kNTiles / 2; ++c) {
+        // Bytes 0..3: tile 2 c columns 0, 1, tile 2 c + 1 columns 0, 1.
+        const uint32_t kept =
+            KeepBytes(SelectWord(mask.Words(query, key0 / 16 + c), t4), threshold4);
+        own |= (((kept >> 7) & 1u) | ((kept >> 14) & 2u) | ((kept >> 21) & 4u) |
+                ((kept >> 28) & 8u))
+               << (4 * c);
       }
       keep[(mt * 2 + h) * 32] = own;
     }

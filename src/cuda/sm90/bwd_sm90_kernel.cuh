@@ -58,7 +58,7 @@
 // Softcap and ALiBi (score_options.h, kernels with kScoreOptions): S^T
 // transformed before the exponentials as in the forward, and dS^T times the
 // cap's derivative 1 - th^2, th found again from P^T (see the loop).
-// Dropout (dropout.cuh, kernels with kScoreOptions), with Z the forward's
+// Dropout (../dropout_bits.cuh, kernels with kScoreOptions), with Z the forward's
 // keep mask regenerated: dV += (Z o P^T) dO (1 / (1 - rate) in the
 // epilogue) and dS^T = P^T o (Z o dP^T / (1 - rate) - Dvec), Dvec being
 // rowsum(dO o O) of the dropped O.
@@ -91,7 +91,7 @@
 #include "../sm80/primitives.cuh"
 #include "bwd_sm90.h"
 #include "bwd_sm90_common.cuh"
-#include "dropout.cuh"
+#include "../dropout_bits.cuh"
 #include "primitives.cuh"
 #include "segments.cuh"
 #include "score_options.h"
@@ -848,18 +848,13 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
           // The keep bits while dP^T runs, between lse2's last use and
           // Dvec's load (the fewest registers live). Indices through Opaque,
           // as for ALiBi.
-          // Philox calls unrolled 8 deep at D = 128, 4 at D = 64 (8 spilled
-          // the D = 64 consumers 60 bytes more than 4; 4 at D = 128, 38 more
-          // than 8).
-          constexpr int kUnroll = kBlockM == 64 ? 8 : 4;
           uint32_t keep[KeepWords<Tr::kSAcc>()];
           const DropoutMask drop_mask =
               LoadDropoutMask(p, Opaque(tile.b) * static_cast<int>(p.num_heads_q) + Opaque(h));
-          BwdKeepBits<Tr::kSAcc, kUnroll>(keep, drop_mask, key0 + 16 * warp + g, Opaque(m_begin),
-                                          g, t4);
+          BwdKeepBits<Tr::kSAcc>(keep, drop_mask, key0 + 16 * warp + g, Opaque(m_begin), g, t4);
 #pragma unroll
           for (int i = 0; i < Tr::kSAcc; ++i) {
-            if (!BwdKeepBit<Tr::kSAcc>(keep, i)) s[i] = -s[i];
+            if (!BwdKept<Tr::kSAcc>(keep, i)) s[i] = -s[i];
           }
         }
         load_rows(ring.stage, 1, dvec);

@@ -54,7 +54,7 @@
 // Softcap and ALiBi (score_options.h, kernels with kScoreOptions) transform S
 // before the mask: with softcap S holds tanh(S * scale / cap) and the cap
 // takes the scale's place in exp2 and in the LSE (FwdSm90Args::units).
-// Dropout (dropout.cuh, kernels with kScoreOptions): P <- Z o P after the row
+// Dropout (../dropout_bits.cuh, kernels with kScoreOptions): P <- Z o P after the row
 // sums, which stay those of the undropped softmax (as the LSE does), and
 // 1 / (1 - rate) joins 1 / l in the epilogue.
 // Masking follows WindowMask (flash_mask.h); key blocks outside the window of
@@ -80,7 +80,7 @@
 #include "../../flash_mask.h"
 #include "../../online_softmax.h"
 #include "../sm80/primitives.cuh"
-#include "dropout.cuh"
+#include "../dropout_bits.cuh"
 #include "fwd_sm90.h"
 #include "primitives.cuh"
 #include "segments.cuh"
@@ -716,7 +716,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
     TransformScores<Tr::kSAcc, -1>(s, p, args.units, slope_u, base);
   };
 
-  // Dropout's keep bits of key block n (dropout.cuh): this thread's rows
+  // Dropout's keep bits of key block n (../dropout_bits.cuh): this thread's rows
   // are queries wg_row0 + 16 warp + g, + 8. Computed before S = Q K_n^T is
   // issued, while S holds no registers: beside S (in the softmax) the Philox
   // calls spilled the D 256 and 176-key consumers 12-64 bytes. Indices

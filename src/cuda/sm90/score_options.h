@@ -40,7 +40,7 @@ inline Sm90ScoreUnits MakeSm90ScoreUnits(const FlashParams& p) {
   return u;
 }
 
-// Whether a call transforms its scores or drops them (dropout.cuh): the
+// Whether a call transforms its scores or drops them (../dropout_bits.cuh): the
 // kernels with kScoreOptions, inside which each option is a runtime branch.
 #if defined(__CUDACC__)
 __host__ __device__

@@ -1,0 +1,173 @@
+// Dropout's keep bits in the mma.sync and wgmma accumulator layouts (the sm80
+// and Hopper kernels): flash_dropout.h's mask bit for bit, each Philox call
+// made once per warp, the bits carried in registers.
+//
+// Both layouts give a thread rows g and g + 8 (g = lane / 4) of a 16-row slab
+// and, per n8 tile, columns 2 t4 and 2 t4 + 1 (t4 = lane % 4); accumulator
+// element i of a slab is n8 tile i / 4, row half (i / 2) % 2, column i % 2.
+// A Philox call covers 16 keys of one query, and its word w holds keys 2w,
+// 2w + 1, 2w + 8, 2w + 9 of them.
+// - Forward (rows = queries, columns = keys): lane t4 needs word t4 of the
+//   calls of its two rows. The four lanes of a quad each make one of four
+//   calls (two rows, two key groups) and a 4 x 4 word transpose (two
+//   shuffle stages) hands every lane its word of each.
+// - Backward (rows = keys, columns = queries): a slab's 16 keys are one
+//   group, so each query column is one call, shared by the eight lanes of
+//   equal t4 (lane g needs the bytes of keys g and g + 8). Each of the eight
+//   makes one of eight calls and packs its 16 keep bits; an 8 x 8 transpose
+//   of 2-bit entries (three shuffles for two such batches) hands every lane
+//   its bits.
+#pragma once
+
+#include <cstdint>
+
+#include "../flash_dropout.h"
+
+namespace jax_flash2::cuda {
+
+#if defined(__CUDACC__)
+
+// Words of keep bits for kAcc accumulator elements.
+template <int kAcc>
+constexpr int KeepWords() {
+  return (kAcc + 31) / 32;
+}
+
+// The mask of (b, h): its seed pair, read through the read-only path.
+__device__ __forceinline__ DropoutMask LoadDropoutMask(const FlashParams& p, int bh) {
+  const uint2 seed = __ldg(reinterpret_cast<const uint2*>(p.dropout_seeds) + bh);
+  return DropoutMask{seed.x, seed.y, p.dropout_threshold};
+}
+
+// Word w (a runtime 0..3) of a call, by selects (an indexed register array
+// would go to local memory).
+__device__ __forceinline__ uint32_t SelectWord(const Philox4& r, int w) {
+  return (w & 2) ? ((w & 1) ? r.x[3] : r.x[2]) : ((w & 1) ? r.x[1] : r.x[0]);
+}
+
+// In: w = the words of the call this lane made (call t4 of its quad). Out:
+// w[x] = word t4 of call t4 ^ x.
+__device__ __forceinline__ void QuadTranspose(uint32_t (&w)[4], int t4) {
+  const bool odd = t4 & 1, high = t4 & 2;
+  uint32_t a[2][2];  // after lane ^ 1: a[j][s] = word 2 j + odd of call t4 ^ s
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    a[j][0] = odd ? w[2 * j + 1] : w[2 * j];
+    a[j][1] = __shfl_xor_sync(0xffffffffu, odd ? w[2 * j] : w[2 * j + 1], 1);
+  }
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {  // after lane ^ 2: word t4 of calls t4 ^ s, t4 ^ 2 ^ s
+    w[s] = high ? a[1][s] : a[0][s];
+    w[2 + s] = __shfl_xor_sync(0xffffffffu, high ? a[0][s] : a[1][s], 2);
+  }
+}
+
+// Forward: the keep bits of this thread's elements of a 16-row slab x kAcc*2
+// keys of S whose row g is query `row` and whose first key is key0 (a
+// multiple of 16). Group c (keys key0 + 16 c ..) and row half rh of key
+// byte b (KeepBytes' bit 8 b + 7) land at bit 8 b + 7 - (2 (c % 4) + rh) of
+// word c / 4 (FwdKept).
+template <int kAcc>
+__device__ __forceinline__ void FwdKeepBits(uint32_t (&keep)[KeepWords<kAcc>()],
+                                            const DropoutMask& mask, int64_t row, int64_t key0,
+                                            int t4) {
+  constexpr int kGroups = kAcc / 8;
+  static_assert(kAcc % 8 == 0, "whole groups of 16 keys");
+  const uint32_t threshold4 = mask.Threshold4();
+  const int64_t group0 = key0 / 16;
+#pragma unroll
+  for (int w = 0; w < KeepWords<kAcc>(); ++w) keep[w] = 0;
+  // Groups in pairs: lane t4 makes the call of row half t4 & 1, group
+  // 2 cc + t4 / 2; word c / 4 = cc / 2, slot 2 (c % 4) + rh = 4 (cc % 2) + call.
+#pragma unroll
+  for (int cc = 0; cc < kGroups / 2; ++cc) {
+    const Philox4 r = mask.Words(row + 8 * (t4 & 1), group0 + 2 * cc + (t4 >> 1));
+    uint32_t v[4] = {r.x[0], r.x[1], r.x[2], r.x[3]};
+    QuadTranspose(v, t4);
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      keep[cc / 2] |= KeepBytes(v[x], threshold4) >> (4 * (cc % 2) + (t4 ^ x));
+    }
+  }
+  if constexpr (kGroups % 2 == 1) {  // the last group alone: lanes t4 and t4 ^ 2 make one call
+    constexpr int c = kGroups - 1;
+    const int rh = t4 & 1;
+    const Philox4 r = mask.Words(row + 8 * rh, group0 + c);
+    const uint32_t theirs = __shfl_xor_sync(0xffffffffu, SelectWord(r, t4 ^ 1), 1);
+    keep[c / 4] |= KeepBytes(SelectWord(r, t4), threshold4) >> (2 * (c % 4) + rh);
+    keep[c / 4] |= KeepBytes(theirs, threshold4) >> (2 * (c % 4) + (rh ^ 1));
+  }
+}
+
+// Whether forward element i survives, from FwdKeepBits' words.
+template <int kAcc>
+__device__ __forceinline__ bool FwdKept(const uint32_t (&keep)[KeepWords<kAcc>()], int i) {
+  const int c = i / 8, byte = 2 * ((i / 4) % 2) + i % 2, rh = (i / 2) % 2;
+  return (keep[c / 4] >> (8 * byte + 7 - (2 * (c % 4) + rh))) & 1u;
+}
+
+// Z o P over a forward fragment (P >= 0 already summed into l undropped).
+template <int kAcc>
+__device__ __forceinline__ void ApplyFwdKeepBits(float (&s)[kAcc],
+                                                 const uint32_t (&keep)[KeepWords<kAcc>()]) {
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) {
+    if (!FwdKept<kAcc>(keep, i)) s[i] = 0.f;
+  }
+}
+
+// Backward: the keep bits of this thread's elements of a 16-row slab (keys)
+// x kAcc*2 (queries) S^T tile whose row g is key `key` and whose first query
+// is m_begin. Query column u = 2 j + e (n8 tile j, column e) of the lane's
+// t4 is call u, made by lane g = u % 8 of batch u / 8. A call's 16 bits are
+// packed at bit 8 (2 kh + d % 2) + d / 2 (+ 4 for the second batch of a
+// word) for the lane d that needs key d + 8 kh; three butterfly stages over
+// g's bits (lane ^ 4, ^ 8, ^ 16) then turn the destination d into the
+// source lane (BwdKept).
+template <int kAcc>
+__device__ __forceinline__ void BwdKeepBits(uint32_t (&keep)[KeepWords<kAcc>()],
+                                            const DropoutMask& mask, int64_t key,
+                                            int64_t m_begin, int g, int t4) {
+  constexpr int kCalls = kAcc / 2;  // 2 per n8 tile
+  constexpr int kBatches = (kCalls + 7) / 8;
+  static_assert(kAcc % 4 == 0 && (kBatches + 1) / 2 == KeepWords<kAcc>(), "two batches a word");
+  const uint32_t threshold4 = mask.Threshold4();
+  const int64_t group = (key - g) / 16;
+#pragma unroll
+  for (int wd = 0; wd < KeepWords<kAcc>(); ++wd) {
+    uint32_t x = 0;
+#pragma unroll
+    for (int bb = 0; bb < 2 && 2 * wd + bb < kBatches; ++bb) {
+      const int u = 8 * (2 * wd + bb) + g;  // past kCalls: a call whose bits go unused
+      const Philox4 r = mask.Words(m_begin + 8 * (u / 2) + 2 * t4 + u % 2, group);
+#pragma unroll
+      for (int w = 0; w < 4; ++w) x |= KeepBytes(r.x[w], threshold4) >> (7 - w - 4 * bb);
+    }
+    // Stage for g's bit k: the destination bit sits at position bit 3, 0, 1
+    // (mask of the set positions, shift); the lane keeps the half it is the
+    // destination of and takes its partner's half for it.
+    constexpr uint32_t kMask[3] = {0xFF00FF00u, 0xAAAAAAAAu, 0xCCCCCCCCu};
+    constexpr int kShift[3] = {8, 1, 2};
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      const uint32_t y = __shfl_xor_sync(0xffffffffu, x, 4 << k);
+      x = ((g >> k) & 1) ? (x & kMask[k]) | ((y & kMask[k]) >> kShift[k])
+                         : (x & ~kMask[k]) | ((y & ~kMask[k]) << kShift[k]);
+    }
+    keep[wd] = x;
+  }
+}
+
+// Whether backward element i survives, from BwdKeepBits' words.
+template <int kAcc>
+__device__ __forceinline__ bool BwdKept(const uint32_t (&keep)[KeepWords<kAcc>()], int i) {
+  const int j = i / 4, rh = (i / 2) % 2, e = i % 2;
+  const int u = 2 * j + e, batch = u / 8, src = u % 8;
+  const int bit = 8 * (2 * rh + (src & 1)) + 2 * ((src >> 2) & 1) + ((src >> 1) & 1) +
+                  4 * (batch % 2);
+  return (keep[batch / 2] >> bit) & 1u;
+}
+
+#endif  // __CUDACC__
+
+}  // namespace jax_flash2::cuda
