@@ -10,8 +10,9 @@
 //                                programmatic dependents (cc 9.0)
 //   JAX_FLASH2_SM90_BACKWARD=0   the backward runs the sm80 kernels on cc 9.0
 //   JAX_FLASH2_DECODE_QUANT=1    the decode kernel dequantizes int8 / fp8 KV
-//                                caches itself (not yet run on a GPU; off:
-//                                the kernels read XLA's dequantized copy)
+//                                caches itself (correct, but slower than the
+//                                bfloat16 step on the H200; off: the kernels
+//                                read XLA's dequantized copy)
 //   JAX_FLASH2_KV_SPLIT_KEYS=N   a KV-cache decode call splits its keys in
 //                                shares of N (instead of the plan's rule)
 //   JAX_FLASH2_MAX_SMEM_PER_BLOCK=N
