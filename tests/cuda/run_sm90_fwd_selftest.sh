@@ -17,7 +17,7 @@ mkdir -p "$OUT"
 # -gencode (the -arch=sm_90a shorthand also runs a plain sm_90 pass that
 # rejects them on some nvcc versions).
 ARCH=-gencode=arch=compute_90a,code=sm_90a
-FLAGS="-std=c++17 -O3 -I. --expt-relaxed-constexpr $ARCH -DJF2_SM90_ALL_SCHEDULES=1"
+FLAGS="-std=c++17 -O3 -I. --expt-relaxed-constexpr $ARCH"
 BIN=build/sm90_fwd_selftest
 
 source tests/cuda/selftest_lib.sh

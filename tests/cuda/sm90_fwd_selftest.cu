@@ -14,13 +14,15 @@
 //   sm90_fwd_selftest --filter STR  only the cases (checked and timed) whose name
 //                                   contains STR
 //   sm90_fwd_selftest --package     each case under its tile's package schedule only
-//                                   (what a build without JF2_SM90_ALL_SCHEDULES has)
+//                                   (the only one the package builds)
 //   sm90_fwd_selftest --no-time     skip timings
 //   sm90_fwd_selftest --time-only   timings only
 //   sm90_fwd_selftest --schedules serial,overlap,pingpong
 //                                   the sm90 schedules to check and time (default all)
-//   sm90_fwd_selftest --tile N      run row N of kFwdSm90TileTable where its head dim
-//                                   is the case's bucket (else the package's tile)
+//   sm90_fwd_selftest --tile N      run tile N (SelftestTile, sm90_fwd_variants.cuh:
+//                                   the package's table, then rejected variants) where
+//                                   its head dim is the case's bucket (else the
+//                                   package's tile)
 //   sm90_fwd_selftest --persistent 0|1
 //                                   force the one-tile or the persistent grid
 //   sm90_fwd_selftest --stream-k 0|1
@@ -56,6 +58,7 @@
 #include "src/flash_mask.h"
 #include "src/flash_params.h"
 #include "tests/cuda/selftest_util.h"
+#include "tests/cuda/sm90_fwd_variants.cuh"
 #include "tests/cuda/sm90_segments_test.h"
 
 using namespace jax_flash2;
@@ -136,31 +139,30 @@ const char* ScheduleName(Sm90Schedule s) {
 
 // The schedules to check (--schedules); all three by default.
 // --tile, --persistent, --stream-k: applied to every sm90 run.
+int g_tile = -1;
 cuda::sm90::FwdSm90Choice g_choice;
 
-// g_choice for this head dim: a forced tile only where it fits.
-cuda::sm90::FwdSm90Choice ChoiceFor(int64_t head_dim) {
-  cuda::sm90::FwdSm90Choice choice = g_choice;
-  if (choice.tile >= 0 && (choice.tile >= cuda::sm90::kFwdSm90NumTiles ||
-                           cuda::sm90::kFwdSm90TileTable[choice.tile].head_dim !=
-                               cuda::sm90::Sm90HeadDimBucket(head_dim))) {
-    choice.tile = -1;
+// g_tile for this head dim: a forced tile only where it fits (-1: the package's).
+int TileFor(int64_t head_dim) {
+  if (g_tile < 0 || g_tile >= kNumSelftestTiles ||
+      SelftestTile(g_tile).head_dim != cuda::sm90::Sm90HeadDimBucket(head_dim)) {
+    return -1;
   }
-  return choice;
+  return g_tile;
 }
 
 std::vector<Sm90Schedule> g_schedules = {Sm90Schedule::kSerial, Sm90Schedule::kOverlap,
                                          Sm90Schedule::kPingpong};
 
 // --package: each case under the schedule the package builds its tile with
-// (the only one a build without JF2_SM90_ALL_SCHEDULES has).
+// (the only one the package builds).
 bool g_package_schedule = false;
 
 std::vector<Sm90Schedule> SchedulesFor(const FlashParams& p) {
   if (!g_package_schedule) return g_schedules;
-  const int tile = cuda::sm90::FwdSm90TileIndex(p.head_dim, HasWindow(p), p.seqlen_k);
+  const int tile = PackageTileIndex(p);
   if (tile < 0) return g_schedules;
-  return {cuda::sm90::kFwdSm90TileTable[tile].schedule};
+  return {SelftestTile(tile).schedule};
 }
 
 // Runs every schedule on one set of inputs, checks each against the float64
@@ -199,7 +201,7 @@ int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
 
   void *dq, *dk, *dv, *d_o, *scratch = nullptr;
   float* dlse;
-  const size_t scratch_bytes = cuda::sm90::Sm90ForwardScratchBytesFor(p0, dev, ChoiceFor(c.D));
+  const size_t scratch_bytes = VariantScratchBytes(p0, dev, TileFor(c.D), g_choice);
   if (scratch_bytes) {
     CHECK_CUDA(cudaMalloc(&scratch, scratch_bytes));
     // Poison: the kernel zeroes the flags it needs (a stale flag would hang
@@ -232,8 +234,8 @@ int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
     CHECK_CUDA(cudaMemset(d_o, 0xFF, nq * 2));
     CHECK_CUDA(cudaMemset(dlse, 0xFF, nlse * sizeof(float)));
     CHECK_CUDA(cudaDeviceSynchronize());
-    cudaError_t err = cuda::sm90::RunForwardSm90Schedule(p, scratch, dev, 0, schedules[si],
-                                                         ChoiceFor(c.D));
+    cudaError_t err =
+        RunForwardSm90Variant(p, scratch, dev, 0, schedules[si], TileFor(c.D), g_choice);
     if (err == cudaSuccess) err = SyncWithWatchdog(what);
     if (err != cudaSuccess) {
       std::printf("FAIL %-44s RunForwardSm90: %s\n", what.c_str(), cudaGetErrorString(err));
@@ -394,7 +396,7 @@ void TimeCase(const Case& c, const cuda::DeviceInfo& dev, int reps, bool with_sm
   CHECK_CUDA(cudaGetLastError());
   p.q = q; p.k = k; p.v = v; p.o = o; p.lse = lse;
   const size_t scratch_bytes = std::max(cuda::ForwardScratchBytes(p, dev),
-                                        cuda::sm90::Sm90ForwardScratchBytesFor(p, dev, ChoiceFor(c.D)));
+                                        VariantScratchBytes(p, dev, TileFor(c.D), g_choice));
   if (scratch_bytes) CHECK_CUDA(cudaMalloc(&scratch, scratch_bytes));
   double flops = 4.0 * c.B * c.T * c.S * c.H * c.D;
   if (c.wr == 0) flops /= 2;
@@ -409,7 +411,7 @@ void TimeCase(const Case& c, const cuda::DeviceInfo& dev, int reps, bool with_sm
   for (Sm90Schedule sch : SchedulesFor(p)) {
     const std::string impl = std::string("sm90 ") + ScheduleName(sch);
     time(impl.c_str(), [&](int) {
-      return cuda::sm90::RunForwardSm90Schedule(p, scratch, dev, 0, sch, ChoiceFor(c.D));
+      return RunForwardSm90Variant(p, scratch, dev, 0, sch, TileFor(c.D), g_choice);
     });
   }
   for (void* ptr : {q, k, v, o, static_cast<void*>(lse)}) CHECK_CUDA(cudaFree(ptr));
@@ -446,7 +448,7 @@ int main(int argc, char** argv) {
         return 2;
       }
     } else if (a == "--tile" && i + 1 < argc) {
-      g_choice.tile = std::atoi(argv[++i]);
+      g_tile = std::atoi(argv[++i]);
     } else if (a == "--persistent" && i + 1 < argc) {
       g_choice.persistent = std::atoi(argv[++i]);
     } else if (a == "--stream-k" && i + 1 < argc) {

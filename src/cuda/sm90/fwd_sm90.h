@@ -42,9 +42,9 @@ cudaError_t RunForwardSm90(const FlashParams& p, void* scratch, const DeviceInfo
 namespace sm90 {
 // Consumer schedules (a kernel template argument; see fwd_sm90_kernel.cuh).
 // All three pass the self-test on the H200; the package builds each tile
-// with the schedule of its table row only (all of them with
-// JF2_SM90_ALL_SCHEDULES, which the self-test sets, for timing and for
-// localising a failure).
+// with the schedule of its table row only, the self-test all three
+// (tests/cuda/sm90_fwd_variants.cuh), for timing and for localising a
+// failure.
 //   kSerial:   S -> softmax -> PV per key block. The simplest.
 //   kOverlap:  S_{n-1} = Q K_{n-1}^T and O += P_n V_n issued back to back; the
 //              softmax of block n-1 runs while the PV product executes
@@ -59,22 +59,14 @@ namespace sm90 {
 //              2-8% faster in the persistent grid at S <= 4096 (8192 masked).
 enum class Sm90Schedule : int { kSerial = 0, kOverlap = 1, kPingpong = 2 };
 
-// Self-test overrides of the host's choices (-1: the package's rule): the
-// row of kFwdSm90TileTable, 0 / 1 for the one-tile / persistent grid, and 0 /
+// Overrides of the plan's grid choices (-1: the package's rule), for the
+// self-test's comparisons: 0 / 1 for the one-tile / persistent grid, and 0 /
 // 1 for the persistent grid's last rounds without / with stream-K pieces.
 struct FwdSm90Choice {
-  int tile = -1;
   int persistent = -1;
   int stream_k = -1;
 };
 
-// Sm90ForwardScratchBytes and RunForwardSm90 with an explicit consumer
-// schedule and choices (for the self-test).
-size_t Sm90ForwardScratchBytesFor(const FlashParams& p, const DeviceInfo& dev,
-                                  FwdSm90Choice choice);
-cudaError_t RunForwardSm90Schedule(const FlashParams& p, void* scratch, const DeviceInfo& dev,
-                                   cudaStream_t stream, Sm90Schedule schedule,
-                                   FwdSm90Choice choice = {});
 }  // namespace sm90
 
 namespace sm90 {
@@ -144,14 +136,15 @@ inline constexpr FwdSm90Tile kFwdSm90TileTable[] = {
     {128, 128, 128, 2, true, false, 8192 + 1, kAnyKeys, Sm90Schedule::kOverlap, 0, 0},
     {128, 128, 128, 2, true, true, 0, kAnyKeys, Sm90Schedule::kPingpong, 8192, 4096},
     {256, 128, 80, 2, true, true, 0, kAnyKeys, Sm90Schedule::kPingpong, 0, 0},
-    // Rows that serve nothing, built with JF2_SM90_ALL_SCHEDULES for the
-    // self-test's comparisons. The tile D 64 used before (two consumer
-    // warpgroups):
-    {64, 128, 128, 3, false, false, 0, kAnyKeys, Sm90Schedule::kOverlap, 2048, 1024},
-    // D 256 with 64-key blocks (fewer registers, more blocks): likewise.
-    {256, 128, 64, 2, false, false, 0, kAnyKeys, Sm90Schedule::kPingpong, 0, 0},
 };
 inline constexpr int kFwdSm90NumTiles = sizeof(kFwdSm90TileTable) / sizeof(FwdSm90Tile);
+
+// A tile as a type, the kernel's template argument: row kIndex of the table
+// here (the self-test passes rows of its own).
+template <int kIndex>
+struct FwdSm90TableTile {
+  static constexpr FwdSm90Tile kTile = kFwdSm90TileTable[kIndex];
+};
 
 // Whether the package runs tile t's persistent grid for a call; whether it
 // ever does; whether it always does (then only that form is built).
@@ -271,6 +264,21 @@ struct FwdSm90Args {
   SegmentBlocks seg;
   Sm90ScoreUnits units;  // the score units of p's softcap (score_options.h)
 };
+
+// The host side of a call run by `tile` (a row of the table, or a
+// self-test's): the scratch it needs, then everything before the kernel's
+// launch (the plan, the tensor maps, the segment pre-pass) into *launch.
+// PrepareForwardSm90 returns cudaErrorInvalidValue where the tile cannot
+// serve p; launch->grid_blocks == 0 when there is nothing to run.
+struct FwdSm90Launch {
+  FwdSm90Args args;
+  int grid_blocks = 0;
+};
+size_t Sm90ForwardScratchBytesFor(const FlashParams& p, const DeviceInfo& dev,
+                                  const FwdSm90Tile& tile, FwdSm90Choice choice);
+cudaError_t PrepareForwardSm90(const FlashParams& p, void* scratch, const DeviceInfo& dev,
+                               cudaStream_t stream, const FwdSm90Tile& tile,
+                               FwdSm90Choice choice, FwdSm90Launch* launch);
 
 }  // namespace sm90
 }  // namespace jax_flash2::cuda

@@ -73,6 +73,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -81,6 +82,7 @@
 #include "../../online_softmax.h"
 #include "../sm80/primitives.cuh"
 #include "../dropout_bits.cuh"
+#include "../smem_optin.h"
 #include "fwd_sm90.h"
 #include "primitives.cuh"
 #include "segments.cuh"
@@ -89,9 +91,10 @@
 
 namespace jax_flash2::cuda::sm90 {
 
-template <int kTileIndex>
+// TileRow: a type whose kTile is the tile (FwdSm90TableTile, or a self-test's row).
+template <class TileRow>
 struct FwdSm90Traits {
-  static constexpr FwdSm90Tile kTile = kFwdSm90TileTable[kTileIndex];
+  static constexpr FwdSm90Tile kTile = TileRow::kTile;
   static constexpr int kHeadDim = kTile.head_dim;
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
@@ -133,9 +136,9 @@ struct FwdSm90Smem {
 // not a runtime branch: the branch alone cost the plain kernels 2.5-3.7%
 // (H200, B4 T=S=4096 H16, D 64, 96, 128, causal or not, two runs of each
 // binary alternated).
-template <int kTileIndex, Sm90Schedule kSchedule_, bool kPersistent_, bool kScoreOptions_>
+template <class TileRow, Sm90Schedule kSchedule_, bool kPersistent_, bool kScoreOptions_>
 struct FwdSm90Config {
-  using Tr = FwdSm90Traits<kTileIndex>;
+  using Tr = FwdSm90Traits<TileRow>;
   using Smem = FwdSm90Smem<Tr>;
   static constexpr Sm90Schedule kSchedule = kSchedule_;
   static constexpr bool kPersistent = kPersistent_;
@@ -505,11 +508,11 @@ __device__ __forceinline__ void FwdSm90Epilogue(const FwdSm90Consumer<Elem, Cfg>
   }
 }
 
-template <typename Elem, int kTileIndex, Sm90Schedule kSchedule, bool kPersistent,
+template <typename Elem, class TileRow, Sm90Schedule kSchedule, bool kPersistent,
           bool kScoreOptions>
-__global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]), 1)
+__global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
     FwdSm90Kernel(const __grid_constant__ FwdSm90Args args) {
-  using Cfg = FwdSm90Config<kTileIndex, kSchedule, kPersistent, kScoreOptions>;
+  using Cfg = FwdSm90Config<TileRow, kSchedule, kPersistent, kScoreOptions>;
   using Tr = typename Cfg::Tr;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
@@ -999,6 +1002,31 @@ __global__ void __launch_bounds__(FwdSm90Threads(kFwdSm90TileTable[kTileIndex]),
   // The staging must stay valid until the last store has read it (the
   // grid's completion covers the global writes, as for plain stores).
   if (Cfg::kTmaStoreO && c.wg_tid == 0) BulkWaitGroupRead<0>();
+}
+
+// Launches the kernel of TileRow with schedule kSchedule and grid form
+// kPersistent, with the score-options variant where p needs it (its
+// template flag), after opting in to its shared memory once.
+template <typename Elem, class TileRow, Sm90Schedule kSchedule, bool kPersistent,
+          bool kScoreOptions>
+cudaError_t LaunchFwdSm90Kernel(const FwdSm90Launch& launch, cudaStream_t stream) {
+  constexpr FwdSm90Tile tile = TileRow::kTile;
+  constexpr int smem_bytes = FwdSm90SmemBytes(tile);
+  const auto kernel = &FwdSm90Kernel<Elem, TileRow, kSchedule, kPersistent, kScoreOptions>;
+  static std::atomic<uint64_t> opted_in{0};
+  const cudaError_t err =
+      OptInSharedMemoryOnce(reinterpret_cast<const void*>(kernel), opted_in, smem_bytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<launch.grid_blocks, FwdSm90Threads(tile), smem_bytes, stream>>>(launch.args);
+  return cudaGetLastError();
+}
+
+template <typename Elem, class TileRow, Sm90Schedule kSchedule, bool kPersistent>
+cudaError_t LaunchFwdSm90(const FwdSm90Launch& launch, cudaStream_t stream) {
+  if (HasSm90ScoreOptions(launch.args.p)) {
+    return LaunchFwdSm90Kernel<Elem, TileRow, kSchedule, kPersistent, true>(launch, stream);
+  }
+  return LaunchFwdSm90Kernel<Elem, TileRow, kSchedule, kPersistent, false>(launch, stream);
 }
 
 }  // namespace jax_flash2::cuda::sm90

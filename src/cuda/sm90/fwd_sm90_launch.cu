@@ -7,114 +7,57 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 
 #include "../../flash_mask.h"
-#include "../smem_optin.h"
 #include "fwd_sm90.h"
 #include "fwd_sm90_kernel.cuh"
 #include "segments.cuh"
 #include "tensor_map.h"
 
-#ifndef JF2_SM90_ALL_SCHEDULES
-#define JF2_SM90_ALL_SCHEDULES 0
-#endif
-
 namespace jax_flash2::cuda {
 namespace {
 
 using sm90::FwdSm90Args;
+using sm90::FwdSm90Launch;
 using sm90::FwdSm90Tile;
-using sm90::Sm90Schedule;
 using sm90::EncodeTensorMap;
 using sm90::EncodeTiledFn;
 using sm90::GetEncodeTiled;
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-template <typename Elem, int kTileIndex, Sm90Schedule kSchedule, bool kPersistent,
-          bool kScoreOptions>
-cudaError_t LaunchFwdSm90Kernel(const FwdSm90Args& args, int grid_blocks, cudaStream_t stream) {
-  constexpr FwdSm90Tile tile = sm90::kFwdSm90TileTable[kTileIndex];
-  constexpr int smem_bytes = sm90::FwdSm90SmemBytes(tile);
-  const auto kernel =
-      &sm90::FwdSm90Kernel<Elem, kTileIndex, kSchedule, kPersistent, kScoreOptions>;
-  static std::atomic<uint64_t> opted_in{0};
-  const cudaError_t err =
-      OptInSharedMemoryOnce(reinterpret_cast<const void*>(kernel), opted_in, smem_bytes);
-  if (err != cudaSuccess) return err;
-  kernel<<<grid_blocks, sm90::FwdSm90Threads(tile), smem_bytes, stream>>>(args);
-  return cudaGetLastError();
-}
-
-// The kernel with or without the score options (its template flag).
-template <typename Elem, int kTileIndex, Sm90Schedule kSchedule, bool kPersistent>
-cudaError_t LaunchFwdSm90(const FwdSm90Args& args, int grid_blocks, cudaStream_t stream) {
-  if (sm90::HasSm90ScoreOptions(args.p)) {
-    return LaunchFwdSm90Kernel<Elem, kTileIndex, kSchedule, kPersistent, true>(args, grid_blocks,
-                                                                                stream);
-  }
-  return LaunchFwdSm90Kernel<Elem, kTileIndex, kSchedule, kPersistent, false>(args, grid_blocks,
-                                                                               stream);
-}
-
-// The package builds each tile with its table row's schedule only, its
+// Row kIndex as the package builds it: its table schedule only, its
 // persistent form only where the row ever runs it, and its one-tile form
 // only where it does not always run the persistent one (which then also
 // serves grids of one block per tile).
-template <typename Elem, int kTileIndex, Sm90Schedule kSchedule>
-cudaError_t LaunchForGrid(const FwdSm90Args& args, int grid_blocks, cudaStream_t stream) {
-  constexpr FwdSm90Tile tile = sm90::kFwdSm90TileTable[kTileIndex];
-  constexpr bool kBuilt = JF2_SM90_ALL_SCHEDULES || tile.schedule == kSchedule;
-  constexpr bool kBuiltPersistent =
-      kBuilt && (JF2_SM90_ALL_SCHEDULES || sm90::FwdSm90EverPersistent(tile));
-  constexpr bool kBuiltOneTile =
-      kBuilt && (JF2_SM90_ALL_SCHEDULES || !sm90::FwdSm90AlwaysPersistent(tile));
-  if constexpr (kBuiltOneTile) {
-    if (grid_blocks == args.num_tiles) {
-      return LaunchFwdSm90<Elem, kTileIndex, kSchedule, false>(args, grid_blocks, stream);
+template <typename Elem, int kIndex>
+cudaError_t LaunchPackageTile(const FwdSm90Launch& launch, cudaStream_t stream) {
+  using Row = sm90::FwdSm90TableTile<kIndex>;
+  constexpr FwdSm90Tile tile = Row::kTile;
+  if constexpr (!sm90::FwdSm90AlwaysPersistent(tile)) {
+    if (launch.grid_blocks == launch.args.num_tiles) {
+      return sm90::LaunchFwdSm90<Elem, Row, tile.schedule, false>(launch, stream);
     }
   }
-  if constexpr (kBuiltPersistent) {
-    return LaunchFwdSm90<Elem, kTileIndex, kSchedule, true>(args, grid_blocks, stream);
+  if constexpr (sm90::FwdSm90EverPersistent(tile)) {
+    return sm90::LaunchFwdSm90<Elem, Row, tile.schedule, true>(launch, stream);
   }
   return cudaErrorInvalidValue;
 }
 
-template <typename Elem, Sm90Schedule kSchedule>
-cudaError_t LaunchForTile(const FwdSm90Args& args, int tile_index, int grid_blocks,
-                          cudaStream_t stream) {
-  switch (tile_index) {
-    case 0: return LaunchForGrid<Elem, 0, kSchedule>(args, grid_blocks, stream);
-    case 1: return LaunchForGrid<Elem, 1, kSchedule>(args, grid_blocks, stream);
-    case 2: return LaunchForGrid<Elem, 2, kSchedule>(args, grid_blocks, stream);
-    case 3: return LaunchForGrid<Elem, 3, kSchedule>(args, grid_blocks, stream);
-    case 4: return LaunchForGrid<Elem, 4, kSchedule>(args, grid_blocks, stream);
-#if JF2_SM90_ALL_SCHEDULES
-    case 5: return LaunchForGrid<Elem, 5, kSchedule>(args, grid_blocks, stream);
-    case 6: return LaunchForGrid<Elem, 6, kSchedule>(args, grid_blocks, stream);
-#endif
-    default: return cudaErrorInvalidValue;
-  }
-}
-static_assert(sm90::kFwdSm90NumTiles == 7, "LaunchForTile dispatches every tile");
-
 template <typename Elem>
-cudaError_t LaunchForSchedule(const FwdSm90Args& args, int tile_index, int grid_blocks,
-                              Sm90Schedule schedule, cudaStream_t stream) {
-  switch (schedule) {
-    case Sm90Schedule::kOverlap:
-      return LaunchForTile<Elem, Sm90Schedule::kOverlap>(args, tile_index, grid_blocks, stream);
-    case Sm90Schedule::kPingpong:
-      return LaunchForTile<Elem, Sm90Schedule::kPingpong>(args, tile_index, grid_blocks, stream);
-#if JF2_SM90_ALL_SCHEDULES
-    case Sm90Schedule::kSerial:
-      return LaunchForTile<Elem, Sm90Schedule::kSerial>(args, tile_index, grid_blocks, stream);
-#endif
+cudaError_t LaunchPackage(const FwdSm90Launch& launch, int tile_index, cudaStream_t stream) {
+  switch (tile_index) {
+    case 0: return LaunchPackageTile<Elem, 0>(launch, stream);
+    case 1: return LaunchPackageTile<Elem, 1>(launch, stream);
+    case 2: return LaunchPackageTile<Elem, 2>(launch, stream);
+    case 3: return LaunchPackageTile<Elem, 3>(launch, stream);
+    case 4: return LaunchPackageTile<Elem, 4>(launch, stream);
     default: return cudaErrorInvalidValue;
   }
 }
+static_assert(sm90::kFwdSm90NumTiles == 5, "LaunchPackage dispatches every tile");
 
 // The package's tile for p (a row of kFwdSm90TileTable), or -1.
 // Segment ids count as a mask: their tiles differ in length, and their
@@ -129,7 +72,7 @@ int PackageTileIndex(const FlashParams& p) {
 // The grid of a call, shared by the scratch size and the launch so that they
 // cannot disagree.
 struct FwdSm90Plan {
-  int tile_index = -1;
+  FwdSm90Tile tile{};
   int num_m_blocks = 0;
   int num_tiles = 0;
   int grid_blocks = 0;
@@ -137,14 +80,10 @@ struct FwdSm90Plan {
   int sk_blocks_per_tile = 0;
 };
 
-FwdSm90Plan MakePlan(const FlashParams& p, const DeviceInfo& dev, sm90::FwdSm90Choice choice) {
+FwdSm90Plan MakePlan(const FlashParams& p, const DeviceInfo& dev, const FwdSm90Tile& tile,
+                     sm90::FwdSm90Choice choice) {
   FwdSm90Plan plan;
-  plan.tile_index = choice.tile >= 0 ? choice.tile : PackageTileIndex(p);
-  if (plan.tile_index < 0 || plan.tile_index >= sm90::kFwdSm90NumTiles) {
-    plan.tile_index = -1;
-    return plan;
-  }
-  const FwdSm90Tile tile = sm90::kFwdSm90TileTable[plan.tile_index];
+  plan.tile = tile;
   plan.num_m_blocks = static_cast<int>(CeilDiv(p.seqlen_q, tile.block_m));
   plan.num_tiles = static_cast<int>(plan.num_m_blocks * p.num_heads_q * p.batch);
   // Persistent (one block per SM, each walking tiles in rounds; see the
@@ -178,8 +117,7 @@ FwdSm90Plan MakePlan(const FlashParams& p, const DeviceInfo& dev, sm90::FwdSm90C
 // partial state, both per (cut tile, consumer warpgroup); a cut tile per
 // boundary between two blocks' ranges, so at most one per block.
 size_t PieceSlots(const FwdSm90Plan& plan) {
-  const FwdSm90Tile tile = sm90::kFwdSm90TileTable[plan.tile_index];
-  return static_cast<size_t>(plan.grid_blocks) * sm90::FwdSm90ConsumerWarpgroups(tile);
+  return static_cast<size_t>(plan.grid_blocks) * sm90::FwdSm90ConsumerWarpgroups(plan.tile);
 }
 
 size_t FlagBytes(const FwdSm90Plan& plan) {
@@ -187,18 +125,16 @@ size_t FlagBytes(const FwdSm90Plan& plan) {
 }
 
 size_t StreamKScratchBytes(const FwdSm90Plan& plan) {
-  if (plan.tile_index < 0 || plan.sk_first_tile >= plan.num_tiles) return 0;
-  const int head_dim = sm90::kFwdSm90TileTable[plan.tile_index].head_dim;
-  const size_t partial_floats = sm90::FwdSm90PiecePartialRegs(head_dim) * 128;  // per thread
+  if (plan.sk_first_tile >= plan.num_tiles) return 0;
+  const size_t partial_floats =
+      sm90::FwdSm90PiecePartialRegs(plan.tile.head_dim) * 128;  // per thread
   return FlagBytes(plan) + PieceSlots(plan) * partial_floats * sizeof(float);
 }
 
 // The segment-id summaries (segments.cuh): chunks of 64 query rows (a
 // consumer warpgroup's) and of the tile's block_n keys.
 sm90::SegmentScratch SegmentLayout(const FlashParams& p, const FwdSm90Plan& plan) {
-  if (plan.tile_index < 0) return {};
-  const FwdSm90Tile tile = sm90::kFwdSm90TileTable[plan.tile_index];
-  return sm90::SegmentScratchLayout(p, 64, tile.block_n, tile.block_m / 64, 1);
+  return sm90::SegmentScratchLayout(p, 64, plan.tile.block_n, plan.tile.block_m / 64, 1);
 }
 
 // The stream-K part, then (256-byte aligned) the segment part.
@@ -214,13 +150,15 @@ size_t PlanScratchBytes(const FlashParams& p, const FwdSm90Plan& plan) {
 }  // namespace
 
 size_t sm90::Sm90ForwardScratchBytesFor(const FlashParams& p, const DeviceInfo& dev,
-                                        sm90::FwdSm90Choice choice) {
+                                        const FwdSm90Tile& tile, sm90::FwdSm90Choice choice) {
   if (!Sm90ForwardSupports(p) || p.batch * p.seqlen_q * p.num_heads_q == 0) return 0;
-  return PlanScratchBytes(p, MakePlan(p, dev, choice));
+  return PlanScratchBytes(p, MakePlan(p, dev, tile, choice));
 }
 
 size_t Sm90ForwardScratchBytes(const FlashParams& p, const DeviceInfo& dev) {
-  return sm90::Sm90ForwardScratchBytesFor(p, dev, {});
+  const int tile_index = PackageTileIndex(p);
+  if (tile_index < 0) return 0;
+  return sm90::Sm90ForwardScratchBytesFor(p, dev, sm90::kFwdSm90TileTable[tile_index], {});
 }
 
 bool Sm90ForwardSupports(const FlashParams& p) {
@@ -234,21 +172,25 @@ bool Sm90ForwardSupports(const FlashParams& p) {
 
 cudaError_t RunForwardSm90(const FlashParams& p, void* scratch, const DeviceInfo& dev,
                            cudaStream_t stream) {
-  sm90::FwdSm90Choice choice;
-  choice.tile = PackageTileIndex(p);
-  if (choice.tile < 0) return cudaErrorInvalidValue;
-  return sm90::RunForwardSm90Schedule(p, scratch, dev, stream,
-                                      sm90::kFwdSm90TileTable[choice.tile].schedule, choice);
+  const int tile_index = PackageTileIndex(p);
+  if (tile_index < 0) return cudaErrorInvalidValue;
+  FwdSm90Launch launch;
+  const cudaError_t err = sm90::PrepareForwardSm90(
+      p, scratch, dev, stream, sm90::kFwdSm90TileTable[tile_index], {}, &launch);
+  if (err != cudaSuccess || launch.grid_blocks == 0) return err;
+  switch (p.dtype) {
+    case DType::kFloat16: return LaunchPackage<__half>(launch, tile_index, stream);
+    case DType::kBFloat16: return LaunchPackage<__nv_bfloat16>(launch, tile_index, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
-cudaError_t sm90::RunForwardSm90Schedule(const FlashParams& p, void* scratch,
-                                         const DeviceInfo& dev, cudaStream_t stream,
-                                         Sm90Schedule schedule, sm90::FwdSm90Choice choice) {
+cudaError_t sm90::PrepareForwardSm90(const FlashParams& p, void* scratch, const DeviceInfo& dev,
+                                     cudaStream_t stream, const FwdSm90Tile& tile,
+                                     sm90::FwdSm90Choice choice, FwdSm90Launch* launch) {
+  launch->grid_blocks = 0;
   if (!Sm90ForwardSupports(p) || dev.cc_major != 9) return cudaErrorInvalidValue;
-  const FwdSm90Plan plan = MakePlan(p, dev, choice);
-  const int tile_index = plan.tile_index;
-  if (tile_index < 0) return cudaErrorInvalidValue;
-  const FwdSm90Tile tile = sm90::kFwdSm90TileTable[tile_index];
+  const FwdSm90Plan plan = MakePlan(p, dev, tile, choice);
   if (tile.head_dim != sm90::Sm90HeadDimBucket(p.head_dim)) return cudaErrorInvalidValue;
   if (sm90::HasSegmentIds(p) && !tile.masked) return cudaErrorInvalidValue;  // no segment code
   if (static_cast<size_t>(sm90::FwdSm90SmemBytes(tile)) > dev.max_smem_per_block_optin) {
@@ -304,13 +246,9 @@ cudaError_t sm90::RunForwardSm90Schedule(const FlashParams& p, void* scratch,
                                   dev.sm_count, &args.seg, stream);
   }
   if (err != cudaSuccess) return err;
-  switch (p.dtype) {
-    case DType::kFloat16:
-      return LaunchForSchedule<__half>(args, tile_index, grid_blocks, schedule, stream);
-    case DType::kBFloat16:
-      return LaunchForSchedule<__nv_bfloat16>(args, tile_index, grid_blocks, schedule, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  launch->args = args;
+  launch->grid_blocks = grid_blocks;
+  return cudaSuccess;
 }
 
 }  // namespace jax_flash2::cuda
