@@ -17,26 +17,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 import jax_flash2
 import _report
-
-
-def time_jax(fn, args, iters=10, reps=3):
-  jax.block_until_ready(fn(*args))  # compile and warm up
-  samples = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) / iters)
-  return statistics.median(samples)
+from gpu_bench import time_jax
 
 
 def impls(causal):
@@ -71,8 +58,8 @@ def run(args):
         rows.append((seqlen, batch, head_dim, causal, precision, name, None, None))
         continue
       with jax.default_matmul_precision(None if precision == "default" else precision):
-        t_fwd = time_jax(jax.jit(fn), (q, k, v))
-        t_bwd = time_jax(jax.jit(fwd_bwd(fn)), (q, k, v))
+        t_fwd = time_jax(jax.jit(fn), (q, k, v), warmup_s=0.0)
+        t_bwd = time_jax(jax.jit(fwd_bwd(fn)), (q, k, v), warmup_s=0.0)
       rows.append((seqlen, batch, head_dim, causal, precision, name,
                    flops / t_fwd / 1e12, 3.5 * flops / t_bwd / 1e12))
       print(rows[-1], flush=True)
