@@ -87,9 +87,10 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
       a keep mask, P(keep) = 1 - dropout_rate. The rate is applied in
       256ths: the nearest multiple of 1/256 in [1/256, 255/256]
       (reference.applied_dropout_rate), whose 1 / (1 - rate) scales the
-      survivors. The LSE stays that of the undropped softmax. The mask is never stored: it is a pure function of
-      a per-(batch, head) seed drawn from dropout_rng and the position (query
-      i, key j), regenerated in the backward (see src/flash_dropout.h).
+      survivors. The LSE stays that of the undropped softmax. The mask is
+      never stored: it is a pure function of a per-(batch, head) seed drawn
+      from dropout_rng and the position (query i, key j), regenerated in the
+      backward (see src/flash_dropout.h).
       Served by every backend (CPU and CUDA kernels, reference); forward-mode
       AD with dropout raises NotImplementedError.
     dropout_rng: a jax PRNG key (jax.random.key, or a raw uint32 key of the

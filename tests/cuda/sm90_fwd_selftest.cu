@@ -160,7 +160,7 @@ bool g_package_schedule = false;
 
 std::vector<Sm90Schedule> SchedulesFor(const FlashParams& p) {
   if (!g_package_schedule) return g_schedules;
-  const int tile = PackageTileIndex(p);
+  const int tile = cuda::sm90::FwdSm90PackageTileIndex(p);
   if (tile < 0) return g_schedules;
   return {SelftestTile(tile).schedule};
 }

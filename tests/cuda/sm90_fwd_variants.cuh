@@ -38,12 +38,6 @@ inline FwdSm90Tile SelftestTile(int index) {
                                                : D256Keys64Tile::kTile;
 }
 
-// The row the package runs p with, as an index of SelftestTile (-1: none).
-inline int PackageTileIndex(const FlashParams& p) {
-  return cuda::sm90::FwdSm90TileIndex(p.head_dim, HasWindow(p) || cuda::sm90::HasSegmentIds(p),
-                                      p.seqlen_k);
-}
-
 template <typename Elem, class TileRow, Sm90Schedule kSchedule>
 cudaError_t LaunchVariantGrid(const FwdSm90Launch& launch, cudaStream_t stream) {
   if (launch.grid_blocks == launch.args.num_tiles) {
@@ -86,7 +80,7 @@ static_assert(kNumSelftestTiles == 7, "LaunchVariantTile dispatches every tile")
 // tile < 0: the package's row for p.
 inline size_t VariantScratchBytes(const FlashParams& p, const cuda::DeviceInfo& dev, int tile,
                                   FwdSm90Choice choice) {
-  if (tile < 0) tile = PackageTileIndex(p);
+  if (tile < 0) tile = cuda::sm90::FwdSm90PackageTileIndex(p);
   if (tile < 0) return 0;
   return cuda::sm90::Sm90ForwardScratchBytesFor(p, dev, SelftestTile(tile), choice);
 }
@@ -95,7 +89,7 @@ inline cudaError_t RunForwardSm90Variant(const FlashParams& p, void* scratch,
                                          const cuda::DeviceInfo& dev, cudaStream_t stream,
                                          Sm90Schedule schedule, int tile,
                                          FwdSm90Choice choice) {
-  if (tile < 0) tile = PackageTileIndex(p);
+  if (tile < 0) tile = cuda::sm90::FwdSm90PackageTileIndex(p);
   if (tile < 0 || tile >= kNumSelftestTiles) return cudaErrorInvalidValue;
   FwdSm90Launch launch;
   const cudaError_t err = cuda::sm90::PrepareForwardSm90(p, scratch, dev, stream,

@@ -67,10 +67,6 @@ struct FwdSm90Choice {
   int stream_k = -1;
 };
 
-}  // namespace sm90
-
-namespace sm90 {
-
 // The kernel's tiles. block_m query rows per block, 64 per consumer
 // warpgroup; block_n keys per pipeline stage. A row serves the calls of its
 // head dim with a causal or window mask (`masked`) and / or without one
@@ -264,6 +260,9 @@ struct FwdSm90Args {
   SegmentBlocks seg;
   Sm90ScoreUnits units;  // the score units of p's softcap (score_options.h)
 };
+
+// The row of kFwdSm90TileTable the package runs p with, or -1.
+int FwdSm90PackageTileIndex(const FlashParams& p);
 
 // The host side of a call run by `tile` (a row of the table, or a
 // self-test's): the scratch it needs, then everything before the kernel's

@@ -59,15 +59,11 @@ cudaError_t LaunchPackage(const FwdSm90Launch& launch, int tile_index, cudaStrea
 }
 static_assert(sm90::kFwdSm90NumTiles == 5, "LaunchPackage dispatches every tile");
 
-// The package's tile for p (a row of kFwdSm90TileTable), or -1.
-// Segment ids count as a mask: their tiles differ in length, and their
-// diagonal-like blocks (document edges) pay a per-element test, as the
-// masked rows' 128-key blocks are chosen for.
+// Whether p counts as masked for the tile and grid choice. Segment ids do:
+// their tiles differ in length, and their diagonal-like blocks (document
+// edges) pay a per-element test, as the masked rows' 128-key blocks are
+// chosen for.
 bool Masked(const FlashParams& p) { return HasWindow(p) || sm90::HasSegmentIds(p); }
-
-int PackageTileIndex(const FlashParams& p) {
-  return sm90::FwdSm90TileIndex(p.head_dim, Masked(p), p.seqlen_k);
-}
 
 // The grid of a call, shared by the scratch size and the launch so that they
 // cannot disagree.
@@ -149,6 +145,10 @@ size_t PlanScratchBytes(const FlashParams& p, const FwdSm90Plan& plan) {
 
 }  // namespace
 
+int sm90::FwdSm90PackageTileIndex(const FlashParams& p) {
+  return sm90::FwdSm90TileIndex(p.head_dim, Masked(p), p.seqlen_k);
+}
+
 size_t sm90::Sm90ForwardScratchBytesFor(const FlashParams& p, const DeviceInfo& dev,
                                         const FwdSm90Tile& tile, sm90::FwdSm90Choice choice) {
   if (!Sm90ForwardSupports(p) || p.batch * p.seqlen_q * p.num_heads_q == 0) return 0;
@@ -156,7 +156,7 @@ size_t sm90::Sm90ForwardScratchBytesFor(const FlashParams& p, const DeviceInfo& 
 }
 
 size_t Sm90ForwardScratchBytes(const FlashParams& p, const DeviceInfo& dev) {
-  const int tile_index = PackageTileIndex(p);
+  const int tile_index = sm90::FwdSm90PackageTileIndex(p);
   if (tile_index < 0) return 0;
   return sm90::Sm90ForwardScratchBytesFor(p, dev, sm90::kFwdSm90TileTable[tile_index], {});
 }
@@ -166,13 +166,13 @@ bool Sm90ForwardSupports(const FlashParams& p) {
   const int64_t tiles = CeilDiv(p.seqlen_q, 128) * p.num_heads_q * p.batch;
   // Segment ids come in pairs (q and kv), or not at all.
   if ((p.q_segment_ids == nullptr) != (p.kv_segment_ids == nullptr)) return false;
-  return PackageTileIndex(p) >= 0 && sm90::Sm90CommonSupports(p) &&
+  return sm90::FwdSm90PackageTileIndex(p) >= 0 && sm90::Sm90CommonSupports(p) &&
          tiles < (int64_t{1} << 31);
 }
 
 cudaError_t RunForwardSm90(const FlashParams& p, void* scratch, const DeviceInfo& dev,
                            cudaStream_t stream) {
-  const int tile_index = PackageTileIndex(p);
+  const int tile_index = sm90::FwdSm90PackageTileIndex(p);
   if (tile_index < 0) return cudaErrorInvalidValue;
   FwdSm90Launch launch;
   const cudaError_t err = sm90::PrepareForwardSm90(
