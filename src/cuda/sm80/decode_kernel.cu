@@ -280,8 +280,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const int full_begin = static_cast<int>(lo);
   mask.KeyRange(0, 1, &lo, &hi);
   const int full_end = static_cast<int>(hi);
-  // This warp's chunks: c_begin + warp + i * kDecodeWarps, i < num_mine.
+  // This warp's chunks: c_begin + warp + i * kDecodeWarps, i < num_mine;
+  // chunk i's first key:
   const int num_mine = max(0, (c_end - c_begin - warp + kDecodeWarps - 1) / kDecodeWarps);
+  const auto chunk_key0 = [&](int i) { return (c_begin + warp + i * kDecodeWarps) * kKeys; };
 
   // A split that holds no visible key (past a KV-cache sequence's end, say)
   // writes only its empty LSE: the combine gives it weight 0 and reads none
@@ -323,7 +325,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     const int row_bytes = head_dim * static_cast<int>(sizeof(Cache));
 #pragma unroll
     for (int i = 0; i < kStages; ++i) {
-      const int key = (c_begin + warp + i * kDecodeWarps) * kKeys + lane;
+      const int key = chunk_key0(i) + lane;
       if (paged || i >= num_mine || lane >= kKeys || key >= seqlen_k) continue;
       PrefetchRowL2(k_head + key * p.k_row_stride, row_bytes);
       PrefetchRowL2(v_head + key * p.v_row_stride, row_bytes);
@@ -352,7 +354,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // load_chunk itself, the table load stalled the warp before every copy.
   const int page_size = static_cast<int>(p.page_size);
   auto page_ids = [&](int i, int (&page)[2]) {
-    const int key0 = (c_begin + warp + i * kDecodeWarps) * kKeys;
+    const int key0 = chunk_key0(i);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int key = key0 + 16 * h;
@@ -372,7 +374,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   Elem* s_work = reinterpret_cast<Elem*>(s_stage + kStages * 2 * kTileElems);
   auto load_chunk = [&](int i, const int (&page)[2]) {
     Elem* k_dst = s_ring + (i % kStages) * 2 * kTileElems;
-    const int key0 = (c_begin + warp + i * kDecodeWarps) * kKeys;
+    const int key0 = chunk_key0(i);
     int64_t off[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -407,7 +409,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   };
   auto scales_of = [&](int i) {
     HalfScales sc;
-    const int key0 = (c_begin + warp + i * kDecodeWarps) * kKeys;
+    const int key0 = chunk_key0(i);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int key = min(key0 + 16 * h, max(seqlen_k - 1, 0));
@@ -505,7 +507,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
       __syncwarp();
       stage_bytes = 0;  // one float16 tile pair
     }
-    const int key0 = (c_begin + warp + i * kDecodeWarps) * kKeys;
+    const int key0 = chunk_key0(i);
     float s[kMTiles][kNT][4];
     fwd::ComputeS<Tr, Elem, kMTiles>(s, fwd::PaddedTileAt<kQStride>{q_addr},
                                      SwizzledTileAt<kHeadDim>{k_addr + stage_bytes, k_y16},
