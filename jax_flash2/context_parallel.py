@@ -293,16 +293,28 @@ def _block_backward(cfg, q, k, v, out, lse, d_out, d_lse, q_ids, kv_ids, window)
   return _sharding.backward(q, k, v, out, lse, d_out, d_lse, extras, config)
 
 
+def _update_rows(x, axis: int, start: int, update):
+  """x with x[start:start + len] along axis replaced by update. Not
+  x.at[...].set / add: inside shard_map their scatter's hoisted empty index
+  operand crashes XLA:CPU's compile on jax 0.11 (Shardy's
+  ManualComputationUnusedInputsPattern)."""
+  return jax.lax.dynamic_update_slice_in_dim(x, update.astype(x.dtype), start, axis=axis)
+
+
+def _rows(x, axis: int, start: int, stop: int):
+  return jax.lax.slice_in_dim(x, start, stop, axis=axis)
+
+
 def _forward_pairs(cfg, state, q, kv, pairs):
   out, lse = state
   k, v, kv_ids = kv
   q, q_ids = q
   for p in pairs:
     block_out, block_lse = _block_forward(cfg, q, k, v, q_ids, kv_ids, p)
-    rows = slice(p.q0, p.q1)
-    new_out, new_lse = _merge(out[:, rows], lse[:, :, rows], block_out, block_lse)
-    out = out.at[:, rows].set(new_out)
-    lse = lse.at[:, :, rows].set(new_lse)
+    new_out, new_lse = _merge(_rows(out, 1, p.q0, p.q1), _rows(lse, 2, p.q0, p.q1), block_out,
+                              block_lse)
+    out = _update_rows(out, 1, p.q0, new_out)
+    lse = _update_rows(lse, 2, p.q0, new_lse)
   return out, lse
 
 
@@ -316,9 +328,9 @@ def _backward_pairs(cfg, state, res, kv, pairs):
         cfg, q[:, rows], k[:, cols], v[:, cols], out[:, rows], lse[:, :, rows],
         d_out[:, rows], d_lse[:, :, rows], None if q_ids is None else q_ids[:, rows],
         None if kv_ids is None else kv_ids[:, cols], p.window)
-    dq = dq.at[:, rows].add(gq.astype(jnp.float32))
-    dk = dk.at[:, cols].add(gk.astype(jnp.float32))
-    dv = dv.at[:, cols].add(gv.astype(jnp.float32))
+    dq = _update_rows(dq, 1, p.q0, _rows(dq, 1, p.q0, p.q1) + gq.astype(jnp.float32))
+    dk = _update_rows(dk, 1, p.k0, _rows(dk, 1, p.k0, p.k1) + gk.astype(jnp.float32))
+    dv = _update_rows(dv, 1, p.k0, _rows(dv, 1, p.k0, p.k1) + gv.astype(jnp.float32))
   return dq, dk, dv
 
 

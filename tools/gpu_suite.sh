@@ -16,9 +16,6 @@
 #   VARIANTS=1  the variant benchmark table alone
 #   QUANT=1     the decode kernel's int8 / fp8 dequantization: its GPU test,
 #               then the KV-cache table with it (JAX_FLASH2_DECODE_QUANT=1)
-#   PROBE_RING=1  which part of the context-parallel ring crashes XLA:CPU's
-#               compile (tools/probe_ring_compile.py; HLO dumps of the
-#               crashing probes in $OUT/ring_dump.tgz)
 #   BENCH=1     the benchmark grid and the variant table
 set -u
 export PYTHONUNBUFFERED=1
@@ -66,12 +63,6 @@ aux_jobs() {
       -p no:cacheprovider test_kvcache_gpu.py -k quantized 2>&1 | tail -15)
     (cd benchmarks && JAX_FLASH2_DECODE_QUANT=1 timeout 240 python3 kvcache_bench.py --quick \
       --steps 20 --warmup 0.2 --out "$OUT/kvcache_quant.md" 2>&1 | grep -A30 "^Command")
-  fi
-  if [ "${PROBE_RING:-0}" = 1 ]; then
-    echo "== ring compile probes (XLA:CPU, two host devices)"
-    # The crashing probes' HLO dumps come back as one archive.
-    (cd /tmp && timeout 300 python3 "$OLDPWD/tools/probe_ring_compile.py" --dump /tmp/ring_dump)
-    [ -d /tmp/ring_dump ] && tar czf "$OUT/ring_dump.tgz" -C /tmp ring_dump
   fi
   if [ "${VARIANTS:-0}" = 1 ]; then
     (cd benchmarks && timeout 240 python3 variant_bench.py --out "$OUT/h200_variants.md" 2>&1 | tail -30)

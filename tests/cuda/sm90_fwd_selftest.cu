@@ -595,7 +595,12 @@ int main(int argc, char** argv) {
       {"seg 7 docs T2000 D128 window(200,0) bf16", bf, 1, 2000, 2000, 2, 2, 128, 200, 0, false, SK::kPacked, 7},
       {"seg 7 docs T1000 D64 window(64,16) fp16", fp, 1, 1000, 1000, 2, 2, 64, 64, 16, false, SK::kPacked, 7},
       {"seg 7 docs T600 D96 causal H16 bf16 B3 (persistent)", bf, 3, 600, 600, 16, 16, 96, -1, 0, false, SK::kPacked, 7},
-      {"seg 64 docs T9000 D128 causal bf16 (one tile per block)", bf, 1, 9000, 9000, 2, 2, 128, -1, 0, false, SK::kPacked, 64},
+      {"seg 64 docs T9000 D128 causal bf16", bf, 1, 9000, 9000, 2, 2, 128, -1, 0, false, SK::kPacked, 64},
+      // One-document tiles start their key blocks at the document: the
+      // options that read key positions (ALiBi, dropout's words).
+      {"seg 7 docs T2000 D128 causal drop0.1 softcap+alibi bf16", bf, 1, 2000, 2000, 2, 2, 128, -1, 0, false, SK::kPacked, 7, 30.f, true, 0.f, 0.1f},
+      {"seg 64 docs T4096 D64 drop0.2 alibi fp16 B2", fp, 2, 4096, 4096, 2, 1, 64, -1, -1, false, SK::kPacked, 64, 0.f, true, 0.f, 0.2f},
+      {"seg padded 5 docs T1500 D256 causal drop0.1 bf16", bf, 1, 1500, 1500, 2, 2, 256, -1, 0, false, SK::kPadded, 5, 0.f, false, 0.f, 0.1f},
   };
   cases.insert(cases.end(), segmented.begin(), segmented.end());
   // Score options (--filter opt): softcap, ALiBi and both, with causal,

@@ -205,9 +205,11 @@ constexpr int FwdSm90ConsumerRegs(const FwdSm90Tile& t) {
 // tensor cores idle between tiles: 5-10% at D 128 T 2048.
 constexpr int FwdSm90RingSmemBytes(const FwdSm90Tile& t) {
   const int tiles = (t.block_m + 2 * t.stages * t.block_n) * t.head_dim * 2;
-  const int barriers = (2 + 4 * t.stages) * 8;  // q full/empty; k/v full and empty per stage
+  // q full/empty; k/v full and empty per stage; the next tile's full/empty
+  const int barriers = (4 + 4 * t.stages) * 8;
   const int piece_roles = 16;  // a stream-K piece's arrival order, per consumer warpgroup
-  return tiles + barriers + piece_roles + 1024;  // + 1 KB: tiles on the 1024-byte swizzle atom
+  const int next_tile = 16;
+  return tiles + barriers + piece_roles + next_tile + 1024;  // + 1 KB: tiles on the 1024-byte swizzle atom
 }
 inline constexpr int kSm90SmemBytesMax = 232448;  // cc 9.0's opt-in limit per block
 constexpr int FwdSm90OBytes(const FwdSm90Tile& t) { return t.block_m * t.head_dim * 2; }

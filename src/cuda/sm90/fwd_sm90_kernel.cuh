@@ -11,6 +11,11 @@
 // persistent (one block per SM, for short sequences). Then the producer
 // loads the next tile's Q and first K/V stages while the consumers finish
 // the current one, and the load latency at the start of each tile is hidden.
+// With segment ids a tile is as long as its documents, which only the device
+// knows: there the persistent blocks draw tiles from a counter (the
+// producer's atomicAdd, handed to the consumers through next_tile) as they
+// finish the previous one, in the same order as the hardware starts a grid
+// of one tile per block.
 // Without a mask every tile has the same length, and a grid of G blocks
 // walking N tiles in whole rounds ends with a partial round (2048 tiles on
 // 132 SMs: 16 rounds for 15.5 rounds of work). The host then makes the last
@@ -63,12 +68,16 @@
 // rows past T (Q) and S (K, V); the mask removes the zero keys, and zero V
 // rows add nothing. Rows past T are computed but never written.
 //
-// Segment ids (segments.cuh): a pre-pass summarises the ids per block, a
-// tile's key blocks are narrowed to those whose ids may match its rows' (its
-// documents' blocks, for packed ids), and [full_begin, full_end) to the
-// blocks that hold only the one id of a warpgroup's rows; every other visited
-// block takes the per-element id test after the window's. Only the tile rows
-// that serve masked calls carry that code (segment calls count as masked).
+// Segment ids (segments.cuh): a pre-pass summarises the ids per block. A
+// tile whose rows are all one document whose keys are one run sees exactly
+// that run, as a key range like the window's, in key blocks that start at
+// the run (FwdSm90TileSpan::key_base), so that a document takes as many
+// blocks as it would alone. Any other tile's key blocks are narrowed to
+// those whose ids may match its rows', and [full_begin, full_end) to the
+// blocks that hold only the one id of a warpgroup's rows; every other
+// visited block takes the per-element id test after the window's. Only the
+// tile rows that serve masked calls carry that code (segment calls count as
+// masked).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -202,7 +211,12 @@ struct FwdSm90Buffers {
   uint64_t* v_full;
   uint64_t* k_empty;
   uint64_t* v_empty;
+  // The drawn tile (next_tile) of the persistent grid with segment ids: the
+  // producer writes it, the consumer warps read it.
+  uint64_t* next_full;
+  uint64_t* next_empty;
   int* piece_role;  // per consumer warpgroup
+  int* next_tile;
 
   __device__ __forceinline__ explicit FwdSm90Buffers(unsigned char* base)
       : smem(base),
@@ -215,13 +229,20 @@ struct FwdSm90Buffers {
         v_full(k_full + Tr::kStages),
         k_empty(v_full + Tr::kStages),
         v_empty(k_empty + Tr::kStages),
-        piece_role(reinterpret_cast<int*>(v_empty + Tr::kStages)) {}
+        next_full(v_empty + Tr::kStages),
+        next_empty(next_full + 1),
+        piece_role(reinterpret_cast<int*>(next_empty + 1)),
+        next_tile(piece_role + 4) {}
 };
 
 // Where a tile lies, and the key blocks [n_first, n_end) that some query of
 // it may see.
 struct FwdSm90TileSpan {
   int head, b, row_begin, row_end, n_first, n_end;
+  // Key block n holds keys key_base + n kBlockN onwards: 0, or (a multiple of
+  // 16, for dropout's words) where a one-document tile's keys begin.
+  int key_base;
+  bool id_test;  // segment ids that are not one key run: the per-element id test
 };
 
 // An item of a block's walk: a tile or a stream-K piece of one (key blocks
@@ -235,7 +256,7 @@ struct FwdSm90Item {
 // of each visible key block from the last down, into the ring.
 template <typename Elem, class Cfg, class ItemAt, class LocateItem>
 __device__ __forceinline__ void FwdSm90Producer(const FwdSm90Args& args, int num_items,
-                                                const ItemAt& item_at,
+                                                bool draws_tiles, const ItemAt& item_at,
                                                 const LocateItem& locate_item,
                                                 const FwdSm90Buffers<Elem, Cfg>& buf) {
   using Tr = typename Cfg::Tr;
@@ -252,8 +273,21 @@ __device__ __forceinline__ void FwdSm90Producer(const FwdSm90Args& args, int num
     RingPos<kStages> ring;
     uint32_t q_phase = 0;
     for (int i = 0; i < num_items; ++i) {
-      const FwdSm90Item it = item_at(i);
-      if (it.tile >= args.num_tiles) continue;
+      FwdSm90Item it;
+      if (draws_tiles) {
+        // The next tile from the shared counter (the kernel's top), handed
+        // to the consumers through next_tile; past the last: the end.
+        const int tile = i == 0 ? static_cast<int>(blockIdx.x)
+                                : static_cast<int>(gridDim.x) + atomicAdd(args.seg.tile_counter, 1);
+        MbarWait(buf.next_empty, (i & 1) ^ 1);  // the consumers have read the previous one
+        *buf.next_tile = tile;
+        MbarArrive(buf.next_full);
+        if (tile >= args.num_tiles) break;
+        it = FwdSm90Item{tile, 0, 1 << 30, -1};
+      } else {
+        it = item_at(i);
+        if (it.tile >= args.num_tiles) continue;
+      }
       const FwdSm90TileSpan t = locate_item(it);
       if (t.n_first >= t.n_end) continue;  // the consumers write O = 0 alone
       const int kv_head = t.head / static_cast<int>(p.group_size);  // GQA by index
@@ -277,7 +311,7 @@ __device__ __forceinline__ void FwdSm90Producer(const FwdSm90Args& args, int num
       load_tile(buf.s_q, Tr::kQPanelBytes, &args.tma_q, args.q_heads_inner, buf.q_full,
                 t.row_begin, t.head);
       for (int n = t.n_end - 1; n >= t.n_first; --n) {
-        const int key0 = n * kBlockN;
+        const int key0 = t.key_base + n * kBlockN;
         const int kv_elems = ring.stage * kBlockN * kHeadDim;  // the stage's tile
         // Slot free? (Parity phase ^ 1: the first pass over the ring finds
         // every slot free.)
@@ -536,15 +570,27 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
     t.row_end = min(t.row_begin + kBlockM, seqlen_q);
     int64_t key_begin, key_end;
     mask.KeyRange(t.row_begin, t.row_end, &key_begin, &key_end);
-    t.n_first = static_cast<int>(key_begin / kBlockN);
-    t.n_end =
-        key_end > key_begin ? static_cast<int>((key_end + kBlockN - 1) / kBlockN) : t.n_first;
+    t.key_base = 0;
+    t.id_test = false;
     if (segments) {
       // Segment ids: only the key blocks whose ids may match an id of the
-      // tile's rows.
-      NarrowToTileSpan(args.seg.q_tiles[t.b * args.seg.num_q_tiles + t.row_begin / kBlockM],
-                       &t.n_first, &t.n_end);
+      // tile's rows; a one-document tile sees exactly its document's keys,
+      // in blocks that start where they do.
+      const int4 span = args.seg.q_tiles[t.b * args.seg.num_q_tiles + t.row_begin / kBlockM];
+      if (span.z >= 0) {
+        key_begin = max(key_begin, int64_t{span.z});
+        key_end = min(key_end, int64_t{span.w});
+        t.key_base = span.z & ~15;
+      } else {
+        key_begin = max(key_begin, int64_t{span.x} * kBlockN);
+        key_end = min(key_end, int64_t{span.y} * kBlockN);
+        t.id_test = true;
+      }
     }
+    t.n_first = static_cast<int>((key_begin - t.key_base) / kBlockN);
+    t.n_end = key_end > key_begin
+                  ? static_cast<int>((key_end - t.key_base + kBlockN - 1) / kBlockN)
+                  : t.n_first;
     return t;
   };
 
@@ -565,6 +611,11 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
   // take the same items in the same order.
   using Item = FwdSm90Item;
   const bool stream_k = kPersistent && args.sk_first_tile < args.num_tiles;
+  // With segment ids the tiles' lengths follow the documents, unknown to the
+  // host: the persistent grid's blocks draw their tiles from a counter in
+  // the tiles' order (longest first per head under a causal mask) as they
+  // finish the previous one, instead of a fixed walk.
+  const bool draws_tiles = kPersistent && segments;
   int num_items = 1;
   // After sk_rounds rounds of whole tiles: the tail piece [0, sk_tail_end)
   // of sk_tail_tile (if sk_tail_end > 0), the whole tiles [sk_whole_begin,
@@ -591,7 +642,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
       num_items = sk_rounds + (sk_tail_end > 0) + (sk_tail_tile - sk_whole_begin) +
                   (sk_head_begin > 0);
     } else {
-      num_items = (args.num_tiles + grid - 1) / grid;
+      num_items = draws_tiles ? INT_MAX : (args.num_tiles + grid - 1) / grid;
     }
   }
   const auto item_at = [&](int i) {
@@ -630,6 +681,8 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
       MbarInit(&buf.k_empty[s], Tr::kConsumerWarps);
       MbarInit(&buf.v_empty[s], Tr::kConsumerWarps);
     }
+    MbarInit(buf.next_full, 1);
+    MbarInit(buf.next_empty, Tr::kConsumerWarps);
     FenceBarrierInit();
   }
   __syncthreads();
@@ -647,7 +700,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
                             ? __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0)
                             : static_cast<int>(threadIdx.x / 128);
   if (warpgroup == 0) {
-    FwdSm90Producer<Elem, Cfg>(args, num_items, item_at, locate_item, buf);
+    FwdSm90Producer<Elem, Cfg>(args, num_items, draws_tiles, item_at, locate_item, buf);
     return;
   }
 
@@ -714,7 +767,8 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
     const float slope_u = AlibiSlopeUnits(p, args.units, bh);
     // |t + S - T - key| = |base[row] - column|
     const int row_base = Opaque(wg_row0) + 16 * warp + g +
-                         static_cast<int>(p.seqlen_k - p.seqlen_q) - n * kBlockN - 2 * t4;
+                         static_cast<int>(p.seqlen_k - p.seqlen_q) - tl.key_base -
+                         n * kBlockN - 2 * t4;
     const float base[2] = {static_cast<float>(row_base), static_cast<float>(row_base + 8)};
     TransformScores<Tr::kSAcc, -1>(s, p, args.units, slope_u, base);
   };
@@ -730,7 +784,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
     if (!dropout) return;
     const int bh = Opaque(tl.b) * static_cast<int>(p.num_heads_q) + Opaque(tl.head);
     FwdKeepBits<Tr::kSAcc>(keep, LoadDropoutMask(p, bh), Opaque(wg_row0) + 16 * warp + g,
-                           n * kBlockN, t4);
+                           tl.key_base + n * kBlockN, t4);
   };
 
   // Score options, mask, then the online softmax in place (S becomes
@@ -745,7 +799,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
     if constexpr (kScoreOptions) transform_scores(s, n, tl, wg_row0);
     // Per-element mask only where some (row, key) pair of the warpgroup's
     // block is hidden: the diagonal band, window edges, the ragged last block.
-    const int key0 = n * kBlockN;
+    const int key0 = tl.key_base + n * kBlockN;
     if (key0 < full_begin || key0 + kBlockN > full_end) {
 #pragma unroll
       for (int i = 0; i < Tr::kSAcc; ++i) {
@@ -753,7 +807,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
         const int h = (i / 2) % 2;
         if (key < key_lo[h] || key >= key_hi[h]) s[i] = -INFINITY;
       }
-      if (segments) {
+      if (segments && tl.id_test) {
         const int chunk = seg_chunk();
         const int32_t* row_ids = args.seg.q_ids + chunk * 64 + warp * 16 + g;
         const int row_id[2] = {row_ids[0], row_ids[8]};
@@ -821,8 +875,17 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
   uint32_t q_phase = 0;
   if (Cfg::kTurnsAcrossTiles && c.cg == Cfg::kLastGroup) NamedBarrierArrive(1, 256);
   for (int item = 0; item < num_items; ++item) {
-    const FwdSm90Item it = item_at(item);
-    if (it.tile >= args.num_tiles) continue;
+    FwdSm90Item it;
+    if (draws_tiles) {
+      MbarWait(c.buf.next_full, item & 1);
+      const int tile = *static_cast<volatile int*>(c.buf.next_tile);
+      release(c.buf.next_empty);
+      if (tile >= args.num_tiles) break;
+      it = FwdSm90Item{tile, 0, 1 << 30, -1};
+    } else {
+      it = item_at(item);
+      if (it.tile >= args.num_tiles) continue;
+    }
     const FwdSm90TileSpan tl = locate_item(it);
     // The mainloop: resets the row state, then per key block S = Q K^T, the
     // softmax, O += P V, in the kernel's schedule. Here in the kernel body:
@@ -841,7 +904,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
     if constexpr (kSkipsKeyBlocks) {
       if (wg_row0 < tl.row_end) {
         mask.KeyRange(wg_row0, min(wg_row0 + 64, tl.row_end), &lo, &hi);
-        const int n_seen_end = static_cast<int>((hi + kBlockN - 1) / kBlockN);
+        const int n_seen_end = static_cast<int>((hi - tl.key_base + kBlockN - 1) / kBlockN);
         wg_n_end = max(tl.n_first + 1, min(tl.n_end, n_seen_end));
       }
       // Warp-uniform, but derived from the warpgroup index: broadcast, so
@@ -867,7 +930,17 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
     };
     if (segments) {
       int seg_begin = 0, seg_end = 0;  // keys of the blocks that skip the id test
-      if (wg_row0 / 64 < args.seg.num_q_chunks) {
+      if (!tl.id_test) {
+        // One document: its key run, a range like the window's.
+        const int4 span = args.seg.q_tiles[tl.b * args.seg.num_q_tiles + tl.row_begin / kBlockM];
+        seg_begin = span.z;
+        seg_end = span.w;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          key_lo[h] = max(key_lo[h], seg_begin);
+          key_hi[h] = min(key_hi[h], seg_end);
+        }
+      } else if (wg_row0 / 64 < args.seg.num_q_chunks) {
         const int4 span = args.seg.q_span[seg_chunk()];
         seg_begin = span.z * kBlockN;
         seg_end = span.w * kBlockN;

@@ -65,6 +65,16 @@ static_assert(sm90::kFwdSm90NumTiles == 5, "LaunchPackage dispatches every tile"
 // chosen for.
 bool Masked(const FlashParams& p) { return HasWindow(p) || sm90::HasSegmentIds(p); }
 
+// The key count the tile and the grid are chosen for. With segment ids a
+// tile sees its documents' keys only, which the host cannot read: plan as
+// for 2048 keys, where every head dim's masked row that has a persistent
+// form runs it, since the persistent grid draws segment calls' tiles as
+// they finish (fwd_sm90_kernel.cuh) and hides each tile's start under the
+// previous one's end.
+int64_t PlanKeys(const FlashParams& p) {
+  return sm90::HasSegmentIds(p) ? std::min<int64_t>(p.seqlen_k, 2048) : p.seqlen_k;
+}
+
 // The grid of a call, shared by the scratch size and the launch so that they
 // cannot disagree.
 struct FwdSm90Plan {
@@ -90,7 +100,7 @@ FwdSm90Plan MakePlan(const FlashParams& p, const DeviceInfo& dev, const FwdSm90T
   // 1-3% slower than a block per tile.
   const bool persistent = choice.persistent >= 0
                               ? choice.persistent == 1
-                              : sm90::FwdSm90Persistent(tile, Masked(p), p.seqlen_k);
+                              : sm90::FwdSm90Persistent(tile, Masked(p), PlanKeys(p));
   plan.grid_blocks =
       persistent ? static_cast<int>(std::min<int64_t>(plan.num_tiles, dev.sm_count))
                  : plan.num_tiles;
@@ -146,7 +156,7 @@ size_t PlanScratchBytes(const FlashParams& p, const FwdSm90Plan& plan) {
 }  // namespace
 
 int sm90::FwdSm90PackageTileIndex(const FlashParams& p) {
-  return sm90::FwdSm90TileIndex(p.head_dim, Masked(p), p.seqlen_k);
+  return sm90::FwdSm90TileIndex(p.head_dim, Masked(p), PlanKeys(p));
 }
 
 size_t sm90::Sm90ForwardScratchBytesFor(const FlashParams& p, const DeviceInfo& dev,

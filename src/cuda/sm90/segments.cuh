@@ -12,7 +12,13 @@
 //     for sorted ids that is exactly the documents it touches), and within
 //     them a run [full_first, full_end) of chunks whose ids all equal its
 //     single id (empty unless its ids are uniform): blocks there need no
-//     per-element id test.
+//     per-element id test. A uniform query chunk whose id's keys form one
+//     run also gets that run's exact bounds;
+//   tile kernel: the spans' unions per kernel tile, and the key run of a
+//     query tile whose chunks all share one (one document: the forward
+//     treats it as a key range and starts its key blocks at the run, so a
+//     document shorter than a few blocks takes as many blocks as it would
+//     alone in a batch).
 // Scanning the other side's ids inside the kernels instead costs every tile
 // an O(S) pass over L2 at the start; the summaries are O(chunks) per chunk
 // and the two launches take a few microseconds at T = S = 16k.
@@ -69,9 +75,57 @@ static __global__ void __launch_bounds__(256) SegmentChunkKernel(const FlashPara
   }
 }
 
-// One warp per chunk: its span over the other side's chunks (see the top).
+// Where id x lies among the kv_chunk padded ids of a key chunk (a warp's
+// scan): the first and last position holding it and how many do.
+struct IdRun {
+  int first, last, count;
+};
+__device__ __forceinline__ IdRun FindIdRun(const int32_t* chunk_ids, int kv_chunk, int32_t x,
+                                           int lane) {
+  IdRun r{INT_MAX, -1, 0};
+  for (int i = lane; i < kv_chunk; i += 32) {
+    if (chunk_ids[i] == x) {
+      r.first = min(r.first, i);
+      r.last = max(r.last, i);
+      ++r.count;
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) {
+    r.first = min(r.first, __shfl_xor_sync(0xffffffffu, r.first, off));
+    r.last = max(r.last, __shfl_xor_sync(0xffffffffu, r.last, off));
+    r.count += __shfl_xor_sync(0xffffffffu, r.count, off);
+  }
+  return r;
+}
+
+// The keys [first, end) of id x when they form one run within key chunks
+// [c0, c1] (every chunk strictly between holds only x), else {-1, -1}.
+// Warp-wide; every lane gets the answer.
+__device__ __forceinline__ int2 KeyRunOf(const SegmentBlocks& s, const int2* kv_mm_row,
+                                         const int32_t* kv_ids_row, int32_t x, int c0, int c1,
+                                         int lane) {
+  bool interior = true;
+  for (int j = c0 + 1 + lane; j < c1; j += 32) {
+    const int2 o = kv_mm_row[j];
+    interior = interior && o.x == x && o.y == x;
+  }
+  if (!__all_sync(0xffffffffu, interior)) return make_int2(-1, -1);
+  const int n = s.kv_chunk;
+  const IdRun a = FindIdRun(kv_ids_row + c0 * n, n, x, lane);
+  if (a.count == 0 || a.count != a.last - a.first + 1) return make_int2(-1, -1);
+  if (c0 == c1) return make_int2(c0 * n + a.first, c0 * n + a.last + 1);
+  const IdRun z = FindIdRun(kv_ids_row + c1 * n, n, x, lane);
+  // A suffix of chunk c0, a prefix of chunk c1.
+  if (a.last != n - 1 || z.first != 0 || z.count != z.last + 1) return make_int2(-1, -1);
+  return make_int2(c0 * n + a.first, c1 * n + z.last + 1);
+}
+
+// One warp per chunk: its span over the other side's chunks (see the top),
+// and for a uniform query chunk its id's key run into q_keys.
 static __global__ void __launch_bounds__(256) SegmentSpanKernel(const FlashParams p, SegmentBlocks s,
-                                                         const int2* q_mm, const int2* kv_mm) {
+                                                         const int2* q_mm, const int2* kv_mm,
+                                                         int2* q_keys) {
   const int lane = threadIdx.x % 32;
   const int64_t nq = static_cast<int64_t>(s.num_q_chunks) * p.batch;
   const int64_t total = nq + static_cast<int64_t>(s.num_kv_chunks) * p.batch;
@@ -105,6 +159,14 @@ static __global__ void __launch_bounds__(256) SegmentSpanKernel(const FlashParam
       full_last = max(full_last, __shfl_xor_sync(0xffffffffu, full_last, off));
       full_count += __shfl_xor_sync(0xffffffffu, full_count, off);
     }
+    if (q_side) {
+      int2 run = make_int2(-1, -1);
+      if (uniform && first <= last) {
+        const int64_t b = c / per_row;
+        run = KeyRunOf(s, other, s.kv_ids + b * other_n * s.kv_chunk, own.x, first, last, lane);
+      }
+      if (lane == 0) q_keys[c] = run;
+    }
     if (lane != 0) continue;
     int4 span = make_int4(0, 0, 0, 0);
     if (first <= last) {
@@ -122,11 +184,13 @@ static __global__ void __launch_bounds__(256) SegmentSpanKernel(const FlashParam
 }
 
 // One thread per kernel tile (query tiles first): the union of its chunks'
-// spans.
+// spans, and for a query tile the key run its chunks share (if they do).
 static __global__ void __launch_bounds__(256) SegmentTileKernel(const FlashParams p,
-                                                                SegmentBlocks s) {
+                                                                SegmentBlocks s,
+                                                                const int2* q_keys) {
   const int64_t nq = static_cast<int64_t>(s.num_q_tiles) * p.batch;
   const int64_t total = nq + static_cast<int64_t>(s.num_kv_tiles) * p.batch;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *s.tile_counter = 0;
   for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total;
        t += gridDim.x * int64_t{blockDim.x}) {
     const bool q_side = t < nq;
@@ -144,8 +208,17 @@ static __global__ void __launch_bounds__(256) SegmentTileKernel(const FlashParam
         z = max(z, r.y);
       }
     }
-    const_cast<int2*>(q_side ? s.q_tiles : s.kv_tiles)[i] =
-        a < z ? make_int2(a, z) : make_int2(0, 0);
+    if (!q_side) {
+      const_cast<int2*>(s.kv_tiles)[i] = a < z ? make_int2(a, z) : make_int2(0, 0);
+      continue;
+    }
+    const int2* keys = q_keys + i / per_row * chunks;
+    int2 run = keys[c0];
+    for (int c = c0 + 1; c < min(c0 + k, chunks); ++c) {
+      if (keys[c].x != run.x || keys[c].y != run.y) run = make_int2(-1, -1);
+    }
+    const_cast<int4*>(s.q_tiles)[i] =
+        a < z ? make_int4(a, z, run.x, run.y) : make_int4(0, 0, -1, -1);
   }
 }
 
@@ -178,10 +251,12 @@ static inline cudaError_t RunSegmentPrepass(const FlashParams& p, int q_chunk, i
   s.kv_tile_chunks = kv_tile_chunks;
   s.num_q_tiles = (s.num_q_chunks + q_tile_chunks - 1) / q_tile_chunks;
   s.num_kv_tiles = (s.num_kv_chunks + kv_tile_chunks - 1) / kv_tile_chunks;
-  s.q_tiles = reinterpret_cast<const int2*>(base + lay.q_tiles);
+  s.q_tiles = reinterpret_cast<const int4*>(base + lay.q_tiles);
   s.kv_tiles = reinterpret_cast<const int2*>(base + lay.kv_tiles);
+  s.tile_counter = reinterpret_cast<int*>(base + lay.tile_counter);
   int2* q_mm = reinterpret_cast<int2*>(base + lay.q_mm);
   int2* kv_mm = reinterpret_cast<int2*>(base + lay.kv_mm);
+  int2* q_keys = reinterpret_cast<int2*>(base + lay.q_keys);
   const int64_t warps = (static_cast<int64_t>(s.num_q_chunks) + s.num_kv_chunks) * p.batch;
   if (warps > 0) {
     const int64_t cap = static_cast<int64_t>(sm_count > 0 ? sm_count : 132) * 16;
@@ -189,9 +264,9 @@ static inline cudaError_t RunSegmentPrepass(const FlashParams& p, int q_chunk, i
     segments_detail::SegmentChunkKernel<<<blocks, 256, 0, stream>>>(p, s, q_mm, kv_mm);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
-    segments_detail::SegmentSpanKernel<<<blocks, 256, 0, stream>>>(p, s, q_mm, kv_mm);
+    segments_detail::SegmentSpanKernel<<<blocks, 256, 0, stream>>>(p, s, q_mm, kv_mm, q_keys);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
-    segments_detail::SegmentTileKernel<<<blocks, 256, 0, stream>>>(p, s);
+    segments_detail::SegmentTileKernel<<<blocks, 256, 0, stream>>>(p, s, q_keys);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   *out = s;
@@ -200,9 +275,9 @@ static inline cudaError_t RunSegmentPrepass(const FlashParams& p, int q_chunk, i
 
 // ------------------------------------------------------------- kernel pieces
 
-// Narrows the other side's block range [*lo, *hi) (in chunks of that side)
-// to a tile's span {first, end} (SegmentBlocks::q_tiles / kv_tiles); empty
-// (*hi = *lo) when the span is.
+// Narrows a key tile's query block range [*lo, *hi) (in query chunks) to its
+// span {first, end} (SegmentBlocks::kv_tiles); empty (*hi = *lo) when the
+// span is.
 __device__ __forceinline__ void NarrowToTileSpan(int2 span, int* lo, int* hi) {
   *lo = max(*lo, span.x);
   *hi = max(*lo, min(*hi, span.y));

@@ -24,18 +24,24 @@ struct SegmentBlocks {
   // The spans' unions per kernel tile of q_tile_chunks query chunks (the
   // forward's tiles) and kv_tile_chunks key chunks (the backward's), as
   // {first, end}: one load where a tile starts, for roles with few registers.
-  const int2* q_tiles = nullptr;   // [B, num_q_tiles]
+  // A query tile also carries {key_first, key_end}: when all its rows hold one
+  // id and that id's keys are the one run [key_first, key_end), the tile is a
+  // key range (no id test; its key blocks start at the run); -1, -1 otherwise.
+  const int4* q_tiles = nullptr;   // [B, num_q_tiles]: {first, end, key_first, key_end}
   const int2* kv_tiles = nullptr;  // [B, num_kv_tiles]
   int q_tile_chunks = 1, kv_tile_chunks = 1;
   int num_q_tiles = 0, num_kv_tiles = 0;  // per batch entry
+  // The persistent forward's next tile (fwd_sm90_kernel.cuh), zeroed by the
+  // pre-pass.
+  int* tile_counter = nullptr;
 };
 
 inline bool HasSegmentIds(const FlashParams& p) { return p.q_segment_ids != nullptr; }
 
 // Scratch of the pre-pass, laid out from `base` (256-byte aligned parts).
 struct SegmentScratch {
-  size_t q_mm = 0, kv_mm = 0, q_span = 0, kv_span = 0, q_ids = 0, kv_ids = 0;
-  size_t q_tiles = 0, kv_tiles = 0, bytes = 0;
+  size_t q_mm = 0, kv_mm = 0, q_span = 0, kv_span = 0, q_ids = 0, kv_ids = 0, q_keys = 0;
+  size_t q_tiles = 0, kv_tiles = 0, tile_counter = 0, bytes = 0;
 };
 
 // Chunks of q_chunk query rows / kv_chunk keys; kernel tiles of
@@ -56,9 +62,11 @@ inline SegmentScratch SegmentScratchLayout(const FlashParams& p, int q_chunk, in
   s.kv_span = s.q_span + align(nq * 16);
   s.q_ids = s.kv_span + align(nk * 16);
   s.kv_ids = s.q_ids + align(nq * q_chunk * 4);
-  s.q_tiles = s.kv_ids + align(nk * kv_chunk * 4);
-  s.kv_tiles = s.q_tiles + align(tq * 8);
-  s.bytes = s.kv_tiles + align(tk * 8);
+  s.q_keys = s.kv_ids + align(nk * kv_chunk * 4);
+  s.q_tiles = s.q_keys + align(nq * 8);
+  s.kv_tiles = s.q_tiles + align(tq * 16);
+  s.tile_counter = s.kv_tiles + align(tk * 8);
+  s.bytes = s.tile_counter + align(sizeof(int));
   return s;
 }
 
