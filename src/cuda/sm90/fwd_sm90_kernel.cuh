@@ -614,8 +614,9 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
   // With segment ids the tiles' lengths follow the documents, unknown to the
   // host: the persistent grid's blocks draw their tiles from a counter in
   // the tiles' order (longest first per head under a causal mask) as they
-  // finish the previous one, instead of a fixed walk.
-  const bool draws_tiles = kPersistent && segments;
+  // finish the previous one, instead of a fixed walk. (S == 0: the producer
+  // loads nothing and hands out nothing; every tile writes O = 0 alone.)
+  const bool draws_tiles = kPersistent && segments && args.p.seqlen_k > 0;
   int num_items = 1;
   // After sk_rounds rounds of whole tiles: the tail piece [0, sk_tail_end)
   // of sk_tail_tile (if sk_tail_end > 0), the whole tiles [sk_whole_begin,
