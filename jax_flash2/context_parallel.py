@@ -301,18 +301,14 @@ def _update_rows(x, axis: int, start: int, update):
   return jax.lax.dynamic_update_slice_in_dim(x, update.astype(x.dtype), start, axis=axis)
 
 
-def _rows(x, axis: int, start: int, stop: int):
-  return jax.lax.slice_in_dim(x, start, stop, axis=axis)
-
-
 def _forward_pairs(cfg, state, q, kv, pairs):
   out, lse = state
   k, v, kv_ids = kv
   q, q_ids = q
   for p in pairs:
     block_out, block_lse = _block_forward(cfg, q, k, v, q_ids, kv_ids, p)
-    new_out, new_lse = _merge(_rows(out, 1, p.q0, p.q1), _rows(lse, 2, p.q0, p.q1), block_out,
-                              block_lse)
+    rows = slice(p.q0, p.q1)
+    new_out, new_lse = _merge(out[:, rows], lse[:, :, rows], block_out, block_lse)
     out = _update_rows(out, 1, p.q0, new_out)
     lse = _update_rows(lse, 2, p.q0, new_lse)
   return out, lse
@@ -328,9 +324,9 @@ def _backward_pairs(cfg, state, res, kv, pairs):
         cfg, q[:, rows], k[:, cols], v[:, cols], out[:, rows], lse[:, :, rows],
         d_out[:, rows], d_lse[:, :, rows], None if q_ids is None else q_ids[:, rows],
         None if kv_ids is None else kv_ids[:, cols], p.window)
-    dq = _update_rows(dq, 1, p.q0, _rows(dq, 1, p.q0, p.q1) + gq.astype(jnp.float32))
-    dk = _update_rows(dk, 1, p.k0, _rows(dk, 1, p.k0, p.k1) + gk.astype(jnp.float32))
-    dv = _update_rows(dv, 1, p.k0, _rows(dv, 1, p.k0, p.k1) + gv.astype(jnp.float32))
+    dq = _update_rows(dq, 1, p.q0, dq[:, rows] + gq.astype(jnp.float32))
+    dk = _update_rows(dk, 1, p.k0, dk[:, cols] + gk.astype(jnp.float32))
+    dv = _update_rows(dv, 1, p.k0, dv[:, cols] + gv.astype(jnp.float32))
   return dq, dk, dv
 
 

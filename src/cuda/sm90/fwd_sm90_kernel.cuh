@@ -249,7 +249,9 @@ struct FwdSm90TileSpan {
 // [lo, hi) counted from its first visible block, merged through `slot`;
 // slot -1: the whole tile).
 struct FwdSm90Item {
+  static constexpr int kAllBlocks = 1 << 30;  // hi of a piece that runs to the tile's end
   int tile, lo, hi, slot;
+  __device__ static FwdSm90Item Whole(int tile) { return {tile, 0, kAllBlocks, -1}; }
 };
 
 // The producer (warpgroup 0; one thread loads): per item, Q, then K and V
@@ -283,7 +285,7 @@ __device__ __forceinline__ void FwdSm90Producer(const FwdSm90Args& args, int num
         *buf.next_tile = tile;
         MbarArrive(buf.next_full);
         if (tile >= args.num_tiles) break;
-        it = FwdSm90Item{tile, 0, 1 << 30, -1};
+        it = FwdSm90Item::Whole(tile);
       } else {
         it = item_at(i);
         if (it.tile >= args.num_tiles) continue;
@@ -560,6 +562,11 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
   // Where tile `tile` lies, and the key blocks [n_first, n_end) that some
   // query of it may see.
   using Tile = FwdSm90TileSpan;
+  // The pre-pass's summary of the query tile at row_begin of batch entry b
+  // (SegmentBlocks::q_tiles).
+  const auto q_tile_span = [&](int b, int row_begin) {
+    return args.seg.q_tiles[b * args.seg.num_q_tiles + row_begin / kBlockM];
+  };
   auto locate = [&](int tile) {
     Tile t;
     const int num_m = args.num_m_blocks;
@@ -576,7 +583,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
       // Segment ids: only the key blocks whose ids may match an id of the
       // tile's rows; a one-document tile sees exactly its document's keys,
       // in blocks that start where they do.
-      const int4 span = args.seg.q_tiles[t.b * args.seg.num_q_tiles + t.row_begin / kBlockM];
+      const int4 span = q_tile_span(t.b, t.row_begin);
       if (span.z >= 0) {
         key_begin = max(key_begin, int64_t{span.z});
         key_end = min(key_end, int64_t{span.w});
@@ -647,8 +654,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
     }
   }
   const auto item_at = [&](int i) {
-    constexpr int kAll = 1 << 30;
-    if (!stream_k || i < sk_rounds) return Item{tile_of_round(i), 0, kAll, -1};
+    if (!stream_k || i < sk_rounds) return Item::Whole(tile_of_round(i));
     i -= sk_rounds;
     // The piece that ends this block's range starts its tile: the next block
     // computes the rest of it last, so this one goes first.
@@ -656,8 +662,8 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
       if (i == 0) return Item{sk_tail_tile, 0, sk_tail_end, static_cast<int>(blockIdx.x)};
       --i;
     }
-    if (i < sk_tail_tile - sk_whole_begin) return Item{sk_whole_begin + i, 0, kAll, -1};
-    return Item{sk_head_tile, sk_head_begin, kAll, static_cast<int>(blockIdx.x) - 1};
+    if (i < sk_tail_tile - sk_whole_begin) return Item::Whole(sk_whole_begin + i);
+    return Item{sk_head_tile, sk_head_begin, Item::kAllBlocks, static_cast<int>(blockIdx.x) - 1};
   };
   // Where item `it` lies: its tile, with the key blocks narrowed to the piece.
   const auto locate_item = [&](const Item& it) {
@@ -882,7 +888,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
       const int tile = *static_cast<volatile int*>(c.buf.next_tile);
       release(c.buf.next_empty);
       if (tile >= args.num_tiles) break;
-      it = FwdSm90Item{tile, 0, 1 << 30, -1};
+      it = FwdSm90Item::Whole(tile);
     } else {
       it = item_at(item);
       if (it.tile >= args.num_tiles) continue;
@@ -933,7 +939,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
       int seg_begin = 0, seg_end = 0;  // keys of the blocks that skip the id test
       if (!tl.id_test) {
         // One document: its key run, a range like the window's.
-        const int4 span = args.seg.q_tiles[tl.b * args.seg.num_q_tiles + tl.row_begin / kBlockM];
+        const int4 span = q_tile_span(tl.b, tl.row_begin);
         seg_begin = span.z;
         seg_end = span.w;
 #pragma unroll

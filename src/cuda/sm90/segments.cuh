@@ -102,16 +102,15 @@ __device__ __forceinline__ IdRun FindIdRun(const int32_t* chunk_ids, int kv_chun
 // The keys [first, end) of id x when they form one run within key chunks
 // [c0, c1] (every chunk strictly between holds only x), else {-1, -1}.
 // Warp-wide; every lane gets the answer.
-__device__ __forceinline__ int2 KeyRunOf(const SegmentBlocks& s, const int2* kv_mm_row,
-                                         const int32_t* kv_ids_row, int32_t x, int c0, int c1,
-                                         int lane) {
+__device__ __forceinline__ int2 KeyRunOf(const int2* kv_mm_row, const int32_t* kv_ids_row,
+                                         int kv_chunk, int32_t x, int c0, int c1, int lane) {
   bool interior = true;
   for (int j = c0 + 1 + lane; j < c1; j += 32) {
     const int2 o = kv_mm_row[j];
     interior = interior && o.x == x && o.y == x;
   }
   if (!__all_sync(0xffffffffu, interior)) return make_int2(-1, -1);
-  const int n = s.kv_chunk;
+  const int n = kv_chunk;
   const IdRun a = FindIdRun(kv_ids_row + c0 * n, n, x, lane);
   if (a.count == 0 || a.count != a.last - a.first + 1) return make_int2(-1, -1);
   if (c0 == c1) return make_int2(c0 * n + a.first, c0 * n + a.last + 1);
@@ -163,7 +162,8 @@ static __global__ void __launch_bounds__(256) SegmentSpanKernel(const FlashParam
       int2 run = make_int2(-1, -1);
       if (uniform && first <= last) {
         const int64_t b = c / per_row;
-        run = KeyRunOf(s, other, s.kv_ids + b * other_n * s.kv_chunk, own.x, first, last, lane);
+        run = KeyRunOf(other, s.kv_ids + b * other_n * s.kv_chunk, s.kv_chunk, own.x, first,
+                       last, lane);
       }
       if (lane == 0) q_keys[c] = run;
     }
