@@ -207,6 +207,10 @@ def main(argv=None):
                  "page 0 = contiguous), e.g. 16:uniform:64")
   p.add_argument("--no-baselines", action="store_true", help="ours alone")
   p.add_argument("--s-max", type=int, default=S_MAX, help="cache capacity (a smoke test: small)")
+  p.add_argument("--dtypes", nargs="*", choices=("bfloat16", "float8_e4m3fn", "int8"),
+                 help="cache dtypes of the appending rows (default: all three, none with --rows)")
+  p.add_argument("--dtype-rows", nargs="*", default=["16:uniform:64"],
+                 help="the appending rows' B:kind:page (default 16:uniform:64)")
   args = p.parse_args(argv)
   globals()["S_MAX"] = args.s_max
   batches = (1, 16, 64) if not args.quick else (1, 16)
@@ -223,12 +227,15 @@ def main(argv=None):
     rows.append(row(args, b, kind, pg,
                     baselines=not args.no_baselines and (b < 64 or not args.quick)))
     print(markdown(rows[-1:], "").splitlines()[-1], flush=True)
-  b = 16
-  # Quantized caches append as they attend: with a loop-invariant cache XLA
-  # hoists its dequantized copy out of the loop, and the step would not pay it.
-  for dtype in (jnp.bfloat16, jnp.float8_e4m3fn, jnp.int8) if args.rows is None else ():
-    rows.append(row(args, b, "uniform", 64, dtype=dtype, append=True, baselines=False))
-    print(markdown(rows[-1:], "").splitlines()[-1], flush=True)
+  # The cache dtypes' rows append as they attend: over a loop-invariant
+  # quantized cache XLA would hoist a dequantized copy out of the loop.
+  dtypes = args.dtypes if args.dtypes is not None else (
+      ("bfloat16", "float8_e4m3fn", "int8") if args.rows is None else ())
+  for b, kind, pg in ([int(b), "one long" if k == "long" else k, int(pg)]
+                      for b, k, pg in (r.split(":") for r in args.dtype_rows)):
+    for dtype in dtypes:
+      rows.append(row(args, b, kind, pg, dtype=jnp.dtype(dtype), append=True, baselines=False))
+      print(markdown(rows[-1:], "").splitlines()[-1], flush=True)
   _report.emit(markdown(rows, _report.command()), args.out)
 
 

@@ -445,8 +445,8 @@ def _kernel(q, k_cache, v_cache, lengths, block_table, config, layout, alibi_slo
   def cuda():
     # float32 has no CUDA decode kernel: it takes the gathered path, whose
     # flash_attention runs float32 as the other CUDA float32 calls do. A
-    # quantized cache goes to the decode kernel where its plan takes one
-    # (JAX_FLASH2_DECODE_QUANT=1), else as a q-dtype copy made here.
+    # quantized cache goes to the decode kernel itself where its plan takes
+    # one (D % 16 == 0), else as a q-dtype copy made here.
     decode = lambda kc, vc: q.dtype != jnp.float32 and _decode_kernel_serves(
         q, kc, vc, block_table, config, alibi_slopes)
     if decode(k_cache, v_cache):
@@ -569,9 +569,10 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
       stored value x_q stands for x_q * scale (int8: symmetric, |x_q| <=
       127; float8_e4m3fn: |x_q| <= 448); appended tokens are stored as
       round / saturate(x / scale). The reference dequantizes before the
-      products; the CPU kernels dequantize each row as they load it (no
-      copy); the CUDA kernels read a q-dtype copy made by XLA (a pass over
-      the whole cache per call; no in-kernel dequantization on CUDA yet).
+      products; the CPU kernels dequantize each row as they load it, and the
+      CUDA decode kernel in registers (no copy, half the bytes read); calls
+      it does not serve read a q-dtype copy made by XLA (kvcache.plan
+      says which).
     implementation: None or "kernel" (the platform's kernels), or
       "reference" (plain JAX; gathers the pages and materializes the scores).
       The CPU kernels read the cache directly. On CUDA the decode kernel

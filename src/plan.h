@@ -368,12 +368,9 @@ inline std::string KvCacheUnserved(const FlashParams& p, const DeviceInfo& dev) 
            std::to_string(p.head_dim);
   }
   if (p.kv_quant != KvQuant::kNone) {
-    // The in-kernel dequantization is correct but measured slower than the
-    // bfloat16 step (B16 paged 64 appending: fp8 378 us, int8 390 us, bf16 349
-    // us on the H200): off unless asked for.
     if (!GetTestSwitches().decode_quant) {
       return "KV cache: int8 / float8_e4m3fn caches are dequantized by XLA for the CUDA kernels "
-             "(JAX_FLASH2_DECODE_QUANT=1: the decode kernel dequantizes them itself)";
+             "(JAX_FLASH2_DECODE_QUANT=0)";
     }
     if (p.head_dim % 16 != 0) {
       return "KV cache: an int8 / float8_e4m3fn cache needs head_dim D % 16 == 0 in the decode "

@@ -9,10 +9,9 @@
 //                                launched as plain stream-ordered grids, not as
 //                                programmatic dependents (cc 9.0)
 //   JAX_FLASH2_SM90_BACKWARD=0   the backward runs the sm80 kernels on cc 9.0
-//   JAX_FLASH2_DECODE_QUANT=1    the decode kernel dequantizes int8 / fp8 KV
-//                                caches itself (correct, but slower than the
-//                                bfloat16 step on the H200; off: the kernels
-//                                read XLA's dequantized copy)
+//   JAX_FLASH2_DECODE_QUANT=0    int8 / fp8 KV caches reach the decode kernel
+//                                as XLA's dequantized copy instead of being
+//                                dequantized by the kernel itself
 //   JAX_FLASH2_KV_SPLIT_KEYS=N   a KV-cache decode call splits its keys in
 //                                shares of N (instead of the plan's rule)
 //   JAX_FLASH2_MAX_SMEM_PER_BLOCK=N
@@ -34,7 +33,7 @@ namespace jax_flash2 {
 struct TestSwitches {
   bool decode_kernel = true;
   bool decode_pdl = true;
-  bool decode_quant = false;
+  bool decode_quant = true;
   bool sm90_backward = true;
   int64_t max_smem_per_block = 0;  // 0: the device's own limit
   int64_t kv_split_keys = 0;       // 0: the plan's default
@@ -48,8 +47,7 @@ inline TestSwitches ReadTestSwitches() {
   TestSwitches s;
   s.decode_kernel = !off("JAX_FLASH2_DECODE_KERNEL");
   s.decode_pdl = !off("JAX_FLASH2_DECODE_PDL");
-  const char* quant = std::getenv("JAX_FLASH2_DECODE_QUANT");
-  s.decode_quant = quant != nullptr && std::strcmp(quant, "1") == 0;
+  s.decode_quant = !off("JAX_FLASH2_DECODE_QUANT");
   s.sm90_backward = !off("JAX_FLASH2_SM90_BACKWARD");
   if (const char* v = std::getenv("JAX_FLASH2_MAX_SMEM_PER_BLOCK")) {
     const long long n = std::strtoll(v, nullptr, 10);

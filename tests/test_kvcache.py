@@ -299,7 +299,7 @@ def test_quantized_cache_against_oracle_on_dequantized_values(implementation, dt
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU kernels' path (on CUDA "
-                    "the kernels read XLA's copy unless JAX_FLASH2_DECODE_QUANT=1)")
+                    "the decode kernel reads it: test_kvcache_gpu.py)")
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
 def test_cpu_kernels_read_the_quantized_cache_itself(dtype):
   """The CPU kernel takes the int8 / fp8 contiguous cache and its [K] scales
@@ -372,28 +372,27 @@ if jax_flash2._ext.cuda_ext is not None:  # lowering for CUDA needs the extensio
 """
 
 
-@pytest.mark.parametrize("switch", [None, "1"])
+@pytest.mark.parametrize("switch", [None, "0"])
 def test_plan_and_cuda_lowering_of_a_quantized_cache(switch, tmp_path):
-  """On CUDA the decode kernel reads an int8 cache itself only under
-  JAX_FLASH2_DECODE_QUANT=1 (read once per process): the plan says so, and
-  the call lowered for CUDA hands the kernel the int8 pool and the kv_scales
-  operand [B, 2, max_pages, K]. Otherwise the plan names the kernel that
-  reads XLA's bfloat16 copy, and the call passes that copy and a zero-size
-  stand-in."""
+  """On CUDA the decode kernel reads an int8 cache itself: the plan says so,
+  and the call lowered for CUDA hands the kernel the int8 pool and the
+  kv_scales operand [B, 2, max_pages, K]. Under JAX_FLASH2_DECODE_QUANT=0
+  (read once per process) the plan names the kernel that reads XLA's
+  bfloat16 copy, and the call passes that copy and a zero-size stand-in."""
   env = package_env(JAX_PLATFORMS="cpu", **({"JAX_FLASH2_DECODE_QUANT": switch} if switch else {}))
   out = subprocess.run([sys.executable, "-c", _QUANT_PLAN_AND_LOWERING], env=env,
                        capture_output=True, text=True, timeout=300, check=True,
                        cwd=tmp_path).stdout.splitlines()
   kernel, reason = (x.strip() for x in out[0].split("|"))
   assert kernel == "sm80-decode", out
-  if switch:
+  if not switch:
     assert "copy" not in reason, out
   else:
-    assert "bfloat16 copy" in reason and "JAX_FLASH2_DECODE_QUANT=1" in reason, out
+    assert "bfloat16 copy" in reason and "JAX_FLASH2_DECODE_QUANT=0" in reason, out
   if jax_flash2._ext.cuda_ext is None:
     return
   operands = re.findall(r"tensor<[^>]*>", out[1].split("->")[0])
-  if switch:
+  if not switch:
     assert "tensor<64x16x8x128xi8>" in operands and "tensor<8x2x256x8xf32>" in operands, out
   else:
     assert "tensor<64x16x8x128xbf16>" in operands and "tensor<0xf32>" in operands, out

@@ -117,9 +117,8 @@ def test_append_in_place_on_gpu():
                                 np.asarray(k_new[1, 0], np.float32))
 
 
-# The decode kernel's own dequantization (off by default: JAX_FLASH2_DECODE_QUANT,
-# read once per process, so in a process of its own): int8 and fp8 caches,
-# contiguous (per-head scales) and paged (per-page scales), every head-dim
+# The decode kernel's own dequantization (in a process of its own): int8 and
+# fp8 caches, contiguous (per-head scales) and paged (per-page scales), every head-dim
 # bucket, bfloat16 and float16 q, against the reference on the same stored values.
 _QUANTIZED_DECODE = """
 import jax, jax.numpy as jnp, numpy as np
@@ -168,7 +167,7 @@ def test_quantized_caches_in_the_decode_kernel(tmp_path):
   import sys
 
   from conftest import package_env
-  env = package_env(JAX_FLASH2_DECODE_QUANT="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  env = package_env(XLA_PYTHON_CLIENT_PREALLOCATE="false")
   out = subprocess.run([sys.executable, "-c", _QUANTIZED_DECODE], env=env, capture_output=True,
                        text=True, timeout=600, cwd=tmp_path)
   assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-4000:]

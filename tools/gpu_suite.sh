@@ -15,7 +15,7 @@
 #   NCU=1       ncu sections of the Hopper backward kernel
 #   VARIANTS=1  the variant benchmark table alone
 #   QUANT=1     the decode kernel's int8 / fp8 dequantization: its GPU test,
-#               then the KV-cache table with it (JAX_FLASH2_DECODE_QUANT=1)
+#               then the KV-cache table
 #   BENCH=1     the benchmark grid and the variant table
 set -u
 export PYTHONUNBUFFERED=1
@@ -61,7 +61,7 @@ aux_jobs() {
     echo "== quantized KV caches in the decode kernel"
     (cd tests && XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 python3 -m pytest -q \
       -p no:cacheprovider test_kvcache_gpu.py -k quantized 2>&1 | tail -15)
-    (cd benchmarks && JAX_FLASH2_DECODE_QUANT=1 timeout 240 python3 kvcache_bench.py --quick \
+    (cd benchmarks && timeout 240 python3 kvcache_bench.py --quick \
       --steps 20 --warmup 0.2 --out "$OUT/kvcache_quant.md" 2>&1 | grep -A30 "^Command")
   fi
   if [ "${VARIANTS:-0}" = 1 ]; then

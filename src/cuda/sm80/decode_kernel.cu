@@ -114,13 +114,24 @@ __device__ __forceinline__ void LoadSwizzledChunk(Elem* tile, const Elem* head_b
 }
 
 // A quantized cache (int8 or float8_e4m3fn; Cache names the element type):
-// the warp stages a chunk's bytes with cp.async, then writes them as float16
-// into a swizzled tile that the float16 mma path reads like any other. Both
-// element types are exact in float16 (integers up to 127; every e4m3 value),
-// so the scales stay out of the tiles: k's multiply S, v's multiply P (as a
-// ratio to the block's first v scale, folded back in at the end). Q is
-// float16 too, each row scaled by a power of two that puts its largest
-// |q| in [2^14, 2^15): bfloat16's range fits, its 8-bit significands are exact.
+// a warp's chunks stay bytes in its ring, which then holds twice the 16-bit
+// kernel's chunks in the same shared memory, and the mma fragments are read
+// from them with ldmatrix and converted in registers. Both element types are
+// exact in float16 (integers up to 127; every e4m3 value), so the scales
+// stay out of the tiles: k's multiply S, v's multiply P (as a ratio to the
+// block's first v scale, folded back in at the end). Q is float16 too, each
+// row scaled by a power of two that puts its largest |q| in [2^14, 2^15):
+// bfloat16's range fits, its 8-bit significands are exact.
+//
+// Byte tiles: rows of kHeadDim bytes, 16-byte chunk c of row r stored at
+// c ^ QuantSwizzle(r), so that the 8 rows an ldmatrix reads (8 consecutive
+// keys, one chunk) hit distinct banks; D 64 packs two rows in a 128-byte line.
+template <int kHeadDim>
+__device__ __forceinline__ int QuantSwizzle(int row) {
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256);
+  return kHeadDim >= 128 ? row % 8 : (row / 2) % 4;
+}
+
 template <class Tr, int kRows, typename Cache>
 __device__ __forceinline__ void LoadStagedChunk(uint8_t* stage, const Cache* head_base,
                                                 const int64_t (&off)[2], int64_t row_stride,
@@ -140,59 +151,128 @@ __device__ __forceinline__ void LoadStagedChunk(uint8_t* stage, const Cache* hea
     const bool valid = r < num_rows && off[half] >= 0 && c * 16 < head_dim;
     const Cache* src = valid ? head_base + off[half] + (r - 16 * half) * row_stride + c * 16
                              : head_base;
-    CpAsync16(stage + r * Tr::kHeadDim + c * 16, src, valid, l2_policy);
+    CpAsync16(stage + r * Tr::kHeadDim + 16 * (c ^ QuantSwizzle<Tr::kHeadDim>(r)), src, valid,
+              l2_policy);
   }
 }
 
-// Four cache elements (one 32-bit word) as two float16 pairs, exactly.
-template <typename Cache>
-__device__ __forceinline__ void QuantizedToHalf4(uint32_t word, uint32_t* lo, uint32_t* hi) {
+// Bytes kLo and kHi of a word of cache elements as a float16 pair, exactly.
+template <typename Cache, int kLo, int kHi>
+__device__ __forceinline__ uint32_t BytesToHalf2(uint32_t word) {
   if constexpr (std::is_same_v<Cache, int8_t>) {
-    // x + 128 into the low byte of float16 1024 (0x6400): 1024 + 128 + x,
-    // exact (the spacing there is 1); subtracting 1152 leaves x.
-    const uint32_t biased = word ^ 0x80808080u;
-    const __half2 offset = __halves2half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480));
-    uint32_t a = __byte_perm(biased, 0x64646464u, 0x5140);
-    uint32_t b = __byte_perm(biased, 0x64646464u, 0x7362);
-    const __half2 ha = __hsub2(*reinterpret_cast<__half2*>(&a), offset);
-    const __half2 hb = __hsub2(*reinterpret_cast<__half2*>(&b), offset);
-    *lo = *reinterpret_cast<const uint32_t*>(&ha);
-    *hi = *reinterpret_cast<const uint32_t*>(&hb);
+    // x + 128 into the low byte of float16 1024 (0x64 high byte): 1024 + 128
+    // + x, exact (the spacing there is 1); subtracting 1152 leaves x.
+    const uint32_t biased =
+        __byte_perm(word ^ 0x80808080u, 0x64646464u, kLo | 0x40 | (kHi << 8) | 0x4000);
+    const __half2 x = __hsub2(*reinterpret_cast<const __half2*>(&biased),
+                              __half2half2(__ushort_as_half(0x6480)));
+    return *reinterpret_cast<const uint32_t*>(&x);
   } else {
-    const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(
-        static_cast<__nv_fp8x2_storage_t>(word & 0xffffu), __NV_E4M3);
-    const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(
-        static_cast<__nv_fp8x2_storage_t>(word >> 16), __NV_E4M3);
-    *lo = static_cast<uint32_t>(a.x) | (static_cast<uint32_t>(a.y) << 16);
-    *hi = static_cast<uint32_t>(b.x) | (static_cast<uint32_t>(b.y) << 16);
+    const uint32_t pair = __byte_perm(word, 0u, kLo | (kHi << 4));
+    const __half2_raw x = __nv_cvt_fp8x2_to_halfraw2(
+        static_cast<__nv_fp8x2_storage_t>(pair & 0xffffu), __NV_E4M3);
+    return static_cast<uint32_t>(x.x) | (static_cast<uint32_t>(x.y) << 16);
   }
 }
 
-// One warp's staged chunk (kRows rows of kHeadDim bytes) as float16 in a
-// swizzled tile (SwizzledOffset): 16 bytes in, two 16-byte chunks out.
-template <int kHeadDim, int kRows, typename Cache>
-__device__ __forceinline__ void DequantizeChunk(const uint8_t* stage, __half* tile, int lane) {
-  constexpr int kPiecesPerRow = kHeadDim / 16;
+// Where ScaleQToHalf stores Q's column d: within each 16 columns, column
+// 4 t + e goes to 2 t + e % 2 + 8 (e / 2), the k index at which
+// ComputeSQuantized's K fragments hold key column 4 t + e (a permutation of
+// the summed dimension: S is unchanged).
+__device__ __forceinline__ int QuantizedQColumn(int d) {
+  const int c = d % 16;
+  return d - c + 2 * (c / 4) + c % 2 + 8 * ((c / 2) % 2);
+}
+
+// S = Q K^T from a byte K tile. An ldmatrix of 8 keys x 16 bytes gives lane
+// (g, t4) key g's bytes 4 t4 .. 4 t4 + 3, as two float16 pairs its B
+// fragment at k indices 2 t4 + {0, 1} and 2 t4 + {8, 9} (QuantizedQColumn);
+// one x4 covers four 16-column steps. k_lane: this lane's row (lane % 8) in
+// the tile; k_y16: 16 * ((lane / 8) ^ QuantSwizzle(lane % 8)).
+template <class Tr, typename Cache>
+__device__ __forceinline__ void ComputeSQuantized(float (&s)[Tr::kMTiles][Tr::kNTiles][4],
+                                                  fwd::PaddedTileAt<Tr::kQStride> q_at,
+                                                  uint32_t k_lane, uint32_t k_y16, int head_dim) {
 #pragma unroll
-  for (int i = 0; i < kRows * kPiecesPerRow / 32; ++i) {
-    const int idx = lane + 32 * i;
-    const int r = idx / kPiecesPerRow, c = idx % kPiecesPerRow;
-    const uint4 raw = *reinterpret_cast<const uint4*>(stage + r * kHeadDim + c * 16);
-    uint4 first, second;
-    QuantizedToHalf4<Cache>(raw.x, &first.x, &first.y);
-    QuantizedToHalf4<Cache>(raw.y, &first.z, &first.w);
-    QuantizedToHalf4<Cache>(raw.z, &second.x, &second.y);
-    QuantizedToHalf4<Cache>(raw.w, &second.z, &second.w);
-    *reinterpret_cast<uint4*>(tile + SwizzledOffset<kHeadDim>(r, 2 * c)) = first;
-    *reinterpret_cast<uint4*>(tile + SwizzledOffset<kHeadDim>(r, 2 * c + 1)) = second;
+  for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+    for (int nt = 0; nt < Tr::kNTiles; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[mt][nt][i] = 0.f;
+    }
+  }
+#pragma unroll
+  for (int sg = 0; sg < Tr::kHeadDim / 64; ++sg) {
+    if (sg * 64 >= head_dim) break;  // zero padding columns contribute nothing
+    uint32_t kf[Tr::kNTiles][4];  // [n8 tile][16-column step 4 sg + j]
+#pragma unroll
+    for (int nt = 0; nt < Tr::kNTiles; ++nt) {
+      fwd::LdMatrixX4At(kf[nt], k_lane + nt * 8 * Tr::kHeadDim + ((64 * sg) ^ k_y16));
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t a[Tr::kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < Tr::kMTiles; ++mt) fwd::LdMatrixX4At(a[mt], q_at(mt, 4 * sg + j));
+#pragma unroll
+      for (int nt = 0; nt < Tr::kNTiles; ++nt) {
+        const uint32_t b[2] = {BytesToHalf2<Cache, 0, 1>(kf[nt][j]),
+                               BytesToHalf2<Cache, 2, 3>(kf[nt][j])};
+#pragma unroll
+        for (int mt = 0; mt < Tr::kMTiles; ++mt) Mma16816<__half>(s[mt][nt], a[mt], b);
+      }
+    }
+  }
+}
+
+// O += P V from a byte V tile. ldmatrix.trans of 8 keys x 16 bytes gives lane
+// (g, t4) bytes 2 g and 2 g + 1 of keys 2 t4 and 2 t4 + 1: the even bytes are
+// the B fragment of column 2 g, the odd ones that of 2 g + 1. So each
+// 16-column step c is two n8 mmas, over its even and its odd columns:
+// o[2 c] holds columns 16 c + 4 t4 + {0, 2}, o[2 c + 1] columns
+// 16 c + 4 t4 + {1, 3} (the merge writes them in order). v_lane: this lane's
+// row (8 ((lane / 8) % 2) + lane % 8); v_y16: 16 * ((lane / 16) ^
+// QuantSwizzle(lane % 8)).
+template <class Tr, typename Cache>
+__device__ __forceinline__ void AccumulatePVQuantized(
+    const float (&s)[Tr::kMTiles][Tr::kNTiles][4], float (&o)[Tr::kMTiles][Tr::kDTiles][4],
+    uint32_t v_lane, uint32_t v_y16, int head_dim) {
+#pragma unroll
+  for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
+    uint32_t a[Tr::kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+      a[mt][0] = PackFloat2<__half>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+      a[mt][1] = PackFloat2<__half>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+      a[mt][2] = PackFloat2<__half>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+      a[mt][3] = PackFloat2<__half>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int cp = 0; cp < Tr::kHeadDim / 32; ++cp) {
+      if (cp * 32 >= head_dim) break;  // padding columns of O are never written
+      uint32_t vf[4];  // (keys 0-7, step 2 cp), (8-15, 2 cp), (0-7, 2 cp + 1), (8-15, 2 cp + 1)
+      fwd::LdMatrixX4TransAt(vf, v_lane + kk * 16 * Tr::kHeadDim + ((32 * cp) ^ v_y16));
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const uint32_t even[2] = {BytesToHalf2<Cache, 0, 2>(vf[2 * c]),
+                                  BytesToHalf2<Cache, 0, 2>(vf[2 * c + 1])};
+        const uint32_t odd[2] = {BytesToHalf2<Cache, 1, 3>(vf[2 * c]),
+                                 BytesToHalf2<Cache, 1, 3>(vf[2 * c + 1])};
+#pragma unroll
+        for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+          Mma16816<__half>(o[mt][2 * (2 * cp + c)], a[mt], even);
+          Mma16816<__half>(o[mt][2 * (2 * cp + c) + 1], a[mt], odd);
+        }
+      }
+    }
   }
 }
 
 // Q rows [0, num_rows) of the padded Q tile, bfloat16 (q_is_bf16) or
 // float16, rewritten in place as float16 times 2^e per row (max |q| in [2^14,
-// 2^15); e = 0 for a row of zeros or with an infinity); 2^-e, the factor that
-// takes S back, goes into the row's padding (kQStride - kHeadDim >= 2
-// elements), a warp per row.
+// 2^15); e = 0 for a row of zeros or with an infinity), its columns in
+// QuantizedQColumn's order; 2^-e, the factor that takes S back, goes into the
+// row's padding (kQStride - kHeadDim >= 2 elements), a warp per row.
 template <int kHeadDim, int kQStride>
 __device__ __forceinline__ void ScaleQToHalf(uint16_t* s_q, int num_rows, bool q_is_bf16,
                                              int warp, int lane) {
@@ -215,7 +295,7 @@ __device__ __forceinline__ void ScaleQToHalf(uint16_t* s_q, int num_rows, bool q
     __syncwarp();  // every lane has read its elements before any is rewritten
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
-      row[lane + 32 * j] = __half_as_ushort(__float2half_rn(ldexpf(x[j], e)));
+      row[QuantizedQColumn(lane + 32 * j)] = __half_as_ushort(__float2half_rn(ldexpf(x[j], e)));
     }
     if (lane == 0) *reinterpret_cast<float*>(row + kHeadDim) = ldexpf(1.f, -e);
   }
@@ -231,6 +311,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   constexpr int kRows = Tr::kRows;
   constexpr int kKeys = Tr::kBlockN;
   constexpr int kStages = Tr::kStages;
+  // Chunks a warp's ring holds: a quantized chunk is half the bytes. With the
+  // 16-bit kernel's two the quantized step took as long as bfloat16's (one
+  // chunk in flight, half the bytes; B16 paged 64: 378-390 us against 349).
+  constexpr int kRing = kQuantized ? 2 * kStages : kStages;
   constexpr int kQStride = Tr::kQStride;
   constexpr int kNT = Tr::kNTiles;
   constexpr int kDT = Tr::kDTiles;
@@ -239,7 +323,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // The split combine (if any) may be scheduled now: it waits for this grid.
   AllowDependentLaunch();
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  // Q (kRows rows), then per warp kStages x (K tile, V tile).
+  // Q (kRows rows), then per warp a ring of kRing x (K tile, V tile).
   Elem* s_q = reinterpret_cast<Elem*>(smem_raw);
   const FlashParams& p = args.p;
   const int tid = threadIdx.x;
@@ -367,13 +451,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // share strides: both come from one dense [B|pages, S|page, K, D] shape).
   // Paged: through the page ids, -1 for a half past the sequence's end or in
   // a page outside the pool; page_size is a multiple of 16.
-  // Quantized: the warp's ring holds kStages staged chunks of bytes, then
-  // one float16 K and V tile pair that DequantizeChunk fills.
-  static_assert(!kQuantized || kStages == 2, "the scale pipeline below holds two chunks");
+  // Quantized: the ring's tiles are bytes (LoadStagedChunk).
   uint8_t* s_stage = reinterpret_cast<uint8_t*>(s_ring);
-  Elem* s_work = reinterpret_cast<Elem*>(s_stage + kStages * 2 * kTileElems);
   auto load_chunk = [&](int i, const int (&page)[2]) {
-    Elem* k_dst = s_ring + (i % kStages) * 2 * kTileElems;
+    Elem* k_dst = s_ring + (i % kRing) * 2 * kTileElems;
     const int key0 = chunk_key0(i);
     int64_t off[2];
 #pragma unroll
@@ -388,7 +469,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
                    : int64_t{-1};
     }
     if constexpr (kQuantized) {
-      uint8_t* stage = s_stage + (i % kStages) * 2 * kTileElems;
+      uint8_t* stage = s_stage + (i % kRing) * 2 * kTileElems;
       LoadStagedChunk<Tr, kKeys>(stage, k_head, off, p.k_row_stride, seqlen_k - key0, head_dim,
                                  lane, kv_policy);
       LoadStagedChunk<Tr, kKeys>(stage + kTileElems, v_head, off, p.k_row_stride,
@@ -424,17 +505,17 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     if (!(v_ref > 0.f && v_ref < INFINITY)) v_ref = 1.f;
   }
   const float inv_v_ref = 1.f / v_ref;
-  HalfScales scales_now{}, scales_next{};
+  HalfScales pending[kRing - 1] = {};  // quantized: chunks i .. i + kRing - 2
   int next_page[2];  // the page ids of the next chunk to load
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {
+  for (int i = 0; i < kRing - 1; ++i) {
     page_ids(i, next_page);
     if (i < num_mine) load_chunk(i, next_page);
     CpAsyncCommit();  // empty groups too: the wait counts below stay fixed
+    if constexpr (kQuantized) pending[i] = scales_of(i);
   }
-  page_ids(kStages - 1, next_page);
-  if constexpr (kQuantized) scales_now = scales_of(0);
-  CpAsyncWait<kStages - 1>();  // this thread's Q chunks (the oldest group)
+  page_ids(kRing - 1, next_page);
+  CpAsyncWait<kRing - 1>();  // this thread's Q chunks (the oldest group)
   __syncthreads();             // everyone's
   // Quantized: S from the mma times row_scale (Q's power of two back) is q . k.
   float row_scale[kMTiles][2];
@@ -456,15 +537,24 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // ldmatrix lane addresses as in fwd_kernel.cuh (rows 0-15 of the first
   // tile for every warp; ComputeS steps to the others): Q padded, K and V
   // swizzled (K: row (lane / 16) * 8 + lane % 8, half (lane / 8) % 2; V,
-  // transposed: row ((lane / 8) % 2) * 8 + lane % 8, half lane / 16).
+  // transposed: row ((lane / 8) % 2) * 8 + lane % 8, half lane / 16), in
+  // stage 0 of the ring. Quantized: ComputeSQuantized's and
+  // AccumulatePVQuantized's.
   const uint32_t q_addr =
       SmemAddress(s_q) + ((lane % 8 + ((lane / 8) % 2) * 8) * kQStride + (lane / 16) * 8) * 2;
-  Elem* const k_tiles = kQuantized ? s_work : s_ring;  // stage 0's K tile, or the float16 one
-  const uint32_t k_addr = SmemAddress(k_tiles) + ((lane / 16) * 8 + lane % 8) * kHeadDim * 2;
-  const uint32_t k_y16 = (((lane / 8) % 2) ^ (lane % 8)) * 16;
-  const uint32_t v_addr =
-      SmemAddress(k_tiles + kTileElems) + (((lane / 8) % 2) * 8 + lane % 8) * kHeadDim * 2;
-  const uint32_t v_y16 = ((lane / 16) ^ (lane % 8)) * 16;
+  uint32_t k_addr, k_y16, v_addr, v_y16;
+  if constexpr (kQuantized) {
+    const int swizzle = QuantSwizzle<kHeadDim>(lane % 8);
+    k_addr = SmemAddress(s_stage) + (lane % 8) * kHeadDim;
+    k_y16 = ((lane / 8) ^ swizzle) * 16;
+    v_addr = SmemAddress(s_stage + kTileElems) + (((lane / 8) % 2) * 8 + lane % 8) * kHeadDim;
+    v_y16 = ((lane / 16) ^ swizzle) * 16;
+  } else {
+    k_addr = SmemAddress(s_ring) + ((lane / 16) * 8 + lane % 8) * kHeadDim * 2;
+    k_y16 = (((lane / 8) % 2) ^ (lane % 8)) * 16;
+    v_addr = SmemAddress(s_ring + kTileElems) + (((lane / 8) % 2) * 8 + lane % 8) * kHeadDim * 2;
+    v_y16 = ((lane / 16) ^ (lane % 8)) * 16;
+  }
   const float scale_log2 = p.softmax_scale_log2;
 
   // Shaped [m16 tile][half] for fwd_kernel.cuh's helpers.
@@ -491,34 +581,32 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   }
 
   for (int i = 0; i < num_mine; ++i) {
-    if (i + kStages - 1 < num_mine) {
-      load_chunk(i + kStages - 1, next_page);
-      page_ids(i + kStages, next_page);
-      if constexpr (kQuantized) scales_next = scales_of(i + kStages - 1);
+    HalfScales incoming{};
+    if (i + kRing - 1 < num_mine) {
+      load_chunk(i + kRing - 1, next_page);
+      page_ids(i + kRing, next_page);
+      if constexpr (kQuantized) incoming = scales_of(i + kRing - 1);
     }
     CpAsyncCommit();
-    CpAsyncWait<kStages - 1>();  // chunk i has landed (for this lane)
-    __syncwarp();                // and for the warp
-    uint32_t stage_bytes = (i % kStages) * 2 * kTileElems * 2;
-    if constexpr (kQuantized) {
-      const uint8_t* stage = s_stage + (i % kStages) * 2 * kTileElems;
-      DequantizeChunk<kHeadDim, kKeys, Cache>(stage, s_work, lane);
-      DequantizeChunk<kHeadDim, kKeys, Cache>(stage + kTileElems, s_work + kTileElems, lane);
-      __syncwarp();
-      stage_bytes = 0;  // one float16 tile pair
-    }
+    CpAsyncWait<kRing - 1>();  // chunk i has landed (for this lane)
+    __syncwarp();              // and for the warp
+    // Chunk i's tiles: 2 kTileElems elements of Elem, or bytes when quantized.
+    const uint32_t stage_bytes = (i % kRing) * 2 * kTileElems * (kQuantized ? 1 : 2);
     const int key0 = chunk_key0(i);
     float s[kMTiles][kNT][4];
-    fwd::ComputeS<Tr, Elem, kMTiles>(s, fwd::PaddedTileAt<kQStride>{q_addr},
-                                     SwizzledTileAt<kHeadDim>{k_addr + stage_bytes, k_y16},
-                                     head_dim);
-    if constexpr (kQuantized) {  // n8 tile nt lies in 16-key half nt / 2
+    if constexpr (kQuantized) {
+      ComputeSQuantized<Tr, Cache>(s, fwd::PaddedTileAt<kQStride>{q_addr}, k_addr + stage_bytes,
+                                   k_y16, head_dim);
 #pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
+      for (int mt = 0; mt < kMTiles; ++mt)  // n8 tile nt lies in 16-key half nt / 2
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[mt][nt][e] *= row_scale[mt][e / 2] * scales_now.k[nt / 2];
+          for (int e = 0; e < 4; ++e) s[mt][nt][e] *= row_scale[mt][e / 2] * pending[0].k[nt / 2];
+    } else {
+      fwd::ComputeS<Tr, Elem, kMTiles>(s, fwd::PaddedTileAt<kQStride>{q_addr},
+                                       SwizzledTileAt<kHeadDim>{k_addr + stage_bytes, k_y16},
+                                       head_dim);
     }
     if (key0 < full_begin || key0 + kKeys > full_end) {
       fwd::MaskScores<Tr>(s, key0, key_lo, key_hi, t4);
@@ -530,11 +618,15 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[mt][nt][e] *= scales_now.v[nt / 2] * inv_v_ref;
-      scales_now = scales_next;
+          for (int e = 0; e < 4; ++e) s[mt][nt][e] *= pending[0].v[nt / 2] * inv_v_ref;
+#pragma unroll
+      for (int j = 0; j + 1 < kRing - 1; ++j) pending[j] = pending[j + 1];
+      pending[kRing - 2] = incoming;
+      AccumulatePVQuantized<Tr, Cache>(s, o, v_addr + stage_bytes, v_y16, head_dim);
+    } else {
+      fwd::AccumulatePV<Tr, Elem, kMTiles>(
+          s, o, SwizzledTileAt<kHeadDim>{v_addr + stage_bytes, v_y16}, head_dim);
     }
-    fwd::AccumulatePV<Tr, Elem, kMTiles>(
-        s, o, SwizzledTileAt<kHeadDim>{v_addr + stage_bytes, v_y16}, head_dim);
     __syncwarp();  // the warp is done reading this stage before it is refilled
   }
 
@@ -560,10 +652,19 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
         merge_max[r] = row_max[mt][h];
         merge_sum[r] = l;
       }
+      if constexpr (kQuantized) {  // AccumulatePVQuantized's columns, in order
 #pragma unroll
-      for (int dt = 0; dt < kDT; ++dt) {
-        *reinterpret_cast<float2*>(merge_o + r * kMergeStride + dt * 8 + 2 * t4) =
-            make_float2(o[mt][dt][2 * h], o[mt][dt][2 * h + 1]);
+        for (int c = 0; c < kDT / 2; ++c) {
+          *reinterpret_cast<float4*>(merge_o + r * kMergeStride + c * 16 + 4 * t4) =
+              make_float4(o[mt][2 * c][2 * h], o[mt][2 * c + 1][2 * h], o[mt][2 * c][2 * h + 1],
+                          o[mt][2 * c + 1][2 * h + 1]);
+        }
+      } else {
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+          *reinterpret_cast<float2*>(merge_o + r * kMergeStride + dt * 8 + 2 * t4) =
+              make_float2(o[mt][dt][2 * h], o[mt][dt][2 * h + 1]);
+        }
       }
     }
   }
