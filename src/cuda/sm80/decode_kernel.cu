@@ -132,29 +132,82 @@ __device__ __forceinline__ int QuantSwizzle(int row) {
   return kHeadDim >= 128 ? row % 8 : (row / 2) % 4;
 }
 
+// A lane's 16-byte pieces of a kRows-key chunk: 16 elements each (the plan
+// asks head_dim % 16 == 0, so a piece is wholly inside a row or past its
+// end), piece i at row r = (lane + 32 i) / kPerRow, column 16 c with c =
+// (lane + 32 i) % kPerRow. Rows >= 16 exactly when 32 i >= 16 kPerRow (a
+// multiple of 32, and lane < 32): a piece's 16-key half is known at compile
+// time.
+template <class Tr, int kRows>
+struct StagedPieces {
+  static constexpr int kPerRow = Tr::kHeadDim / 16;
+  static constexpr int kCount = kRows * kPerRow / 32;
+  static_assert(kRows * kPerRow % 32 == 0 && kRows <= 32);
+  static constexpr int Half(int i) { return 32 * i >= 16 * kPerRow ? 1 : 0; }
+  // Piece i's element offset from its half's first row (fewer than 16 rows
+  // of at most 2^27 elements: int holds it), kept in registers (the 64-bit
+  // row products cost ~10 instructions a piece when redone per chunk) unless
+  // the kernel has none to spare (two m16 tiles: it spilled 264 bytes).
+  static constexpr bool kKept = Tr::kMTiles == 1;
+  int src_off[kKept ? kCount : 1];
+  int64_t row_stride;
+  int lane;
+  __device__ StagedPieces(int64_t row_stride, int lane) : row_stride(row_stride), lane(lane) {
+    if constexpr (kKept) {
+#pragma unroll
+      for (int i = 0; i < kCount; ++i) src_off[i] = Compute(i);
+    }
+  }
+  __device__ __forceinline__ int Compute(int i) const {
+    const int idx = lane + 32 * i;
+    return static_cast<int>((idx / kPerRow - 16 * Half(i)) * row_stride) + 16 * (idx % kPerRow);
+  }
+  __device__ __forceinline__ int Offset(int i) const {
+    if constexpr (kKept) {
+      return src_off[i];
+    } else {
+      return Compute(i);
+    }
+  }
+};
+
 template <class Tr, int kRows, typename Cache>
 __device__ __forceinline__ void LoadStagedChunk(uint8_t* stage, const Cache* head_base,
-                                                const int64_t (&off)[2], int64_t row_stride,
+                                                const int64_t (&off)[2],
+                                                const StagedPieces<Tr, kRows>& pieces,
                                                 int num_rows, int head_dim, int lane,
                                                 uint64_t l2_policy) {
-  // 16-byte pieces of 16 elements; the plan asks head_dim % 16 == 0, so a
-  // piece is wholly inside a row or past its end.
-  constexpr int kPiecesPerRow = Tr::kHeadDim / 16;
-  static_assert(kRows * kPiecesPerRow % 32 == 0 && kRows <= 32);
+  using Pieces = StagedPieces<Tr, kRows>;
 #pragma unroll
-  for (int i = 0; i < kRows * kPiecesPerRow / 32; ++i) {
+  for (int i = 0; i < Pieces::kCount; ++i) {
     const int idx = lane + 32 * i;
-    const int r = idx / kPiecesPerRow, c = idx % kPiecesPerRow;
-    // r >= 16 exactly when 32 i >= 16 kPiecesPerRow (a multiple of 32, and
-    // lane < 32): the half is known at compile time, so off stays in registers.
-    const int half = 32 * i >= 16 * kPiecesPerRow ? 1 : 0;
+    const int r = idx / Pieces::kPerRow, c = idx % Pieces::kPerRow;
+    const int half = Pieces::Half(i);
     const bool valid = r < num_rows && off[half] >= 0 && c * 16 < head_dim;
-    const Cache* src = valid ? head_base + off[half] + (r - 16 * half) * row_stride + c * 16
-                             : head_base;
+    const Cache* src = valid ? head_base + off[half] + pieces.Offset(i) : head_base;
     CpAsync16(stage + r * Tr::kHeadDim + 16 * (c ^ QuantSwizzle<Tr::kHeadDim>(r)), src, valid,
               l2_policy);
   }
 }
+
+// n / d for n in [0, 2^31) and a divisor d >= 1 fixed per kernel, by a
+// multiply-high: with L = ceil(log2 d), m = ceil(2^(31 + L) / d) fits 32 bits
+// and n / d = umulhi(n, m) >> (L - 1) (d = 1: n). A paged cache's key
+// arithmetic divides by the runtime page_size, ~25 instructions each way.
+struct PageDivider {
+  uint32_t d = 1, mul = 0, shift = 0;
+  __device__ explicit PageDivider(int divisor) {
+    d = static_cast<uint32_t>(max(divisor, 1));
+    if (d > 1) {
+      const int bits = 32 - __clz(static_cast<int>(d - 1));
+      mul = static_cast<uint32_t>(((uint64_t{1} << (31 + bits)) + d - 1) / d);
+      shift = static_cast<uint32_t>(bits - 1);
+    }
+  }
+  __device__ int Div(int n) const {
+    return d == 1 ? n : static_cast<int>(__umulhi(static_cast<uint32_t>(n), mul) >> shift);
+  }
+};
 
 // Bytes kLo and kHi of a word of cache elements as a float16 pair, exactly.
 template <typename Cache, int kLo, int kHi>
@@ -436,14 +489,18 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // Paged: the page ids of chunk i's two 16-key halves (-1 past the
   // sequence's end), read one chunk before load_chunk needs them: read in
   // load_chunk itself, the table load stalled the warp before every copy.
+  // A chunk holds kHalves 16-key halves.
+  constexpr int kHalves = kKeys / 16;
   const int page_size = static_cast<int>(p.page_size);
+  const PageDivider pages(page_size);
   auto page_ids = [&](int i, int (&page)[2]) {
     const int key0 = chunk_key0(i);
+    page[1] = -1;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < kHalves; ++h) {
       const int key = key0 + 16 * h;
       page[h] = paged && i < num_mine && key < seqlen_k
-                    ? p.block_table[b * p.max_pages + key / page_size]
+                    ? p.block_table[b * p.max_pages + pages.Div(key)]
                     : -1;
     }
   };
@@ -453,27 +510,29 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // a page outside the pool; page_size is a multiple of 16.
   // Quantized: the ring's tiles are bytes (LoadStagedChunk).
   uint8_t* s_stage = reinterpret_cast<uint8_t*>(s_ring);
+  const StagedPieces<Tr, kKeys> pieces(p.k_row_stride, lane);
   auto load_chunk = [&](int i, const int (&page)[2]) {
     Elem* k_dst = s_ring + (i % kRing) * 2 * kTileElems;
     const int key0 = chunk_key0(i);
-    int64_t off[2];
+    int64_t off[2] = {-1, -1};
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < kHalves; ++h) {
       const int key = key0 + 16 * h;
       if (!paged) {
         off[h] = key * p.k_row_stride;
         continue;
       }
       off[h] = page[h] >= 0 && page[h] < p.num_pages
-                   ? page[h] * p.k_batch_stride + (key % page_size) * p.k_row_stride
+                   ? page[h] * p.k_batch_stride +
+                         (key - pages.Div(key) * page_size) * p.k_row_stride
                    : int64_t{-1};
     }
     if constexpr (kQuantized) {
       uint8_t* stage = s_stage + (i % kRing) * 2 * kTileElems;
-      LoadStagedChunk<Tr, kKeys>(stage, k_head, off, p.k_row_stride, seqlen_k - key0, head_dim,
-                                 lane, kv_policy);
-      LoadStagedChunk<Tr, kKeys>(stage + kTileElems, v_head, off, p.k_row_stride,
-                                 seqlen_k - key0, head_dim, lane, kv_policy);
+      LoadStagedChunk<Tr, kKeys>(stage, k_head, off, pieces, seqlen_k - key0, head_dim, lane,
+                                 kv_policy);
+      LoadStagedChunk<Tr, kKeys>(stage + kTileElems, v_head, off, pieces, seqlen_k - key0,
+                                 head_dim, lane, kv_policy);
     } else {
       LoadSwizzledChunk<Tr, kKeys>(k_dst, k_head, off, p.k_row_stride, seqlen_k - key0,
                                    head_dim, lane, kv_policy);
@@ -481,21 +540,24 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
                                    seqlen_k - key0, head_dim, lane, kv_policy);
     }
   };
-  // Quantized: the k and v scales of chunk i's two 16-key halves (KvScale),
+  // Quantized: the k and v scales of chunk i's 16-key halves (KvScale's),
   // read as its copy is issued and used when it is computed; v's as a ratio
   // to v_ref, the v scale of the block's first key, which the end multiplies
   // back (float16 P times a ratio near 1 neither overflows nor underflows).
   struct HalfScales {
-    float k[2], v[2];
+    float k[kHalves], v[kHalves];
   };
+  const float* k_scales = p.kv_scales + (b * 2 * p.kv_scale_pages) * p.num_heads_kv + kv_head;
+  const float* v_scales = k_scales + p.kv_scale_pages * p.num_heads_kv;
   auto scales_of = [&](int i) {
     HalfScales sc;
     const int key0 = chunk_key0(i);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < kHalves; ++h) {
       const int key = min(key0 + 16 * h, max(seqlen_k - 1, 0));
-      sc.k[h] = KvScale(p, b, 0, key, kv_head);
-      sc.v[h] = KvScale(p, b, 1, key, kv_head);
+      const int64_t slot = p.kv_scale_pages > 1 ? pages.Div(key) : 0;
+      sc.k[h] = k_scales[slot * p.num_heads_kv];
+      sc.v[h] = v_scales[slot * p.num_heads_kv];
     }
     return sc;
   };
@@ -611,7 +673,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     if (key0 < full_begin || key0 + kKeys > full_end) {
       fwd::MaskScores<Tr>(s, key0, key_lo, key_hi, t4);
     }
-    fwd::OnlineSoftmax<Tr>(s, o, row_max, row_sum, scale_log2);
+    fwd::OnlineSoftmax<Tr, true>(s, o, row_max, row_sum, scale_log2);
     if constexpr (kQuantized) {  // P's column sums are in; now P times v's scale ratio
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)

@@ -229,11 +229,15 @@ __device__ __forceinline__ void MaskScores(float (&s)[Tr::kMTiles][Tr::kNTiles][
 // One key block of the online softmax, in place: the running max, sum and O
 // are rescaled to the new row max and S becomes the unnormalised P. row_sum
 // holds this lane's columns only (quad-reduced by the caller at the end).
-template <class Tr>
+// kWarpSkipsUnitRescale: the whole warp calls it, and skips O's rescale when
+// every factor is exactly 1 (no row's max moved: most of a long row's blocks;
+// the decode kernel's D 128 chunk spent 64 of its ~630 instructions on it).
+template <class Tr, bool kWarpSkipsUnitRescale = false>
 __device__ __forceinline__ void OnlineSoftmax(float (&s)[Tr::kMTiles][Tr::kNTiles][4],
                                               float (&o)[Tr::kMTiles][Tr::kDTiles][4],
                                               float (&row_max)[Tr::kMTiles][2],
                                               float (&row_sum)[Tr::kMTiles][2], float scale_log2) {
+  float corrections[Tr::kMTiles][2];
 #pragma unroll
   for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
@@ -248,10 +252,13 @@ __device__ __forceinline__ void OnlineSoftmax(float (&s)[Tr::kMTiles][Tr::kNTile
       const float correction = RescaleFactor(row_max[mt][h], mx, scale_log2, FastExp2);
       row_max[mt][h] = mx;
       row_sum[mt][h] *= correction;
+      corrections[mt][h] = correction;
+      if constexpr (!kWarpSkipsUnitRescale) {
 #pragma unroll
-      for (int dt = 0; dt < Tr::kDTiles; ++dt) {
-        o[mt][dt][2 * h] *= correction;
-        o[mt][dt][2 * h + 1] *= correction;
+        for (int dt = 0; dt < Tr::kDTiles; ++dt) {
+          o[mt][dt][2 * h] *= correction;
+          o[mt][dt][2 * h + 1] *= correction;
+        }
       }
 #pragma unroll
       for (int nt = 0; nt < Tr::kNTiles; ++nt) {
@@ -260,6 +267,23 @@ __device__ __forceinline__ void OnlineSoftmax(float (&s)[Tr::kMTiles][Tr::kNTile
           const float pv = FastExp2(fmaf(s[mt][nt][2 * h + e], scale_log2, -max_scaled));
           s[mt][nt][2 * h + e] = pv;
           row_sum[mt][h] += pv;
+        }
+      }
+    }
+  }
+  if constexpr (kWarpSkipsUnitRescale) {
+    bool unit = true;
+#pragma unroll
+    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+      unit = unit && corrections[mt][0] == 1.f && corrections[mt][1] == 1.f;
+    }
+    if (!__all_sync(0xffffffffu, unit)) {  // NaN != 1: a NaN factor is applied
+#pragma unroll
+      for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+        for (int dt = 0; dt < Tr::kDTiles; ++dt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[mt][dt][e] *= corrections[mt][e / 2];
         }
       }
     }
