@@ -246,14 +246,7 @@ template <class Tr, typename Cache>
 __device__ __forceinline__ void ComputeSQuantized(float (&s)[Tr::kMTiles][Tr::kNTiles][4],
                                                   fwd::PaddedTileAt<Tr::kQStride> q_at,
                                                   uint32_t k_lane, uint32_t k_y16, int head_dim) {
-#pragma unroll
-  for (int mt = 0; mt < Tr::kMTiles; ++mt) {
-#pragma unroll
-    for (int nt = 0; nt < Tr::kNTiles; ++nt) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) s[mt][nt][i] = 0.f;
-    }
-  }
+  fwd::ZeroScores<Tr>(s);
 #pragma unroll
   for (int sg = 0; sg < Tr::kHeadDim / 64; ++sg) {
     if (sg * 64 >= head_dim) break;  // zero padding columns contribute nothing
@@ -293,13 +286,7 @@ __device__ __forceinline__ void AccumulatePVQuantized(
 #pragma unroll
   for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
     uint32_t a[Tr::kMTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
-      a[mt][0] = PackFloat2<__half>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-      a[mt][1] = PackFloat2<__half>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-      a[mt][2] = PackFloat2<__half>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-      a[mt][3] = PackFloat2<__half>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-    }
+    fwd::PFragments<Tr, __half, Tr::kMTiles>(s, kk, a);
 #pragma unroll
     for (int cp = 0; cp < Tr::kHeadDim / 32; ++cp) {
       if (cp * 32 >= head_dim) break;  // padding columns of O are never written

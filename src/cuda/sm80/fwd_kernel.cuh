@@ -140,11 +140,8 @@ struct PaddedTileAt {
   }
 };
 
-// S = Q K^T for the first kLive m16 tiles of the warp (the rest stay 0);
-// q_at(m16 tile, k16 step), k_at(16-key pair, k16 step).
-template <class Tr, typename Elem, int kLive, class QAt, class KAt>
-__device__ __forceinline__ void ComputeS(float (&s)[Tr::kMTiles][Tr::kNTiles][4], QAt q_at,
-                                         KAt k_at, int head_dim) {
+template <class Tr>
+__device__ __forceinline__ void ZeroScores(float (&s)[Tr::kMTiles][Tr::kNTiles][4]) {
 #pragma unroll
   for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
@@ -153,6 +150,14 @@ __device__ __forceinline__ void ComputeS(float (&s)[Tr::kMTiles][Tr::kNTiles][4]
       for (int i = 0; i < 4; ++i) s[mt][nt][i] = 0.f;
     }
   }
+}
+
+// S = Q K^T for the first kLive m16 tiles of the warp (the rest stay 0);
+// q_at(m16 tile, k16 step), k_at(16-key pair, k16 step).
+template <class Tr, typename Elem, int kLive, class QAt, class KAt>
+__device__ __forceinline__ void ComputeS(float (&s)[Tr::kMTiles][Tr::kNTiles][4], QAt q_at,
+                                         KAt k_at, int head_dim) {
+  ZeroScores<Tr>(s);
 #pragma unroll
   for (int ks = 0; ks < Tr::kHeadDim / 16; ++ks) {
     if (ks * 16 >= head_dim) break;  // zero padding columns contribute nothing
@@ -174,9 +179,22 @@ __device__ __forceinline__ void ComputeS(float (&s)[Tr::kMTiles][Tr::kNTiles][4]
   }
 }
 
+// The A fragments of P's 16-key step kk for the first kLive m16 tiles: the C
+// fragments of two adjacent n8 tiles of P are the A fragment of one k16 step
+// (primitives.cuh), rounded to Elem as in FA2.
+template <class Tr, typename Elem, int kLive>
+__device__ __forceinline__ void PFragments(const float (&s)[Tr::kMTiles][Tr::kNTiles][4], int kk,
+                                           uint32_t (&a)[kLive][4]) {
+#pragma unroll
+  for (int mt = 0; mt < kLive; ++mt) {
+    a[mt][0] = PackFloat2<Elem>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+    a[mt][1] = PackFloat2<Elem>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+    a[mt][2] = PackFloat2<Elem>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+    a[mt][3] = PackFloat2<Elem>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+  }
+}
+
 // O += P V for the first kLive m16 tiles; v_at(16-key step, 16-column pair).
-// The C fragments of two adjacent n8 tiles of P are the A fragment of one k16
-// step (primitives.cuh), rounded to Elem as in FA2.
 template <class Tr, typename Elem, int kLive, class VAt>
 __device__ __forceinline__ void AccumulatePV(const float (&s)[Tr::kMTiles][Tr::kNTiles][4],
                                              float (&o)[Tr::kMTiles][Tr::kDTiles][4], VAt v_at,
@@ -184,13 +202,7 @@ __device__ __forceinline__ void AccumulatePV(const float (&s)[Tr::kMTiles][Tr::k
 #pragma unroll
   for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
     uint32_t a[kLive][4];
-#pragma unroll
-    for (int mt = 0; mt < kLive; ++mt) {
-      a[mt][0] = PackFloat2<Elem>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-      a[mt][1] = PackFloat2<Elem>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-      a[mt][2] = PackFloat2<Elem>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-      a[mt][3] = PackFloat2<Elem>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-    }
+    PFragments<Tr, Elem, kLive>(s, kk, a);
 #pragma unroll
     for (int dp = 0; dp < Tr::kHeadDim / 16; ++dp) {
       if (dp * 16 >= head_dim) break;  // padding columns of O are never written
