@@ -534,8 +534,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   struct HalfScales {
     float k[kHalves], v[kHalves];
   };
-  const float* k_scales = p.kv_scales + (b * 2 * p.kv_scale_pages) * p.num_heads_kv + kv_head;
-  const float* v_scales = k_scales + p.kv_scale_pages * p.num_heads_kv;
+  // k's and v's scales of this sequence and KV head, at page slot 0
+  // (kv_scales: [B, 2, kv_scale_pages, K]; null for a 16-bit cache).
+  const float* k_scales =
+      kQuantized ? p.kv_scales + (b * 2 * p.kv_scale_pages) * p.num_heads_kv + kv_head : nullptr;
+  const float* v_scales = kQuantized ? k_scales + p.kv_scale_pages * p.num_heads_kv : nullptr;
   auto scales_of = [&](int i) {
     HalfScales sc;
     const int key0 = chunk_key0(i);
