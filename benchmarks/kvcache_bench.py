@@ -116,6 +116,12 @@ def cudnn_paged():
   return cudnn.dot_product_attention
 
 
+def parse_rows(names):
+  """[(B, kind, page)] from names 'B:kind:page' (kind uniform | long)."""
+  return [(int(b), "one long" if k == "long" else k, int(pg))
+          for b, k, pg in (name.split(":") for name in names)]
+
+
 def row(args, batch, kind, page_size, dtype=jnp.bfloat16, append=False, baselines=True):
   rng = np.random.default_rng(batch * 131 + page_size)
   lens = lengths_for(kind, batch, rng)
@@ -221,8 +227,7 @@ def main(argv=None):
   if args.quick:
     plan += [(64, "uniform", 64)]
   if args.rows is not None:
-    named = [r.split(":") for r in args.rows]
-    plan = [(int(b), "one long" if k == "long" else k, int(pg)) for b, k, pg in named]
+    plan = parse_rows(args.rows)
   for b, kind, pg in plan:
     rows.append(row(args, b, kind, pg,
                     baselines=not args.no_baselines and (b < 64 or not args.quick)))
@@ -231,8 +236,7 @@ def main(argv=None):
   # quantized cache XLA would hoist a dequantized copy out of the loop.
   dtypes = args.dtypes if args.dtypes is not None else (
       ("bfloat16", "float8_e4m3fn", "int8") if args.rows is None else ())
-  for b, kind, pg in ([int(b), "one long" if k == "long" else k, int(pg)]
-                      for b, k, pg in (r.split(":") for r in args.dtype_rows)):
+  for b, kind, pg in parse_rows(args.dtype_rows):
     for dtype in dtypes:
       rows.append(row(args, b, kind, pg, dtype=jnp.dtype(dtype), append=True, baselines=False))
       print(markdown(rows[-1:], "").splitlines()[-1], flush=True)
