@@ -18,19 +18,11 @@ inline const char* Sm90UnservedOption(const FlashParams& p) {
   return nullptr;
 }
 
-// The smallest softcap the Hopper backward serves. It takes tanh back from
-// P as th = (log2 P + lse2) / (cap log2 e): an absolute error of ~4e-6 in
-// the sum (|lse2| <= (cap + log S) log2 e) becomes 4e-6 / (cap log2 e) in
-// th, 3e-5 at 0.1 but unbounded as cap -> 0 (cap 1e-30 gave NaN). The sm80
-// backward recomputes tanh from S at any cap.
-inline constexpr float kSm90BackwardMinSoftcap = 0.1f;
-
 // Beside Sm90UnservedOption, what only the backward refuses: dropout at
 // D > 128, where the D-split kernel (two consumers sharing one P^T tile in
-// shared memory) has no keep mask, and softcap below kSm90BackwardMinSoftcap.
+// shared memory) has no keep mask.
 inline const char* Sm90BackwardUnservedOption(const FlashParams& p) {
   if (p.dropout_seeds != nullptr && p.head_dim > 128) return "dropout at D > 128";
-  if (p.softcap > 0.f && p.softcap < kSm90BackwardMinSoftcap) return "softcap below 0.1";
   return nullptr;
 }
 

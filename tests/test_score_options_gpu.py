@@ -93,6 +93,9 @@ BWD_CASES = [
     ("both", 200, 1100, 16, 8, 128, False, (-1, -1), 1.0, 50.0, True, jnp.bfloat16),
     ("both", 257, 700, 8, 8, 200, False, (300, 0), 0.5, 15.0, False, jnp.bfloat16),
     ("softcap", 257, 1000, 8, 2, 40, True, (-1, -1), 1.0, 30.0, False, jnp.float16),
+    # Caps far below the scores: tanh saturates, and its derivative goes to 0.
+    ("softcap", 300, 1000, 8, 8, 64, False, (-1, -1), None, 1e-30, False, jnp.bfloat16),
+    ("both", 257, 700, 8, 4, 128, True, (-1, -1), None, 0.05, False, jnp.float16),
 ]
 
 

@@ -19,7 +19,10 @@
 //   its bits.
 #pragma once
 
+#include <cuda_bf16.h>
+
 #include <cstdint>
+#include <type_traits>
 
 #include "../flash_dropout.h"
 
@@ -99,21 +102,35 @@ __device__ __forceinline__ void FwdKeepBits(uint32_t (&keep)[KeepWords<kAcc>()],
   }
 }
 
-// Whether forward element i survives, from FwdKeepBits' words.
+// The keep mask of forward elements i, i + 1 (i even: two adjacent keys, one
+// packed pair of P's A fragment), from FwdKeepBits' words: 0xFFFF over the
+// half of each kept key. The pair's bits sit at bit 7 - slot of bytes b and
+// b + 1 of word c / 4 (slot 2 (c % 4) + rh); a shift brings them to bit 7,
+// where prmt's sign-replicating selectors (nibbles 8 + byte) spread each
+// over its half. Two instructions per pair, with the AND; a bit test and a
+// select per fp32 element before cost four.
 template <int kAcc>
-__device__ __forceinline__ bool FwdKept(const uint32_t (&keep)[KeepWords<kAcc>()], int i) {
-  const int c = i / 8, byte = 2 * ((i / 4) % 2) + i % 2, rh = (i / 2) % 2;
-  return (keep[c / 4] >> (8 * byte + 7 - (2 * (c % 4) + rh))) & 1u;
+__device__ __forceinline__ uint32_t FwdKeepPairMask(const uint32_t (&keep)[KeepWords<kAcc>()],
+                                                    int i) {
+  const int c = i / 8, b = 2 * ((i / 4) % 2), rh = (i / 2) % 2;
+  const uint32_t at_bit7 = keep[c / 4] << (2 * (c % 4) + rh);
+  uint32_t mask;
+  asm("prmt.b32 %0, %1, 0, %2;\n" : "=r"(mask) : "r"(at_bit7), "r"(b == 0 ? 0x9988u : 0xBBAAu));
+  return mask;
 }
 
-// Z o P over a forward fragment (P >= 0 already summed into l undropped).
-template <int kAcc>
-__device__ __forceinline__ void ApplyFwdKeepBits(float (&s)[kAcc],
-                                                 const uint32_t (&keep)[KeepWords<kAcc>()]) {
-#pragma unroll
-  for (int i = 0; i < kAcc; ++i) {
-    if (!FwdKept<kAcc>(keep, i)) s[i] = 0.f;
+// max(x, 0) in each half of a packed pair of Elem, NaN kept: the backward's
+// sign-marked P^T (dropped elements negative) to Z o P^T in one instruction
+// per pair, where a compare and a select per fp32 element cost four.
+template <typename Elem>
+__device__ __forceinline__ uint32_t ZeroNegativeHalves(uint32_t x) {
+  uint32_t y;
+  if constexpr (std::is_same_v<Elem, __nv_bfloat16>) {
+    asm("max.NaN.bf16x2 %0, %1, %2;\n" : "=r"(y) : "r"(x), "r"(0u));
+  } else {
+    asm("max.NaN.f16x2 %0, %1, %2;\n" : "=r"(y) : "r"(x), "r"(0u));
   }
+  return y;
 }
 
 // Backward: the keep bits of this thread's elements of a 16-row slab (keys)

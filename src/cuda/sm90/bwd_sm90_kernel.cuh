@@ -768,16 +768,17 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // 128, S^T in fp32 (for dS^T), P^T, dP^T, dK and dV do not all fit in
       // registers, so it is issued after, as FlashAttention-3 does.
       const auto issue_dv = [&] {
+        WithOptionFlags(dropout, false, [&](auto dropped, auto) {
 #pragma unroll
-        for (int kk = 0; kk < Tr::kSlices; ++kk) {
+          for (int kk = 0; kk < Tr::kSlices; ++kk) {
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            const int i = 8 * kk + 2 * r;
-            const float p0 = s[i], p1 = s[i + 1];
-            pa[kk][r] = dropout ? PackFloat2<Elem>(kept(p0) ? p0 : 0.f, kept(p1) ? p1 : 0.f)
-                                : PackFloat2<Elem>(p0, p1);
+            for (int r = 0; r < 4; ++r) {
+              const int i = 8 * kk + 2 * r;
+              pa[kk][r] = PackFloat2<Elem>(s[i], s[i + 1]);
+              if constexpr (dropped) pa[kk][r] = ZeroNegativeHalves<Elem>(pa[kk][r]);
+            }
           }
-        }
+        });
         WgmmaFenceOperands(pa);
         WgmmaFenceOperands(acc_dv);
         WgmmaFence();
@@ -815,6 +816,9 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // rows that see no key) gives exactly 0. P^T and dS^T become A fragments
       // (rounded to Elem, as in FlashAttention-2): n8 tiles 2 kk and 2 kk + 1
       // form k16 slice kk (see wgmma.cuh).
+      // Softcap's 1 - th^2: per score while computed, then bf16 pairs.
+      float cap_slope[Tr::kSAcc];
+      uint32_t cap_pairs[Tr::kSAcc / 2];
       if constexpr (!options) {
         load_rows(ring.stage, 1, dvec);
 #pragma unroll
@@ -827,27 +831,42 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
           }
         }
       } else {
-        // The options score by score with its exponential, and Dvec loaded
-        // after them: a pass of their own, or Dvec held through them, spilled
-        // the D = 64 consumers 160-200 bytes.
+        // The options score by score with its exponential. With softcap the
+        // cap's derivative 1 - th^2 is kept beside P^T as bf16 pairs (its
+        // relative error, 2^-9, is below dS^T's own rounding to Elem), in the
+        // registers Dvec takes in the plain kernel (here Dvec is read from
+        // shared memory in the dS^T loop): recovering th from P^T took a
+        // MUFU.LG2 per score, a third special-function op beside tanh and exp2.
         float base[2];
         alibi_base(base);
         const float slope_u = alibi_slope();
+        WithOptionFlags(p.softcap > 0.f, p.alibi_slopes != nullptr, [&](auto softcap, auto alibi) {
 #pragma unroll
-        for (int j = 0; j < kBlockM / 8; ++j) {
-          const float2 l = lse2[j];
+          for (int j = 0; j < kBlockM / 8; ++j) {
+            const float2 l = lse2[j];
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            const int i = 4 * j + r;
-            const float dist = fabsf(base[r / 2] + static_cast<float>(8 * j + (r & 1)));
-            const float u = TransformScore(s[i], p, args.units, slope_u, dist);
-            s[i] = FastExp2(fmaf(u, scale_log2, -((r & 1) ? l.y : l.x)));
+            for (int r = 0; r < 4; ++r) {
+              const int i = 4 * j + r;
+              float u = s[i];
+              if constexpr (softcap) {
+                u = TanhApprox(u * args.units.tanh_in);
+                cap_slope[i] = fmaf(-u, u, 1.f);
+              }
+              if constexpr (alibi) {
+                u = fmaf(-slope_u, fabsf(base[r / 2] + static_cast<float>(8 * j + (r & 1))), u);
+              }
+              s[i] = FastExp2(fmaf(u, scale_log2, -((r & 1) ? l.y : l.x)));
+            }
+            if constexpr (softcap) {
+              cap_pairs[2 * j] = PackFloat2<__nv_bfloat16>(cap_slope[4 * j], cap_slope[4 * j + 1]);
+              cap_pairs[2 * j + 1] =
+                  PackFloat2<__nv_bfloat16>(cap_slope[4 * j + 2], cap_slope[4 * j + 3]);
+            }
           }
-        }
+        });
         if (dropout) {
-          // The keep bits while dP^T runs, between lse2's last use and
-          // Dvec's load (the fewest registers live). Indices through Opaque,
-          // as for ALiBi.
+          // The keep bits while dP^T runs, after lse2's last use (the fewest
+          // registers live). Indices through Opaque, as for ALiBi.
           uint32_t keep[KeepWords<Tr::kSAcc>()];
           const DropoutMask drop_mask =
               LoadDropoutMask(p, Opaque(tile.b) * static_cast<int>(p.num_heads_q) + Opaque(h));
@@ -857,7 +876,6 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
             if (!BwdKept<Tr::kSAcc>(keep, i)) s[i] = -s[i];
           }
         }
-        load_rows(ring.stage, 1, dvec);
       }
       if (!full) {
         ZeroMaskedScores(s, m_begin, t4, window);
@@ -870,43 +888,29 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       WgmmaWaitFenced<kDvUnderDs ? 1 : 0>(dp);  // dP^T done; dV may still run
       // dS^T = P^T o (dP^T - Dvec[query]); with dropout P^T o (Z o dP^T /
       // (1 - rate) - Dvec[query]).
+      // With softcap times 1 - th^2 (the cap's derivative, in cap_pairs).
       const float dp_scale = dropout ? p.dropout_scale : 1.f;
-#pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j) {
-        const float2 d = dvec[j];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int i = 4 * j + r;
-          float pt = s[i], dpz = dp[i];
-          if (dropout) {
-            dpz = kept(pt) ? dpz * dp_scale : 0.f;
-            pt = fabsf(pt);
-          }
-          dp[i] = pt * (dpz - ((r & 1) ? d.y : d.x));
-        }
-      }
-      if (options && p.softcap > 0.f) {  // (compiled out without the options)
-        float base[2];
-        alibi_base(base);
-        const float slope_u = alibi_slope();
-        const float* lse2_row = s_rows + 2 * ring.stage * kBlockM + 2 * t4;
+      const float* dvec_row = s_rows + (2 * ring.stage + 1) * kBlockM + 2 * t4;
+      WithOptionFlags(dropout, options && p.softcap > 0.f, [&](auto dropped, auto capped) {
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
-          const float2 l = *reinterpret_cast<const float2*>(lse2_row + 8 * j);
+          const float2 d = options ? *reinterpret_cast<const float2*>(dvec_row + 8 * j) : dvec[j];
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
             const int i = 4 * j + r;
-            // Where P^T is 0 (masked, past T, underflow) so is dS^T: the
-            // factor is not evaluated there (log2 0 = -inf). |P^T|: dropout's
-            // sign.
-            const float column = static_cast<float>(8 * j + (r & 1));
-            const float th =
-                fmaf(FastLog2(fabsf(s[i])) + ((r & 1) ? l.y : l.x), args.units.inv_log2,
-                     slope_u * fabsf(base[r / 2] + column));
-            dp[i] *= s[i] != 0.f ? fmaf(-th, th, 1.f) : 0.f;
+            float pt = s[i], dpz = dp[i];
+            if constexpr (dropped) {
+              dpz = kept(pt) ? dpz * dp_scale : 0.f;
+              pt = fabsf(pt);
+            }
+            dp[i] = pt * (dpz - ((r & 1) ? d.y : d.x));
+            if constexpr (capped) {
+              const uint32_t pair = cap_pairs[i / 2];
+              dp[i] *= __uint_as_float((r & 1) ? pair & 0xFFFF0000u : pair << 16);
+            }
           }
         }
-      }
+      });
 #pragma unroll
       for (int kk = 0; kk < Tr::kSlices; ++kk) {
 #pragma unroll

@@ -844,20 +844,25 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
         }
       }
     }
-    if (dropout) ApplyFwdKeepBits<Tr::kSAcc>(s, keep);
   };
 
   // P as the register A operand: n8 tiles 2kk and 2kk + 1 of S form k16
   // slice kk (same fragment layout as mma.sync; see wgmma.cuh). Rounded to
-  // Elem as in FlashAttention-2.
-  auto convert_p = [&](const float (&s)[Tr::kSAcc], uint32_t (&pa)[Tr::kPSlices][4]) {
+  // Elem as in FlashAttention-2. With dropout the packed pairs are masked by
+  // Z (FwdKeepPairMask); l has summed P undropped.
+  auto convert_p = [&](const float (&s)[Tr::kSAcc], const uint32_t (&keep)[KeepWords<Tr::kSAcc>()],
+                       uint32_t (&pa)[Tr::kPSlices][4]) {
+    WithOptionFlags(dropout, false, [&](auto dropped, auto) {
 #pragma unroll
-    for (int kk = 0; kk < Tr::kPSlices; ++kk) {
-      pa[kk][0] = PackFloat2<Elem>(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = PackFloat2<Elem>(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = PackFloat2<Elem>(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = PackFloat2<Elem>(s[8 * kk + 6], s[8 * kk + 7]);
-    }
+      for (int kk = 0; kk < Tr::kPSlices; ++kk) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int i = 8 * kk + 2 * r;
+          pa[kk][r] = PackFloat2<Elem>(s[i], s[i + 1]);
+          if constexpr (dropped) pa[kk][r] &= FwdKeepPairMask<Tr::kSAcc>(keep, i);
+        }
+      }
+    });
   };
 
   // This warp no longer reads the slot (its wgmma wait has returned).
@@ -990,7 +995,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
           WgmmaWaitFenced<0>(s);
           release(&k_empty[ring.stage]);
           softmax(s, keep, n, correction, seg_chunk, tl, wg_row0);
-          convert_p(s, pa);
+          convert_p(s, keep, pa);
           rescale_o(correction);
           MbarWait(&v_full[ring.stage], ring.phase);
           WgmmaFenceOperands(pa);
@@ -1024,7 +1029,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
         if (kPersistent && n == n_first) release(q_empty);
         // (correction is 0 here and O is still 0)
         softmax(s, keep, n, correction, seg_chunk, tl, wg_row0);
-        convert_p(s, pa);
+        convert_p(s, keep, pa);
         RingPos<kStages> v_ring = ring;  // the V tile of the block whose P is in pa
         ring.Advance();
         for (--n; n >= n_first; --n) {
@@ -1047,7 +1052,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
           WgmmaWaitFenced<0>(o, pa);
           release(&v_empty[v_ring.stage]);
           rescale_o(correction);
-          convert_p(s, pa);
+          convert_p(s, keep, pa);
           v_ring = ring;
           ring.Advance();
         }

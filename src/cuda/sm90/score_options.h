@@ -15,6 +15,8 @@
 // epilogues as without softcap (d logit / dS = scale * (1 - tanh^2)).
 #pragma once
 
+#include <type_traits>
+
 #include "../../flash_params.h"
 
 namespace jax_flash2::cuda::sm90 {
@@ -23,7 +25,7 @@ struct Sm90ScoreUnits {
   float natural = 1.f;  // natural-log units per unit of u (LSE = m * natural + log l)
   float log2 = 1.f;     // natural * log2(e): the exp2 factor
   float tanh_in = 0.f;  // scale / cap: tanh's argument per unit of S; 0 without softcap
-  float inv_log2 = 1.f;  // 1 / log2
+  float inv_natural = 1.f;  // 1 / natural (ALiBi's slope per unit of u)
 };
 
 inline Sm90ScoreUnits MakeSm90ScoreUnits(const FlashParams& p) {
@@ -36,7 +38,7 @@ inline Sm90ScoreUnits MakeSm90ScoreUnits(const FlashParams& p) {
     u.natural = p.softmax_scale;
     u.log2 = p.softmax_scale_log2;
   }
-  u.inv_log2 = 1.f / u.log2;
+  u.inv_natural = 1.f / u.natural;
   return u;
 }
 
@@ -95,27 +97,31 @@ __device__ __forceinline__ void TransformScores(float (&s)[kAcc], const FlashPar
   if (p.alibi_slopes != nullptr) AlibiScores<kAcc, kColumnSign>(s, slope_u, base);
 }
 
-// One score: u = tanh(S * tanh_in) (softcap), u -= slope_u * dist (ALiBi).
-__device__ __forceinline__ float TransformScore(float s, const FlashParams& p,
-                                                const Sm90ScoreUnits& units, float slope_u,
-                                                float dist) {
-  if (p.softcap > 0.f) s = TanhApprox(s * units.tanh_in);
-  if (p.alibi_slopes != nullptr) s = fmaf(-slope_u, dist, s);
-  return s;
-}
-
 // slope[b, h] per unit of u (0 without ALiBi). The index goes through an
 // opaque move in the callers, so the load stays inside their option branch.
 __device__ __forceinline__ float AlibiSlopeUnits(const FlashParams& p,
                                                  const Sm90ScoreUnits& units, int bh) {
-  return p.alibi_slopes != nullptr ? __ldg(p.alibi_slopes + bh) / units.natural : 0.f;
+  return p.alibi_slopes != nullptr ? __ldg(p.alibi_slopes + bh) * units.inv_natural : 0.f;
 }
 
-// log2 by MUFU.LG2 (the backward's way back from P to the score).
-__device__ __forceinline__ float FastLog2(float x) {
-  float y;
-  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
+// f(std::bool_constant<a>, std::bool_constant<b>): one copy of a per-score
+// loop for each case, so an option a call lacks issues nothing. Under plain
+// runtime tests inside the loop ptxas predicated each score's tanh and ALiBi
+// term instead of branching: the D 64 backward with ALiBi alone issued twice
+// the plain kernel's MUFU and FMA-pipe instructions (ncu).
+template <typename F>
+__device__ __forceinline__ void WithOptionFlags(bool a, bool b, F&& f) {
+  if (a) {
+    if (b) {
+      f(std::true_type{}, std::true_type{});
+    } else {
+      f(std::true_type{}, std::false_type{});
+    }
+  } else if (b) {
+    f(std::false_type{}, std::true_type{});
+  } else {
+    f(std::false_type{}, std::false_type{});
+  }
 }
 
 #endif  // __CUDACC__
