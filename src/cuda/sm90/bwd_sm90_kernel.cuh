@@ -816,7 +816,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // rows that see no key) gives exactly 0. P^T and dS^T become A fragments
       // (rounded to Elem, as in FlashAttention-2): n8 tiles 2 kk and 2 kk + 1
       // form k16 slice kk (see wgmma.cuh).
-      // Softcap's 1 - th^2: per score while computed, then bf16 pairs.
+      // Softcap's 1 - th^2: per score while computed, then pairs of Elem.
       float cap_slope[Tr::kSAcc];
       uint32_t cap_pairs[Tr::kSAcc / 2];
       if constexpr (!options) {
@@ -832,11 +832,13 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
         }
       } else {
         // The options score by score with its exponential. With softcap the
-        // cap's derivative 1 - th^2 is kept beside P^T as bf16 pairs (its
-        // relative error, 2^-9, is below dS^T's own rounding to Elem), in the
-        // registers Dvec takes in the plain kernel (here Dvec is read from
-        // shared memory in the dS^T loop): recovering th from P^T took a
-        // MUFU.LG2 per score, a third special-function op beside tanh and exp2.
+        // cap's derivative 1 - th^2 is kept beside P^T as pairs of Elem (the
+        // rounding dS^T gets anyway; bf16 pairs under fp16 inputs gave 5x the
+        // same-dtype error in dQ), in the registers Dvec takes in the plain
+        // kernel (here Dvec is read from shared memory in the dS^T loop):
+        // recovering th from P^T took a MUFU.LG2 per score, a third
+        // special-function op beside tanh and exp2, and lost th at caps
+        // below about 0.1.
         float base[2];
         alibi_base(base);
         const float slope_u = alibi_slope();
@@ -858,9 +860,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
               s[i] = FastExp2(fmaf(u, scale_log2, -((r & 1) ? l.y : l.x)));
             }
             if constexpr (softcap) {
-              cap_pairs[2 * j] = PackFloat2<__nv_bfloat16>(cap_slope[4 * j], cap_slope[4 * j + 1]);
-              cap_pairs[2 * j + 1] =
-                  PackFloat2<__nv_bfloat16>(cap_slope[4 * j + 2], cap_slope[4 * j + 3]);
+              cap_pairs[2 * j] = PackFloat2<Elem>(cap_slope[4 * j], cap_slope[4 * j + 1]);
+              cap_pairs[2 * j + 1] = PackFloat2<Elem>(cap_slope[4 * j + 2], cap_slope[4 * j + 3]);
             }
           }
         });
@@ -905,8 +906,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
             }
             dp[i] = pt * (dpz - ((r & 1) ? d.y : d.x));
             if constexpr (capped) {
-              const uint32_t pair = cap_pairs[i / 2];
-              dp[i] *= __uint_as_float((r & 1) ? pair & 0xFFFF0000u : pair << 16);
+              const float2 cap = UnpackFloat2<Elem>(cap_pairs[i / 2]);
+              dp[i] *= (r & 1) ? cap.y : cap.x;
             }
           }
         }
