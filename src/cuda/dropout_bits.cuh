@@ -107,8 +107,8 @@ __device__ __forceinline__ void FwdKeepBits(uint32_t (&keep)[KeepWords<kAcc>()],
 // half of each kept key. The pair's bits sit at bit 7 - slot of bytes b and
 // b + 1 of word c / 4 (slot 2 (c % 4) + rh); a shift brings them to bit 7,
 // where prmt's sign-replicating selectors (nibbles 8 + byte) spread each
-// over its half. Two instructions per pair, with the AND; a bit test and a
-// select per fp32 element before cost four.
+// over its half. Two instructions per pair, with the AND, where a bit test
+// and a select per fp32 element cost four.
 template <int kAcc>
 __device__ __forceinline__ uint32_t FwdKeepPairMask(const uint32_t (&keep)[KeepWords<kAcc>()],
                                                     int i) {
