@@ -768,7 +768,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // 128, S^T in fp32 (for dS^T), P^T, dP^T, dK and dV do not all fit in
       // registers, so it is issued after, as FlashAttention-3 does.
       const auto issue_dv = [&] {
-        WithOptionFlags(dropout, false, [&](auto dropped, auto) {
+        WithOptionFlag(dropout, [&](auto dropped) {
 #pragma unroll
           for (int kk = 0; kk < Tr::kSlices; ++kk) {
 #pragma unroll
@@ -792,10 +792,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       constexpr bool kDvUnderDs = kBlockM == 64;
       // Softcap, ALiBi (score_options.h): u from S^T, P^T = exp2(u * log2 -
       // lse2) while dP^T runs; once it is done, dS^T = P^T o (dP^T - Dvec) o
-      // (1 - th^2), th = tanh(S^T scale / cap) (the cap's derivative) found
-      // again from P^T: th = (log2 P^T + lse2) / log2 + the ALiBi term.
-      // Holding th (or 1 - th^2) beside P^T spilled the D = 64 consumers
-      // 280 bytes. Both kernels keep one dV issue point and one dP^T wait
+      // (1 - th^2), th = tanh(S^T scale / cap), 1 - th^2 the cap's derivative
+      // (cap_pairs). Both kernels keep one dV issue point and one dP^T wait
       // (issued or waited in branches of their own, ptxas serialized every
       // wgmma: C7512, C7514).
       constexpr bool options = kScoreOptions;
@@ -817,7 +815,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // (rounded to Elem, as in FlashAttention-2): n8 tiles 2 kk and 2 kk + 1
       // form k16 slice kk (see wgmma.cuh).
       // Softcap's 1 - th^2: per score while computed, then pairs of Elem.
-      float cap_slope[Tr::kSAcc];
+      float cap_deriv[Tr::kSAcc];
       uint32_t cap_pairs[Tr::kSAcc / 2];
       if constexpr (!options) {
         load_rows(ring.stage, 1, dvec);
@@ -852,7 +850,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
               float u = s[i];
               if constexpr (softcap) {
                 u = TanhApprox(u * args.units.tanh_in);
-                cap_slope[i] = fmaf(-u, u, 1.f);
+                cap_deriv[i] = fmaf(-u, u, 1.f);
               }
               if constexpr (alibi) {
                 u = fmaf(-slope_u, fabsf(base[r / 2] + static_cast<float>(8 * j + (r & 1))), u);
@@ -860,8 +858,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
               s[i] = FastExp2(fmaf(u, scale_log2, -((r & 1) ? l.y : l.x)));
             }
             if constexpr (softcap) {
-              cap_pairs[2 * j] = PackFloat2<Elem>(cap_slope[4 * j], cap_slope[4 * j + 1]);
-              cap_pairs[2 * j + 1] = PackFloat2<Elem>(cap_slope[4 * j + 2], cap_slope[4 * j + 3]);
+              cap_pairs[2 * j] = PackFloat2<Elem>(cap_deriv[4 * j], cap_deriv[4 * j + 1]);
+              cap_pairs[2 * j + 1] = PackFloat2<Elem>(cap_deriv[4 * j + 2], cap_deriv[4 * j + 3]);
             }
           }
         });

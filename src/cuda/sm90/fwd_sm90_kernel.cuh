@@ -852,7 +852,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
   // Z (FwdKeepPairMask); l has summed P undropped.
   auto convert_p = [&](const float (&s)[Tr::kSAcc], const uint32_t (&keep)[KeepWords<Tr::kSAcc>()],
                        uint32_t (&pa)[Tr::kPSlices][4]) {
-    WithOptionFlags(dropout, false, [&](auto dropped, auto) {
+    WithOptionFlag(dropout, [&](auto dropped) {
 #pragma unroll
       for (int kk = 0; kk < Tr::kPSlices; ++kk) {
 #pragma unroll

@@ -104,11 +104,21 @@ __device__ __forceinline__ float AlibiSlopeUnits(const FlashParams& p,
   return p.alibi_slopes != nullptr ? __ldg(p.alibi_slopes + bh) * units.inv_natural : 0.f;
 }
 
-// f(std::bool_constant<a>, std::bool_constant<b>): one copy of a per-score
-// loop for each case, so an option a call lacks issues nothing. Under plain
-// runtime tests inside the loop ptxas predicated each score's tanh and ALiBi
-// term instead of branching: the D 64 backward with ALiBi alone issued twice
-// the plain kernel's MUFU and FMA-pipe instructions (ncu).
+// f(std::bool_constant<a>): one copy of a per-score loop for each case, so
+// an option a call lacks issues nothing. Under plain runtime tests inside
+// the loop ptxas predicated each score's tanh and ALiBi term instead of
+// branching: the D 64 backward with ALiBi alone issued twice the plain
+// kernel's MUFU and FMA-pipe instructions (ncu).
+template <typename F>
+__device__ __forceinline__ void WithOptionFlag(bool a, F&& f) {
+  if (a) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
+// f(std::bool_constant<a>, std::bool_constant<b>): WithOptionFlag for two.
 template <typename F>
 __device__ __forceinline__ void WithOptionFlags(bool a, bool b, F&& f) {
   if (a) {
