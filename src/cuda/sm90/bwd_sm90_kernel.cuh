@@ -904,8 +904,15 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
             }
             dp[i] = pt * (dpz - ((r & 1) ? d.y : d.x));
             if constexpr (capped) {
-              const float2 cap = UnpackFloat2<Elem>(cap_pairs[i / 2]);
-              dp[i] *= (r & 1) ? cap.y : cap.x;
+              // A bf16 half is the top of its fp32: a shift or a mask, where
+              // UnpackFloat2 cost one more instruction per pair.
+              const uint32_t pair = cap_pairs[i / 2];
+              if constexpr (std::is_same_v<Elem, __nv_bfloat16>) {
+                dp[i] *= __uint_as_float((r & 1) ? pair & 0xFFFF0000u : pair << 16);
+              } else {
+                const float2 cap = UnpackFloat2<Elem>(pair);
+                dp[i] *= (r & 1) ? cap.y : cap.x;
+              }
             }
           }
         }
