@@ -71,6 +71,7 @@ CASES = [
     (1, 2048, 2048, 16, 4, 64, True, None, "packed", 2, jnp.float16),
     (1, 2048, 2048, 16, 4, 128, True, None, "packed", 7, jnp.bfloat16),
     (1, 4096, 4096, 16, 16, 64, True, None, "packed", 64, jnp.bfloat16),
+    (1, 2000, 2000, 16, 16, 64, False, None, "packed", 7, jnp.bfloat16),
     (1, 4096, 4096, 16, 8, 128, False, None, "packed", 64, jnp.bfloat16),
     (1, 2048, 2048, 8, 2, 256, True, None, "packed", 7, jnp.bfloat16),
     (1, 2000, 2000, 16, 16, 64, True, None, "short", 0, jnp.bfloat16),

@@ -884,6 +884,28 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
     if constexpr (kPingpong) NamedBarrierArrive(1 + (cg == kLastGroup ? 0 : cg + 1), 256);
   };
 
+  // The pre-pass's query chunk of the warpgroup rows from wg_row0 (b *
+  // chunks + row chunk); a chunk past the last one holds rows past T only
+  // (never written): it tests against the last chunk's ids.
+  const auto seg_chunk_of = [&](const FwdSm90TileSpan& tl, int wg_row0) {
+    return tl.b * args.seg.num_q_chunks + min(wg_row0 / 64, args.seg.num_q_chunks - 1);
+  };
+
+  // Key blocks consumed without computing: wait until they land (the ring's
+  // phases stay in step), release them, and take their pingpong turns empty
+  // (every warpgroup takes the same number of turns per tile).
+  const auto skip_blocks = [&](int count) {
+    for (int i = 0; i < count; ++i) {
+      MbarWait(&k_full[ring.stage], ring.phase);
+      MbarWait(&v_full[ring.stage], ring.phase);
+      take_turn();
+      pass_turn();
+      release(&k_empty[ring.stage]);
+      release(&v_empty[ring.stage]);
+      ring.Advance();
+    }
+  };
+
   uint32_t q_phase = 0;
   if (Cfg::kTurnsAcrossTiles && c.cg == Cfg::kLastGroup) NamedBarrierArrive(1, 256);
   for (int item = 0; item < num_items; ++item) {
@@ -908,21 +930,29 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
     full_begin = static_cast<int>(lo);
     mask.KeyRange(wg_row0, wg_row0 + 1, &lo, &hi);
     full_end = static_cast<int>(hi);
-    // Key blocks after the last one any row of this warpgroup sees are
+    // Key blocks of the tile that no row of this warpgroup sees are
     // consumed without computing (at least one block is computed): under a
     // causal mask the first 64 rows of a 192-row tile end a block or more
-    // before its last row.
-    int wg_n_end = tl.n_end;
+    // before its last row, and with segment ids a tile's rows may span two
+    // documents, each warpgroup's rows one (their key chunks, q_span).
+    int wg_n_first = tl.n_first, wg_n_end = tl.n_end;
     if constexpr (kSkipsKeyBlocks) {
       if (wg_row0 < tl.row_end) {
         mask.KeyRange(wg_row0, min(wg_row0 + 64, tl.row_end), &lo, &hi);
         const int n_seen_end = static_cast<int>((hi - tl.key_base + kBlockN - 1) / kBlockN);
         wg_n_end = max(tl.n_first + 1, min(tl.n_end, n_seen_end));
+        if (segments && tl.id_test && wg_row0 / 64 < args.seg.num_q_chunks) {
+          // Id-test tiles count their key blocks from key 0 (key_base 0).
+          const int4 span = args.seg.q_span[seg_chunk_of(tl, wg_row0)];
+          wg_n_end = max(tl.n_first + 1, min(wg_n_end, span.y));
+          wg_n_first = min(max(tl.n_first, span.x), wg_n_end - 1);
+        }
       }
       // Warp-uniform, but derived from the warpgroup index: broadcast, so
       // the compiler keeps the ring's stage and phase (hence the wgmma
       // descriptors) in uniform registers after the skip loop.
       wg_n_end = __shfl_sync(0xffffffffu, wg_n_end, 0);
+      wg_n_first = __shfl_sync(0xffffffffu, wg_n_first, 0);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -935,11 +965,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
     }
 #pragma unroll
     for (int i = 0; i < Tr::kOAcc; ++i) o[i] = 0.f;
-    // A chunk past the last one holds rows past T only (never written): it
-    // tests against the last chunk's ids.
-    const auto seg_chunk = [&] {
-      return tl.b * args.seg.num_q_chunks + min(wg_row0 / 64, args.seg.num_q_chunks - 1);
-    };
+    const auto seg_chunk = [&] { return seg_chunk_of(tl, wg_row0); };
     if (segments) {
       int seg_begin = 0, seg_end = 0;  // keys of the blocks that skip the id test
       if (!tl.id_test) {
@@ -962,24 +988,13 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
     }
 
     if (tl.n_first < tl.n_end) {
-      const int n_first = tl.n_first;
+      // Blocks walk from the last: those past wg_n_end are skipped first,
+      // those before wg_n_first after the tile's last product.
+      const int n_first = wg_n_first;
       if (kTurnsPerTile && cg == kLastGroup) NamedBarrierArrive(1, 256);
       MbarWait(q_full, q_phase);
       q_phase ^= 1;
-      // The skipped blocks: wait until they land (the ring's phases stay in
-      // step), release them, and take their pingpong turns empty (every
-      // warpgroup takes the same number of turns per tile).
-      if constexpr (kSkipsKeyBlocks) {
-        for (int n = tl.n_end - 1; n >= wg_n_end; --n) {
-          MbarWait(&k_full[ring.stage], ring.phase);
-          MbarWait(&v_full[ring.stage], ring.phase);
-          take_turn();
-          pass_turn();
-          release(&k_empty[ring.stage]);
-          release(&v_empty[ring.stage]);
-          ring.Advance();
-        }
-      }
+      if constexpr (kSkipsKeyBlocks) skip_blocks(tl.n_end - wg_n_end);
       const int n_end = wg_n_end;
       float s[Tr::kSAcc];
       uint32_t keep[KeepWords<Tr::kSAcc>()];  // dropout's, of the block in s
@@ -1006,6 +1021,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
           ring.Advance();
         }
         if constexpr (kPersistent) release(q_empty);  // every S of the tile is done
+        if constexpr (kSkipsKeyBlocks) skip_blocks(n_first - tl.n_first);
       } else {  // kOverlap, kPingpong
         // Software-pipelined by one key block. Prologue: S and P of the first
         // (last-indexed) block. Steady state, for block n with P_{n+1} in pa:
@@ -1065,6 +1081,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
         pass_turn();
         WgmmaWaitFenced<0>(o);
         release(&v_empty[v_ring.stage]);
+        if constexpr (kSkipsKeyBlocks) skip_blocks(n_first - tl.n_first);
         if constexpr (kTurnsPerTile) {
           if (cg == 0) NamedBarrierSync(1, 256);
           // The warpgroups leave the tile together: otherwise the last one's
