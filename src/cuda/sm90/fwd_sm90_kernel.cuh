@@ -7,7 +7,7 @@
 // numbered with the m-blocks of a head fastest, in reverse order so that under
 // a causal mask the longest blocks start first. Each block computes one
 // tile when the grid has a block per tile, and several, in rounds of
-// gridDim.x tiles (see tile_of_round), when the host makes the grid
+// gridDim.x tiles (see FwdSm90Walk::TileOfRound), when the host makes the grid
 // persistent (one block per SM, for short sequences). Then the producer
 // loads the next tile's Q and first K/V stages while the consumers finish
 // the current one, and the load latency at the start of each tile is hidden.
@@ -254,12 +254,150 @@ struct FwdSm90Item {
   __device__ static FwdSm90Item Whole(int tile) { return {tile, 0, kAllBlocks, -1}; }
 };
 
+// A block's walk (see the top): items 0 .. num_items - 1, each a tile or a
+// stream-K piece of one, and where each lies. The producer and the
+// consumers take the same items in the same order.
+template <class Cfg>
+struct FwdSm90Walk {
+  using Tr = typename Cfg::Tr;
+  static constexpr int kBlockM = Tr::kBlockM;
+  static constexpr int kBlockN = Tr::kBlockN;
+  const FwdSm90Args& args;
+  const WindowMask& mask;
+  int seqlen_q;
+  bool segments;
+  bool stream_k;
+  // With segment ids the tiles' lengths follow the documents, unknown to the
+  // host: the persistent grid's blocks draw their tiles from a counter in
+  // the tiles' order (longest first per head under a causal mask) as they
+  // finish the previous one, instead of a fixed walk. (S == 0: the producer
+  // loads nothing and hands out nothing; every tile writes O = 0 alone.)
+  bool draws_tiles;
+  int num_items = 1;
+  // After sk_rounds rounds of whole tiles: the tail piece [0, sk_tail_end)
+  // of sk_tail_tile (if sk_tail_end > 0), the whole tiles [sk_whole_begin,
+  // sk_tail_tile), then the head piece of sk_head_tile from key block
+  // sk_head_begin (if sk_head_begin > 0).
+  int sk_rounds = 0, sk_tail_tile = 0, sk_tail_end = 0, sk_whole_begin = 0;
+  int sk_head_tile = 0, sk_head_begin = 0;
+
+  __device__ __forceinline__ FwdSm90Walk(const FwdSm90Args& args_, const WindowMask& mask_,
+                                         int seqlen_q_, bool segments_)
+      : args(args_),
+        mask(mask_),
+        seqlen_q(seqlen_q_),
+        segments(segments_),
+        stream_k(Cfg::kPersistent && args_.sk_first_tile < args_.num_tiles),
+        draws_tiles(Cfg::kPersistent && segments_ && args_.p.seqlen_k > 0) {
+    if constexpr (Cfg::kPersistent) {
+      const int grid = static_cast<int>(gridDim.x);
+      if (stream_k) {
+        // This block's share [u0, u1) of the stream-K key blocks; tile t of
+        // them covers [t L, t L + L).
+        const int blocks_per_tile = args.sk_blocks_per_tile;
+        const int64_t units =
+            static_cast<int64_t>(args.num_tiles - args.sk_first_tile) * blocks_per_tile;
+        const int64_t u0 = units * blockIdx.x / grid;
+        const int64_t u1 = units * (blockIdx.x + 1) / grid;
+        sk_rounds = args.sk_first_tile / grid;
+        sk_head_tile = args.sk_first_tile + static_cast<int>(u0 / blocks_per_tile);
+        sk_head_begin = static_cast<int>(u0 % blocks_per_tile);
+        sk_tail_tile = args.sk_first_tile + static_cast<int>(u1 / blocks_per_tile);
+        sk_tail_end = static_cast<int>(u1 % blocks_per_tile);
+        sk_whole_begin = sk_head_tile + (sk_head_begin > 0);
+        num_items = sk_rounds + (sk_tail_end > 0) + (sk_tail_tile - sk_whole_begin) +
+                    (sk_head_begin > 0);
+      } else {
+        num_items = draws_tiles ? INT_MAX : (args.num_tiles + grid - 1) / grid;
+      }
+    }
+  }
+
+  // The pre-pass's summary of the query tile at row_begin of batch entry b
+  // (SegmentBlocks::q_tiles).
+  __device__ __forceinline__ int4 QTileSpan(int b, int row_begin) const {
+    return args.seg.q_tiles[b * args.seg.num_q_tiles + row_begin / kBlockM];
+  }
+
+  // Where tile `tile` lies, and the key blocks [n_first, n_end) that some
+  // query of it may see.
+  __device__ __forceinline__ FwdSm90TileSpan Locate(int tile) const {
+    const FlashParams& p = args.p;
+    FwdSm90TileSpan t;
+    const int num_m = args.num_m_blocks;
+    const int hb = tile / num_m;
+    t.head = hb % static_cast<int>(p.num_heads_q);
+    t.b = hb / static_cast<int>(p.num_heads_q);
+    t.row_begin = (num_m - 1 - tile % num_m) * kBlockM;
+    t.row_end = min(t.row_begin + kBlockM, seqlen_q);
+    int64_t key_begin, key_end;
+    mask.KeyRange(t.row_begin, t.row_end, &key_begin, &key_end);
+    t.key_base = 0;
+    t.id_test = false;
+    if (segments) {
+      // Segment ids: only the key blocks whose ids may match an id of the
+      // tile's rows; a one-document tile sees exactly its document's keys,
+      // in blocks that start where they do.
+      const int4 span = QTileSpan(t.b, t.row_begin);
+      if (span.z >= 0) {
+        key_begin = max(key_begin, int64_t{span.z});
+        key_end = min(key_end, int64_t{span.w});
+        t.key_base = span.z & ~15;
+      } else {
+        key_begin = max(key_begin, int64_t{span.x} * kBlockN);
+        key_end = min(key_end, int64_t{span.y} * kBlockN);
+        t.id_test = true;
+      }
+    }
+    t.n_first = static_cast<int>((key_begin - t.key_base) / kBlockN);
+    t.n_end = key_end > key_begin
+                  ? static_cast<int>((key_end - t.key_base + kBlockN - 1) / kBlockN)
+                  : t.n_first;
+    return t;
+  }
+
+  // The tile this block takes in round r of the walk: rounds of gridDim.x
+  // tiles, every other one in reverse block order. Under a causal mask the
+  // tiles of a head run longest first, so a block that drew a long tile in
+  // one round draws a short one in the next (a static stride would hand
+  // some blocks only long tiles whenever gridDim.x is a multiple of the
+  // m-blocks per head).
+  __device__ __forceinline__ int TileOfRound(int r) const {
+    return r * static_cast<int>(gridDim.x) +
+           ((r & 1) ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x));
+  }
+
+  // Item i of a walk that does not draw its tiles.
+  __device__ __forceinline__ FwdSm90Item ItemAt(int i) const {
+    if (!stream_k || i < sk_rounds) return FwdSm90Item::Whole(TileOfRound(i));
+    i -= sk_rounds;
+    // The piece that ends this block's range starts its tile: the next block
+    // computes the rest of it last, so this one goes first.
+    if (sk_tail_end > 0) {
+      if (i == 0) return FwdSm90Item{sk_tail_tile, 0, sk_tail_end, static_cast<int>(blockIdx.x)};
+      --i;
+    }
+    if (i < sk_tail_tile - sk_whole_begin) return FwdSm90Item::Whole(sk_whole_begin + i);
+    return FwdSm90Item{sk_head_tile, sk_head_begin, FwdSm90Item::kAllBlocks,
+                       static_cast<int>(blockIdx.x) - 1};
+  }
+
+  // Where item `it` lies: its tile, with the key blocks narrowed to the piece.
+  __device__ __forceinline__ FwdSm90TileSpan LocateItem(const FwdSm90Item& it) const {
+    FwdSm90TileSpan t = Locate(it.tile);
+    if (it.slot >= 0) {
+      t.n_end = min(t.n_end, t.n_first + it.hi);
+      t.n_first += it.lo;
+    }
+    return t;
+  }
+};
+
 // The producer (warpgroup 0; one thread loads): per item, Q, then K and V
 // of each visible key block from the last down, into the ring.
-template <typename Elem, class Cfg, class ItemAt, class LocateItem>
-__device__ __forceinline__ void FwdSm90Producer(const FwdSm90Args& args, int num_items,
-                                                bool draws_tiles, const ItemAt& item_at,
-                                                const LocateItem& locate_item,
+template <typename Elem, class Cfg>
+__device__ __forceinline__ void FwdSm90Producer(const FwdSm90Args& args,
+                                                const FwdSm90Walk<Cfg>& walk,
                                                 const FwdSm90Buffers<Elem, Cfg>& buf) {
   using Tr = typename Cfg::Tr;
   constexpr int kHeadDim = Tr::kHeadDim;
@@ -274,9 +412,9 @@ __device__ __forceinline__ void FwdSm90Producer(const FwdSm90Args& args, int num
     if constexpr (Cfg::kTmaStoreO) PrefetchTensorMap(&args.tma_o);
     RingPos<kStages> ring;
     uint32_t q_phase = 0;
-    for (int i = 0; i < num_items; ++i) {
+    for (int i = 0; i < walk.num_items; ++i) {
       FwdSm90Item it;
-      if (draws_tiles) {
+      if (walk.draws_tiles) {
         // The next tile from the shared counter (the kernel's top), handed
         // to the consumers through next_tile; past the last: the end.
         const int tile = i == 0 ? static_cast<int>(blockIdx.x)
@@ -287,10 +425,10 @@ __device__ __forceinline__ void FwdSm90Producer(const FwdSm90Args& args, int num
         if (tile >= args.num_tiles) break;
         it = FwdSm90Item::Whole(tile);
       } else {
-        it = item_at(i);
+        it = walk.ItemAt(i);
         if (it.tile >= args.num_tiles) continue;
       }
-      const FwdSm90TileSpan t = locate_item(it);
+      const FwdSm90TileSpan t = walk.LocateItem(it);
       if (t.n_first >= t.n_end) continue;  // the consumers write O = 0 alone
       const int kv_head = t.head / static_cast<int>(p.group_size);  // GQA by index
       const int b = t.b;
@@ -550,7 +688,6 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
     FwdSm90Kernel(const __grid_constant__ FwdSm90Args args) {
   using Cfg = FwdSm90Config<TileRow, kSchedule, kPersistent, kScoreOptions>;
   using Tr = typename Cfg::Tr;
-  constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kStages = Tr::kStages;
   const bool segments = Cfg::kServesSegments && args.seg.q_span != nullptr;
@@ -559,121 +696,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
   const FlashParams& p = args.p;
   const int seqlen_q = static_cast<int>(p.seqlen_q);
   const WindowMask mask = MakeWindowMask(p);
-  // Where tile `tile` lies, and the key blocks [n_first, n_end) that some
-  // query of it may see.
-  using Tile = FwdSm90TileSpan;
-  // The pre-pass's summary of the query tile at row_begin of batch entry b
-  // (SegmentBlocks::q_tiles).
-  const auto q_tile_span = [&](int b, int row_begin) {
-    return args.seg.q_tiles[b * args.seg.num_q_tiles + row_begin / kBlockM];
-  };
-  auto locate = [&](int tile) {
-    Tile t;
-    const int num_m = args.num_m_blocks;
-    const int hb = tile / num_m;
-    t.head = hb % static_cast<int>(p.num_heads_q);
-    t.b = hb / static_cast<int>(p.num_heads_q);
-    t.row_begin = (num_m - 1 - tile % num_m) * kBlockM;
-    t.row_end = min(t.row_begin + kBlockM, seqlen_q);
-    int64_t key_begin, key_end;
-    mask.KeyRange(t.row_begin, t.row_end, &key_begin, &key_end);
-    t.key_base = 0;
-    t.id_test = false;
-    if (segments) {
-      // Segment ids: only the key blocks whose ids may match an id of the
-      // tile's rows; a one-document tile sees exactly its document's keys,
-      // in blocks that start where they do.
-      const int4 span = q_tile_span(t.b, t.row_begin);
-      if (span.z >= 0) {
-        key_begin = max(key_begin, int64_t{span.z});
-        key_end = min(key_end, int64_t{span.w});
-        t.key_base = span.z & ~15;
-      } else {
-        key_begin = max(key_begin, int64_t{span.x} * kBlockN);
-        key_end = min(key_end, int64_t{span.y} * kBlockN);
-        t.id_test = true;
-      }
-    }
-    t.n_first = static_cast<int>((key_begin - t.key_base) / kBlockN);
-    t.n_end = key_end > key_begin
-                  ? static_cast<int>((key_end - t.key_base + kBlockN - 1) / kBlockN)
-                  : t.n_first;
-    return t;
-  };
-
-  // The tile this block takes in round r of the walk: rounds of gridDim.x
-  // tiles, every other one in reverse block order. Under a causal mask the
-  // tiles of a head run longest first, so a block that drew a long tile in
-  // one round draws a short one in the next (a static stride would hand
-  // some blocks only long tiles whenever gridDim.x is a multiple of the
-  // m-blocks per head).
-  const auto tile_of_round = [&](int r) {
-    return r * static_cast<int>(gridDim.x) +
-           ((r & 1) ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x));
-  };
-
-  // The block's walk: items 0 .. num_items - 1, each a tile or a stream-K
-  // piece of one (key blocks [lo, hi) counted from its first visible block,
-  // merged through `slot`; slot -1: the whole tile). Producer and consumers
-  // take the same items in the same order.
-  using Item = FwdSm90Item;
-  const bool stream_k = kPersistent && args.sk_first_tile < args.num_tiles;
-  // With segment ids the tiles' lengths follow the documents, unknown to the
-  // host: the persistent grid's blocks draw their tiles from a counter in
-  // the tiles' order (longest first per head under a causal mask) as they
-  // finish the previous one, instead of a fixed walk. (S == 0: the producer
-  // loads nothing and hands out nothing; every tile writes O = 0 alone.)
-  const bool draws_tiles = kPersistent && segments && args.p.seqlen_k > 0;
-  int num_items = 1;
-  // After sk_rounds rounds of whole tiles: the tail piece [0, sk_tail_end)
-  // of sk_tail_tile (if sk_tail_end > 0), the whole tiles [sk_whole_begin,
-  // sk_tail_tile), then the head piece of sk_head_tile from key block
-  // sk_head_begin (if sk_head_begin > 0).
-  int sk_rounds = 0, sk_tail_tile = 0, sk_tail_end = 0, sk_whole_begin = 0;
-  int sk_head_tile = 0, sk_head_begin = 0;
-  if constexpr (kPersistent) {
-    const int grid = static_cast<int>(gridDim.x);
-    if (stream_k) {
-      // This block's share [u0, u1) of the stream-K key blocks; tile t of
-      // them covers [t L, t L + L).
-      const int blocks_per_tile = args.sk_blocks_per_tile;
-      const int64_t units =
-          static_cast<int64_t>(args.num_tiles - args.sk_first_tile) * blocks_per_tile;
-      const int64_t u0 = units * blockIdx.x / grid;
-      const int64_t u1 = units * (blockIdx.x + 1) / grid;
-      sk_rounds = args.sk_first_tile / grid;
-      sk_head_tile = args.sk_first_tile + static_cast<int>(u0 / blocks_per_tile);
-      sk_head_begin = static_cast<int>(u0 % blocks_per_tile);
-      sk_tail_tile = args.sk_first_tile + static_cast<int>(u1 / blocks_per_tile);
-      sk_tail_end = static_cast<int>(u1 % blocks_per_tile);
-      sk_whole_begin = sk_head_tile + (sk_head_begin > 0);
-      num_items = sk_rounds + (sk_tail_end > 0) + (sk_tail_tile - sk_whole_begin) +
-                  (sk_head_begin > 0);
-    } else {
-      num_items = draws_tiles ? INT_MAX : (args.num_tiles + grid - 1) / grid;
-    }
-  }
-  const auto item_at = [&](int i) {
-    if (!stream_k || i < sk_rounds) return Item::Whole(tile_of_round(i));
-    i -= sk_rounds;
-    // The piece that ends this block's range starts its tile: the next block
-    // computes the rest of it last, so this one goes first.
-    if (sk_tail_end > 0) {
-      if (i == 0) return Item{sk_tail_tile, 0, sk_tail_end, static_cast<int>(blockIdx.x)};
-      --i;
-    }
-    if (i < sk_tail_tile - sk_whole_begin) return Item::Whole(sk_whole_begin + i);
-    return Item{sk_head_tile, sk_head_begin, Item::kAllBlocks, static_cast<int>(blockIdx.x) - 1};
-  };
-  // Where item `it` lies: its tile, with the key blocks narrowed to the piece.
-  const auto locate_item = [&](const Item& it) {
-    Tile t = locate(it.tile);
-    if (it.slot >= 0) {
-      t.n_end = min(t.n_end, t.n_first + it.hi);
-      t.n_first += it.lo;
-    }
-    return t;
-  };
+  const FwdSm90Walk<Cfg> walk(args, mask, seqlen_q, segments);
 
   if (threadIdx.x == 0) {
     MbarInit(buf.q_full, 1);
@@ -707,7 +730,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
                             ? __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0)
                             : static_cast<int>(threadIdx.x / 128);
   if (warpgroup == 0) {
-    FwdSm90Producer<Elem, Cfg>(args, num_items, draws_tiles, item_at, locate_item, buf);
+    FwdSm90Producer<Elem, Cfg>(args, walk, buf);
     return;
   }
 
@@ -744,6 +767,10 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
   int full_begin, full_end;
   int key_lo[2], key_hi[2];
 
+  // The consumer's steps are lambdas over the kernel's locals: as member
+  // functions of FwdSm90Consumer (forceinline) they compiled the plain
+  // 128 x 176 kernels' key loop to other code.
+
   // S = Q K^T of the K tile in `stage` (unscaled: the scale folds into exp2).
   // Issued and committed as one wgmma group; the caller waits.
   auto issue_s = [&](float (&s)[Tr::kSAcc], int stage) {
@@ -769,7 +796,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
   // wg_row0 + 16 warp + g + 8 ((i / 2) % 2), key n kBlockN + 8 (i / 4) + 2 t4
   // + i % 2. Indices through Opaque: hoisted out of the key loop, the slope
   // and the row terms would hold registers in the plain path too.
-  auto transform_scores = [&](float (&s)[Tr::kSAcc], int n, const Tile& tl, int wg_row0) {
+  auto transform_scores = [&](float (&s)[Tr::kSAcc], int n, const FwdSm90TileSpan& tl, int wg_row0) {
     const int bh = Opaque(tl.b) * static_cast<int>(p.num_heads_q) + Opaque(tl.head);
     const float slope_u = AlibiSlopeUnits(p, args.units, bh);
     // |t + S - T - key| = |base[row] - column|
@@ -786,7 +813,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
   // calls spilled the D 256 and 176-key consumers 12-64 bytes. Indices
   // through Opaque, as for ALiBi.
   const bool dropout = c.dropout;
-  auto keep_bits = [&](uint32_t (&keep)[KeepWords<Tr::kSAcc>()], int n, const Tile& tl,
+  auto keep_bits = [&](uint32_t (&keep)[KeepWords<Tr::kSAcc>()], int n, const FwdSm90TileSpan& tl,
                        int wg_row0) {
     if (!dropout) return;
     const int bh = Opaque(tl.b) * static_cast<int>(p.num_heads_q) + Opaque(tl.head);
@@ -800,7 +827,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
   // seg_chunk(): the warpgroup's query chunk of the pre-pass (b * chunks +
   // row chunk), evaluated only for the id test.
   auto softmax = [&](float (&s)[Tr::kSAcc], const uint32_t (&keep)[KeepWords<Tr::kSAcc>()],
-                     int n, float (&correction)[2], auto&& seg_chunk, const Tile& tl,
+                     int n, float (&correction)[2], auto&& seg_chunk, const FwdSm90TileSpan& tl,
                      int wg_row0) {
     // Before the mask: its -inf must stay -inf (tanh would make it -1).
     if constexpr (kScoreOptions) transform_scores(s, n, tl, wg_row0);
@@ -908,19 +935,19 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
 
   uint32_t q_phase = 0;
   if (Cfg::kTurnsAcrossTiles && c.cg == Cfg::kLastGroup) NamedBarrierArrive(1, 256);
-  for (int item = 0; item < num_items; ++item) {
+  for (int item = 0; item < walk.num_items; ++item) {
     FwdSm90Item it;
-    if (draws_tiles) {
+    if (walk.draws_tiles) {
       MbarWait(c.buf.next_full, item & 1);
       const int tile = *static_cast<volatile int*>(c.buf.next_tile);
       release(c.buf.next_empty);
       if (tile >= args.num_tiles) break;
       it = FwdSm90Item::Whole(tile);
     } else {
-      it = item_at(item);
+      it = walk.ItemAt(item);
       if (it.tile >= args.num_tiles) continue;
     }
-    const FwdSm90TileSpan tl = locate_item(it);
+    const FwdSm90TileSpan tl = walk.LocateItem(it);
     // The mainloop: resets the row state, then per key block S = Q K^T, the
     // softmax, O += P V, in the kernel's schedule. Here in the kernel body:
     // as a function of its own (forceinline) it compiled to other code.
@@ -970,7 +997,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
       int seg_begin = 0, seg_end = 0;  // keys of the blocks that skip the id test
       if (!tl.id_test) {
         // One document: its key run, a range like the window's.
-        const int4 span = q_tile_span(tl.b, tl.row_begin);
+        const int4 span = walk.QTileSpan(tl.b, tl.row_begin);
         seg_begin = span.z;
         seg_end = span.w;
 #pragma unroll
@@ -1090,7 +1117,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
         }
       }
     }
-    if (stream_k && it.slot >= 0) {
+    if (walk.stream_k && it.slot >= 0) {
       const FwdSm90Piece piece = FwdSm90ArrivePiece<Elem, Cfg>(c, it);
       if (FwdSm90FirstPiece<Elem, Cfg>(c)) {
         FwdSm90ParkPiece<Elem, Cfg>(c, piece, rows);
