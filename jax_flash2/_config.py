@@ -166,10 +166,12 @@ def _static_number(name: str, value) -> float:
 
 def _float32_positive(name: str, value: float, original) -> None:
   """The kernels read the value as a float32 attribute: it must stay finite
-  and > 0 there (1e-50 rounds to 0, 1e39 to inf)."""
+  and a normal number > 0 there (1e-50 rounds to 0, 1e39 to inf, and a
+  subnormal such as 1e-40 reads as 0 where denormals are flushed, as in XLA's
+  CPU threads)."""
   with np.errstate(over="ignore", under="ignore"):
     value32 = np.float32(value)
-  if not np.isfinite(value32) or value32 <= 0:
+  if not np.isfinite(value32) or value32 < np.finfo(np.float32).tiny:
     raise ValueError(f"flash_attention: {name} must be finite and > 0 as a float32 (from "
                      f"{np.finfo(np.float32).tiny:.3g} to {np.finfo(np.float32).max:.3g}); got "
                      f"{original!r}, which is {value32} in float32")
@@ -218,12 +220,24 @@ def _check_window(window_size, causal: bool, seqlen_q: int, seqlen_k: int) -> tu
   return left, right
 
 
+# The largest softcap: the scores are divided by it in float32, and a
+# quotient below float32's smallest normal flushes to 0 (then tanh gives 0,
+# not the score). Up to 2**103 that loses only scores below float32's eps
+# (2**-23 = 2**103 * 2**-126), which change no exp(score); a larger cap would
+# silently zero ordinary scores (softcap=1e38: |s| < 1.2 become 0).
+_SOFTCAP_MAX = 2.0**103
+
+
 def _check_softcap(softcap) -> float:
   value = _static_number("softcap", softcap)
   if not math.isfinite(value) or value < 0:
     raise ValueError(f"flash_attention: softcap must be finite and >= 0 (0 = off); got {softcap!r}")
   if value > 0:  # a cap that rounds to 0 in float32 would silently switch it off
     _float32_positive("softcap", value, softcap)
+  if value > _SOFTCAP_MAX:
+    raise ValueError(f"flash_attention: softcap must be at most 2**103 (about {_SOFTCAP_MAX:.3g}: "
+                     "scores / softcap must stay a normal float32), or 0 for no cap; got "
+                     f"{softcap!r}")
   return value
 
 
@@ -269,9 +283,15 @@ def _check_alibi_slopes(alibi_slopes, batch: int, num_heads: int) -> None:
   _require_finite("alibi_slopes", alibi_slopes)
 
 
+def _is_concrete(array) -> bool:
+  """Whether the values are known at trace time: not traced, and not abstract
+  (a jax.ShapeDtypeStruct, as jax_flash2.plan takes)."""
+  return not isinstance(array, jax.core.Tracer) and isinstance(array, (jax.Array, np.ndarray))
+
+
 def _require_finite(name: str, array) -> None:
-  """Concrete values must be finite; traced ones are trusted."""
-  if isinstance(array, jax.core.Tracer):
+  """Concrete values must be finite; traced (or abstract) ones are trusted."""
+  if not _is_concrete(array):
     return
   values = np.asarray(array)
   if not np.all(np.isfinite(values)):
@@ -317,7 +337,7 @@ def _check_segment_ids(segment_ids, batch: int, seqlen_q: int, seqlen_k: int) ->
     # The ids are cast to int32. Concrete ids must fit (2**32 would become 0
     # and match id 0); traced ids of a wider type wrap unchecked.
     info = np.iinfo(np.int32)
-    if (not isinstance(ids, jax.core.Tracer) and np.dtype(ids.dtype).itemsize >= 4
+    if (_is_concrete(ids) and np.dtype(ids.dtype).itemsize >= 4
         and np.dtype(ids.dtype) != np.int32 and ids.size):
       values = np.asarray(ids)
       if values.min() < info.min or values.max() > info.max:

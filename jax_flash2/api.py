@@ -18,7 +18,7 @@ import numpy as np
 
 from jax_flash2 import _autodiff, _ext, _scores, _varlen, reference
 from jax_flash2._config import (AttentionConfig, ExtraOperands, SUPPORTED_DTYPES, check_bool,
-                                check_sinks, extra_operands, kernel_head_dim, make_config,
+                                extra_operands, kernel_head_dim, make_config,
                                 shape_error)
 
 __all__ = ["AttentionConfig", "ExtraOperands", "SUPPORTED_DTYPES", "extra_operands",
@@ -230,10 +230,16 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                            dropout_rng=dropout_rng, sinks=sinks,
                            implementation=implementation, **kwargs)
 
+  # Every argument is checked as flash_attention checks them, also when a side
+  # has no token and no kernel runs (one row of at least one token stands in).
+  row = lambda x: jax.ShapeDtypeStruct((1, max(x.shape[0], 1)) + tuple(x.shape[1:]), x.dtype)  # noqa: E731
+  make_config(row(q), row(k), row(v), causal=causal, softmax_scale=softmax_scale,
+              window_size=window_size, softcap=softcap, deterministic=deterministic,
+              dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+              implementation=implementation, sinks=sinks)
   if sinks is not None and k.shape[0] == 0:
     # No key at all: every query sees no key, out 0 and LSE the sink (the
     # gathered batch would have nothing to gather from).
-    check_sinks(sinks, q.shape[1], q.dtype)
     out = jnp.zeros(q.shape, q.dtype)
     lse = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None], (q.shape[1], q.shape[0]))
     return (out, lse) if return_lse else out

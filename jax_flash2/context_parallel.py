@@ -91,6 +91,10 @@ def _check_zigzag_args(x, n, axis, name):
     raise ValueError(f"{name}: n must be an int >= 1; got {n!r}")
   if not hasattr(x, "shape"):
     raise TypeError(f"{name}: x must be an array; got {type(x).__name__}")
+  if (not isinstance(axis, numbers.Integral) or isinstance(axis, bool)
+      or not -x.ndim <= axis < x.ndim):
+    raise ValueError(f"{name}: axis must be an int in [-{x.ndim}, {x.ndim}) for x of shape "
+                     f"{tuple(x.shape)}; got {axis!r}")
   axis = axis % x.ndim
   if x.shape[axis] % (2 * n):
     raise ValueError(f"{name}: x.shape[{axis}] = {x.shape[axis]} must be divisible by 2n = "
@@ -549,6 +553,7 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, layout: str = "c
   the kernels it can overlap with. Per device the ring holds two K/V blocks
   and, in the backward, a packed dK/dV accumulator in float32.
   """
+  api.check_bool("return_lse", return_lse)
   ids = None if segment_ids is None else tuple(segment_ids) if isinstance(
       segment_ids, (tuple, list)) else segment_ids
   # Arrays, ids, scale and softcap are checked as flash_attention checks them;
@@ -600,10 +605,16 @@ def context_parallel_attention(q, k, v, *, mesh, axis_name, batch_axis=None, seg
   the layout's order (for "zigzag", as to_zigzag leaves them). Other keyword
   arguments: as ring_attention."""
   names = _axis_names(axis_name)
-  for name in names:
-    if name not in mesh.shape:
-      raise ValueError(f"context_parallel_attention: axis_name {name!r} is not an axis of the "
-                       f"mesh {dict(mesh.shape)}")
+  for argument, axes in (("axis_name", names),
+                         ("batch_axis", () if batch_axis is None else _axis_names(batch_axis))):
+    for name in axes:
+      if name not in mesh.shape:
+        raise ValueError(f"context_parallel_attention: {argument} {name!r} is not an axis of the "
+                         f"mesh {dict(mesh.shape)}")
+  if segment_ids is not None and (not isinstance(segment_ids, (tuple, list))
+                                  or len(segment_ids) != 2):
+    raise ValueError("context_parallel_attention: segment_ids must be a pair (q_segment_ids "
+                     f"[B, T], kv_segment_ids [B, S]) or None; got {type(segment_ids).__name__}")
   n = math.prod(mesh.shape[a] for a in names)
   parts = 2 * n if kwargs.get("layout", "contiguous") == "zigzag" else n
   for name, x in (("q", q), ("k", k), ("v", v)):

@@ -146,6 +146,23 @@ def test_zigzag_round_trip_and_errors():
     cp.to_zigzag(x, 5)
   with pytest.raises(ValueError, match="n must be an int"):
     cp.from_zigzag(x, 0)
+  with pytest.raises(ValueError, match=r"axis must be an int in \[-3, 3\)"):
+    cp.to_zigzag(x, 2, axis=3)
+  with pytest.raises(ValueError, match="axis must be an int"):
+    cp.from_zigzag(x, 2, axis=1.0)
+
+
+def test_context_parallel_argument_errors():
+  x = jnp.ones((1, 8, 2, 16))
+  mesh = jax.make_mesh((1,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
+  with pytest.raises(ValueError, match="batch_axis 'data' is not an axis of the mesh"):
+    cp.context_parallel_attention(x, x, x, mesh=mesh, axis_name="seq", batch_axis="data")
+  with pytest.raises(ValueError, match="segment_ids must be a pair"):
+    cp.context_parallel_attention(x, x, x, mesh=mesh, axis_name="seq",
+                                  segment_ids=jnp.zeros((1, 8), jnp.int32))
+  with pytest.raises(TypeError, match="return_lse must be a bool"):
+    jax.shard_map(lambda q: cp.ring_attention(q, q, q, axis_name="seq", return_lse="no"),
+                  mesh=mesh, in_specs=jax.P(None, "seq"), out_specs=jax.P(None, "seq"))(x)
 
 
 def test_one_device_ring_is_flash_attention():

@@ -163,6 +163,25 @@ def test_nnx_rejects_bad_heads():
     jf.MultiHeadAttention(4, FEATURES, num_kv_heads=3, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="qkv_features"):
     jf.MultiHeadAttention(4, FEATURES, qkv_features=30, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="qkv_features"):
+    jf.MultiHeadAttention(4, FEATURES, qkv_features=0, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("rate", [-0.1, float("nan"), 1.0])
+def test_modules_reject_bad_dropout_rates_even_when_deterministic(rate):
+  """A rate outside [0, 1) is an error also where no dropout would run (it
+  would otherwise silently mean no dropout)."""
+  with pytest.raises(ValueError, match=r"dropout_rate must be in \[0, 1\)"):
+    jf.MultiHeadAttention(2, FEATURES, dropout_rate=rate, deterministic=True, rngs=nnx.Rngs(0))
+  layer = jfl.MultiHeadAttention(2, dropout_rate=rate, deterministic=True)
+  with pytest.raises(ValueError, match=r"dropout_rate must be in \[0, 1\)"):
+    layer.init(jax.random.key(0), inputs((1, 8, FEATURES)))
+
+
+def test_module_window_size_is_checked_by_name():
+  layer = jf.MultiHeadAttention(2, FEATURES, window_size=4, rngs=nnx.Rngs(0))
+  with pytest.raises((ValueError, TypeError), match="window_size"):
+    layer(inputs((1, 8, FEATURES)))
 
 
 # Transforms
@@ -368,6 +387,8 @@ def test_drop_in_linen():
 
 def test_drop_in_errors():
   x = inputs((2, 16, HEADS, 8))
+  with pytest.raises(ValueError, match=r"key must be \[\.\.\., T\|S, H\|K, D\] \(rank >= 3\)"):
+    jf.dot_product_attention(x, x[0, 0], x)
   with pytest.raises(ValueError, match="bias is not supported"):
     jf.dot_product_attention(x, x, x, bias=jnp.zeros((2, HEADS, 16, 16)))
   with pytest.raises(ValueError, match="mask is not supported.*is_causal=True"):

@@ -180,6 +180,9 @@ def _arrays(q=(1, 8, 2, 16), k=(1, 8, 2, 16), dtype=jnp.float32):
     ({"window_size": (0, 2**63)}, ValueError, "window_size right must fit in int64"),
     ({"softcap": 1e-50}, ValueError, "softcap .* float32"),
     ({"softcap": 1e39}, ValueError, "softcap .* float32"),
+    ({"softcap": 1e-40}, ValueError, "softcap .* float32"),  # subnormal: flushed to 0
+    ({"softcap": 1e35}, ValueError, r"softcap must be at most 2\*\*103"),
+    ({"softmax_scale": 1e-40}, ValueError, "softmax_scale .* float32"),
     ({"softmax_scale": 1e-50}, ValueError, "softmax_scale .* float32"),
     ({"softmax_scale": 1e39}, ValueError, "softmax_scale .* float32"),
     ({"softmax_scale": "0.5"}, TypeError, "softmax_scale must be a number"),
@@ -206,6 +209,30 @@ def test_bad_option_values(kwargs, error, match):
   if options:
     with pytest.raises(error, match=match):
       jax_flash2.reference.attention(q, k, v, **options)
+
+
+def test_abstract_options_pass_the_value_checks():
+  """Slopes and segment ids given as jax.ShapeDtypeStruct (as jax_flash2.plan
+  takes them) have no values to check: shapes and dtypes only."""
+  q, k, v = (jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in _arrays())
+  ids = jax.ShapeDtypeStruct((1, 8), jnp.int64)
+  plan = jax_flash2.plan(q, k, v, alibi_slopes=jax.ShapeDtypeStruct((2,), jnp.float32),
+                         segment_ids=(ids, ids))
+  assert plan is not None
+
+
+def test_varlen_checks_every_argument_without_tokens():
+  """With no key at all no kernel runs, yet each option is checked as for a
+  call with tokens."""
+  q = jnp.ones((3, 2, 16), jnp.float32)
+  empty = jnp.zeros((0, 2, 16), jnp.float32)
+  cu_q, cu_k = jnp.asarray([0, 3], jnp.int32), jnp.asarray([0, 0], jnp.int32)
+  sinks = jnp.zeros((2,), jnp.float32)
+  for kwargs, match in ((dict(softcap=-1.0), "softcap"), (dict(softmax_scale="2"), "softmax_scale"),
+                        (dict(sinks=jnp.zeros((3,), jnp.float32)), "sinks")):
+    with pytest.raises((ValueError, TypeError), match=match):
+      jax_flash2.flash_attention_varlen(q, empty, empty, cu_q, cu_k, 3, 1,
+                                        **{"sinks": sinks, **kwargs})
 
 
 def test_zero_heads_is_a_clear_error():

@@ -19,6 +19,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import jax.numpy as jnp
 
+from jax_flash2 import _config
 from jax_flash2.flax._attention_fn import attend, dot_product_attention
 
 __all__ = ["MultiHeadAttention", "dot_product_attention"]
@@ -95,12 +96,14 @@ class MultiHeadAttention(nnx.Module):
     out_features = in_features if out_features is None else out_features
     in_kv_features = in_features if in_kv_features is None else in_kv_features
     _check_heads(num_heads, num_kv_heads, qkv_features)
+    _check_dropout_rate(dropout_rate)
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
     self.head_dim = qkv_features // num_heads
     self.causal = causal
     self.softmax_scale = softmax_scale
-    self.window_size = tuple(window_size)
+    # Anything else than a pair is left for flash_attention to name.
+    self.window_size = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
     self.softcap = softcap
     self.dropout_rate = dropout_rate
     self.deterministic = deterministic
@@ -158,7 +161,16 @@ def _check_heads(num_heads: int, num_kv_heads: int, qkv_features: int) -> None:
     raise ValueError(
         f"MultiHeadAttention: num_kv_heads ({num_kv_heads}) must divide num_heads "
         f"({num_heads}): num_heads for MHA, 1 for MQA, a divisor for GQA")
-  if qkv_features % num_heads:
+  if qkv_features < 1 or qkv_features % num_heads:
     raise ValueError(
-        f"MultiHeadAttention: qkv_features ({qkv_features}) must be a multiple of "
+        f"MultiHeadAttention: qkv_features ({qkv_features}) must be a positive multiple of "
         f"num_heads ({num_heads})")
+
+
+def _check_dropout_rate(dropout_rate) -> None:
+  """The module's dropout_rate, checked also when a call is deterministic (a
+  negative or NaN rate would otherwise silently mean no dropout)."""
+  rate = _config._static_number("dropout_rate", dropout_rate)
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"MultiHeadAttention: dropout_rate must be in [0, 1) (0 = off); got "
+                     f"{dropout_rate!r}")

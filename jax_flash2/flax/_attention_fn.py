@@ -41,6 +41,10 @@ def attend(query, key, value, *, causal: bool, softmax_scale=None, dtype=None,
   """
   dtype = jnp.dtype(dtype) if dtype is not None else jnp.result_type(query, key, value)
   query, key, value = (x.astype(dtype) for x in (query, key, value))
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if x.ndim < 3:
+      raise ValueError(f"dot_product_attention: {name} must be [..., T|S, H|K, D] (rank >= 3); "
+                       f"got shape {x.shape}")
   batch = query.shape[:-3]
   if key.shape[:-3] != batch or value.shape[:-3] != batch:
     raise ValueError(

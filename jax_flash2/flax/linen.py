@@ -7,7 +7,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jax_flash2.flax import _check_heads
+from jax_flash2.flax import _check_dropout_rate, _check_heads
 from jax_flash2.flax._attention_fn import attend, dot_product_attention
 
 __all__ = ["MultiHeadAttention", "dot_product_attention"]
@@ -50,6 +50,7 @@ class MultiHeadAttention(nn.Module):
     is needed when dropout_rate > 0. segment_ids: packed documents, as in
     jax_flash2.flax.MultiHeadAttention."""
     inputs_kv = inputs_q if inputs_kv is None else inputs_kv
+    _check_dropout_rate(self.dropout_rate)
     dropout_rate, dropout_rng = 0.0, None
     if self.dropout_rate > 0 and not nn.merge_param("deterministic", self.deterministic,
                                                     deterministic):
