@@ -89,6 +89,7 @@ nb::dict Plan(bool backward, int dtype, int64_t batch, int64_t seqlen_q, int64_t
     tile["block_n"] = 16 * plan.tile.warps_n;
     tile["warps_n"] = plan.tile.warps_n;
     tile["warps_d"] = plan.tile.warps_d;
+    tile["do_stages"] = plan.tile.do_stages;
     tile["row"] = plan.row == cuda::BwdTileRow::kLargeSmem   ? "large_smem"
                   : plan.row == cuda::BwdTileRow::kSmallSmem ? "small_smem"
                                                              : "default";

@@ -490,17 +490,17 @@ int main(int argc, char** argv) {
   // Every case runs with the device as it is and, where that device has more,
   // with the shared memory of an A100 (163 KB opt-in), which selects the
   // default tile rows instead of the large-smem ones, and with that of cc 8.6
-  // / 8.9 GPUs (99 KB), which selects the small-smem rows (and refuses
-  // D > 128, which has none). The kernels are the same sm_80 code there.
+  // / 8.9 GPUs (99 KB), which selects the small-smem rows. No variant may
+  // refuse a case. The kernels are the same sm_80 code there.
   DeviceInfo dev80 = dev, dev86 = dev;
   dev80.max_smem_per_block_optin = std::min<size_t>(dev.max_smem_per_block_optin, 166912);
   dev86.max_smem_per_block_optin = std::min<size_t>(dev.max_smem_per_block_optin, 101376);
-  std::vector<DevVariant> variants = {{dev, "", dev.max_smem_per_block_optin <= 101376 ? 128 : 256}};
+  std::vector<DevVariant> variants = {{dev, "", 256}};
   if (dev80.max_smem_per_block_optin < dev.max_smem_per_block_optin) {
     variants.push_back({dev80, " [sm80 tiles]", 256});
   }
   if (dev86.max_smem_per_block_optin < dev.max_smem_per_block_optin) {
-    variants.push_back({dev86, " [99 KB tiles]", 128});
+    variants.push_back({dev86, " [99 KB tiles]", 256});
   }
   int failed = 0;
   for (const Case& c : cases) {

@@ -3,7 +3,7 @@
 # backward self-test (all cases, then timings per head-dim bucket), then
 # memcheck and racecheck on its small cases. Every case runs with the
 # device's shared memory, an A100's (163 KB) and that of cc 8.6 / 8.9 GPUs
-# (99 KB: the small-smem tiles; D > 128 refused with its reason).
+# (99 KB: the small-smem tiles).
 # Usage (repository root): tests/cuda/run_bwd_selftest.sh
 # ARCH overrides the target (default sm_90a, the H200 of the device machine);
 # REBUILD=1 forces a build. Logs go to $OUT (or /tmp/bwd_selftest_out).

@@ -206,8 +206,8 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
   Elem* s_k = reinterpret_cast<Elem*>(smem_raw);  // [kN][kStride]
   Elem* s_v = s_k + kN * kStride;                 // [kN][kStride]
   Elem* s_q = s_v + kN * kStride;                 // [2][kM][kStride]
-  Elem* s_do = s_q + 2 * kM * kStride;            // [2][kM][kStride]
-  Elem* s_pt = s_do + 2 * kM * kStride;           // [kN][kPStride]  P^T
+  Elem* s_do = s_q + 2 * kM * kStride;            // [kDoStages][kM][kStride]
+  Elem* s_pt = s_do + Tr::kDoStages * kM * kStride;  // [kN][kPStride]  P^T
   Elem* s_dst = s_pt + kN * kPStride;             // [kN][kPStride]  dS^T
   float* s_lse2 = reinterpret_cast<float*>(s_dst + kN * kPStride);  // [2][kM]
   float* s_dvec = s_lse2 + 2 * kM;                                  // [2][kM]
@@ -241,7 +241,19 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
                         n_end - n_begin, head_dim);
 
   // Iteration `it` covers query head kvh * group + it / num_m_blocks and query
-  // block m_block_begin + it % num_m_blocks: Q, dO, lse2, Dvec into buffer it % 2.
+  // block m_block_begin + it % num_m_blocks: Q, dO, lse2, Dvec into buffer it % 2
+  // (with one dO buffer, dO by load_single_do once the previous block's dV is done).
+  auto do_tile = [&](int64_t it, int64_t* m_begin) {
+    const int64_t h = kvh * p.group_size + it / num_m_blocks;
+    *m_begin = (m_block_begin + it % num_m_blocks) * kM;
+    return static_cast<const Elem*>(p.d_o) + b * p.o_batch_stride + h * p.o_head_stride;
+  };
+  auto load_single_do = [&](int64_t it) {
+    int64_t m_begin;
+    const Elem* do_head = do_tile(it, &m_begin);
+    LoadTileAsync<Tr, kM>(s_do, do_head + m_begin * p.o_row_stride, do_head, p.o_row_stride,
+                          seqlen_q - m_begin, head_dim);
+  };
   auto load_q_do = [&](int64_t it) {
     const int buf = static_cast<int>(it % 2);
     const int64_t h = kvh * p.group_size + it / num_m_blocks;
@@ -252,8 +264,10 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
         static_cast<const Elem*>(p.d_o) + b * p.o_batch_stride + h * p.o_head_stride;
     LoadTileAsync<Tr, kM>(s_q + buf * kM * kStride, q_head + m_begin * p.q_row_stride, q_head,
                           p.q_row_stride, seqlen_q - m_begin, head_dim);
-    LoadTileAsync<Tr, kM>(s_do + buf * kM * kStride, do_head + m_begin * p.o_row_stride, do_head,
-                          p.o_row_stride, seqlen_q - m_begin, head_dim);
+    if constexpr (Tr::kDoStages == 2) {
+      LoadTileAsync<Tr, kM>(s_do + buf * kM * kStride, do_head + m_begin * p.o_row_stride,
+                            do_head, p.o_row_stride, seqlen_q - m_begin, head_dim);
+    }
     // lse2/dvec rows are padded to a multiple of kM, so these copies are whole.
     const int64_t row0 = (b * p.num_heads_q + h) * s.t_pad + m_begin;
     if (threadIdx.x < kM / 4) {
@@ -263,7 +277,10 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
       CpAsync16(s_dvec + buf * kM + c * 4, s.dvec + row0 + c * 4, true);
     }
   };
-  if (num_iters > 0) load_q_do(0);
+  if (num_iters > 0) {
+    load_q_do(0);
+    if constexpr (Tr::kDoStages == 1) load_single_do(0);
+  }
   CpAsyncCommit();
 
   // dK, dV of keys [16 wn, +16) x dims [wd * kDw, +kDw): C fragments.
@@ -280,7 +297,7 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
     const int64_t h = kvh * p.group_size + it / num_m_blocks;
     const int64_t m_begin = (m_block_begin + it % num_m_blocks) * kM;
     const Elem* sq = s_q + buf * kM * kStride;
-    const Elem* sdo = s_do + buf * kM * kStride;
+    const Elem* sdo = s_do + (Tr::kDoStages == 2 ? buf : 0) * kM * kStride;
     const float* slse2 = s_lse2 + buf * kM;
     const float* sdvec = s_dvec + buf * kM;
 
@@ -436,12 +453,19 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
         Mma16816<Elem>(acc_dk[dt + 1], a_ds, {b_q[2], b_q[3]});
       }
     }
+    if constexpr (Tr::kDoStages == 1) {
+      // Every warp is done with dO: the next block's lands under the dQ product.
+      __syncthreads();
+      if (it + 1 < num_iters) load_single_do(it + 1);
+      CpAsyncCommit();
+    }
 
-    // dQ (unscaled) += dS K for queries [16 wq_m, +16) x dims [dq0, +kDqDw).
-    {
-      constexpr int kQTiles = Tr::kDqDw / 8;
+    // dQ (unscaled) += dS K for queries [16 wq_m, +16) x dims [dq0, +kDqPassDw):
+    // pass `pass` of the kDqPasses over the warp's kDqDw dims.
+    auto dq_pass = [&](int pass) {
+      constexpr int kQTiles = Tr::kDqPassDw / 8;
       const int wq_m = warp % Tr::kDqWarpsM, wq_d = warp / Tr::kDqWarpsM;
-      const int dq0 = wq_d * Tr::kDqDw;
+      const int dq0 = wq_d * Tr::kDqDw + pass * Tr::kDqPassDw;
       float acc_dq[kQTiles][4];
 #pragma unroll
       for (int i = 0; i < kQTiles; ++i) {
@@ -482,6 +506,12 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
 #endif
         }
       }
+    };
+    if constexpr (Tr::kDqPasses == 1) {
+      dq_pass(0);
+    } else {
+#pragma unroll
+      for (int pass = 0; pass < Tr::kDqPasses; ++pass) dq_pass(pass);
     }
   }
 

@@ -14,6 +14,8 @@ struct BwdTileSizes {
   int block_m;   // query rows per inner-loop step
   int warps_n;   // warps along the key block; block_n = 16 * warps_n
   int warps_d;   // warps splitting head_dim (of dK/dV) and block_m (of S^T)
+  int do_stages = 2;  // dO buffers: 2 loads the next block's under this one's
+                      // products; 1 loads it after dV += P^T dO (99 KB rows)
 };
 
 // Why these: the CTA owns block_n = 16 * warps_n keys and each warp owns 16 of
@@ -46,17 +48,19 @@ inline constexpr BwdTileSizes kBwdTileTableLargeSmem[] = {
 };
 
 // Rows for GPUs with 99 KB (101,376 B) of opt-in shared memory per block (cc
-// 8.6 / 8.9), where the rows above need 111,616 B (d64) and 125,440 B (d128).
-// Each keeps its default row's dK, dV per warp (16 keys x head_dim): d64
-// halves block_m (76,288 B; 206-215 registers, no spill on sm_80), d128
-// halves the warps along the keys (block_n 64: 80,384 B; 255 registers, no
-// spill; with dropout 64 bytes, its dQ share per warp being twice the
-// default row's). d32 fits as it is (78,848 B). d256 has none: with Q and dO
-// double-buffered even block_n = 32 needs 107,008 B, so the backward at
-// D > 128 is refused there, with that reason.
+// 8.6 / 8.9), where the rows above need 111,616 B (d64), 125,440 B (d128)
+// and 145,920 B (d256). Each keeps its default row's dK, dV per warp (16 keys
+// x head_dim / warps_d): d64 halves block_m (76,288 B; 206-215 registers, no
+// spill on sm_80), d128 halves the warps along the keys (block_n 64: 80,384
+// B; 255 registers, no spill; with dropout 64 bytes, its dQ share per warp
+// being twice the default row's). d256 halves them too (block_n 32) and keeps
+// one dO buffer (90,112 B; with two, 107,008 B): the next block's dO loads
+// once dV += P^T dO is done, under the dQ product only. d32 fits as it is
+// (78,848 B).
 inline constexpr BwdTileSizes kBwdTileTableSmallSmem[] = {
     {64, 32, 8, 1},
     {128, 32, 4, 1},
+    {256, 32, 2, 2, 1},
 };
 
 // The largest block_m of the backward kernels (these tables' and the Hopper
@@ -95,15 +99,17 @@ constexpr BwdTileSizes BwdTileOfRow(int bucket, BwdTileRow row) {
 // distinct bank groups.
 inline constexpr int kBwdSmemPad = 8;
 
-// Shared memory of a tile: K, V, double-buffered Q and dO (padded rows of
-// 2-byte elements), P^T and dS^T, and double-buffered LSE and Dvec rows.
+// Shared memory of a tile: K, V, double-buffered Q, do_stages dO buffers
+// (padded rows of 2-byte elements), P^T and dS^T, and double-buffered LSE and
+// Dvec rows.
 constexpr int BwdSmemBytes(const BwdTileSizes& t) {
   const int block_n = 16 * t.warps_n;
-  return (2 * block_n + 4 * t.block_m) * (t.head_dim + kBwdSmemPad) * 2 +
+  return (2 * block_n + (2 + t.do_stages) * t.block_m) * (t.head_dim + kBwdSmemPad) * 2 +
          2 * block_n * (t.block_m + kBwdSmemPad) * 2 + 4 * t.block_m * 4;
 }
 static_assert(BwdSmemBytes(kBwdTileTableSmallSmem[0]) <= 101376 &&
               BwdSmemBytes(kBwdTileTableSmallSmem[1]) <= 101376 &&
+              BwdSmemBytes(kBwdTileTableSmallSmem[2]) <= 101376 &&
               BwdSmemBytes(BwdTileFor(32)) <= 101376);
 
 template <int kHeadDim_, BwdTileRow kRow_ = BwdTileRow::kDefault>
@@ -127,12 +133,19 @@ struct BwdTraits {
   static constexpr int kDqWarpsM = kBlockM / 16 < kWarps ? kBlockM / 16 : kWarps;
   static constexpr int kDqWarpsD = kWarps / kDqWarpsM;
   static constexpr int kDqDw = kHeadDim / kDqWarpsD;
+  // dQ's columns per pass: all of a warp's up to 64; above (the 4-warp d256
+  // row) passes of 32, whose 16 accumulators fit beside dK, dV without
+  // spilling (passes of 64 spilled 24-32 bytes).
+  static constexpr int kDqPassDw = kDqDw <= 64 ? kDqDw : 32;
+  static constexpr int kDqPasses = kDqDw / kDqPassDw;
+  static constexpr int kDoStages = kTile.do_stages;
   static constexpr int kStride = kHeadDim + kBwdSmemPad;  // Q, dO, K, V rows (elements)
   static constexpr int kPStride = kBlockM + kBwdSmemPad;  // P^T, dS^T rows (elements)
   static constexpr int kChunksPerRow = kHeadDim / 8;      // 16-byte cp.async chunks
   static constexpr int kSmemBytes = BwdSmemBytes(kTile);
   static_assert(kMw % 16 == 0 && kDw % 16 == 0 && kDqDw % 16 == 0);
   static_assert(kBlockM % 16 == 0 && kDqWarpsM * kDqWarpsD == kWarps);
+  static_assert(kDqDw % kDqPassDw == 0 && (kDoStages == 1 || kDoStages == 2));
   static_assert(kBlockM <= kBwdRowPad && kBwdRowPad % kBlockM == 0);
 };
 
