@@ -313,13 +313,11 @@ inline FwdPlan MakePrefillPlan(const FlashParams& p, const DeviceInfo& dev) {
   }
   // Small (split or packed) grids are bound by copy latency, not by the tensor
   // cores: give them a second K/V stage when it fits.
-  const bool dropout = p.dropout_seeds != nullptr;
   if ((plan.num_splits > 1 || plan.pack > 1) &&
-      static_cast<size_t>(cuda::FwdSmemBytes(plan.tile, 2, dropout)) <=
-          dev.max_smem_per_block_optin) {
+      static_cast<size_t>(cuda::FwdSmemBytes(plan.tile, 2)) <= dev.max_smem_per_block_optin) {
     plan.kv_stages = 2;
   }
-  plan.smem_bytes = cuda::FwdSmemBytes(plan.tile, plan.kv_stages, dropout);
+  plan.smem_bytes = cuda::FwdSmemBytes(plan.tile, plan.kv_stages);
   plan.grid[0] = int64_t{plan.num_m_blocks} * plan.num_splits;
   plan.grid[1] = p.batch;
   plan.grid[2] = p.num_heads_q / plan.pack;
@@ -395,10 +393,9 @@ inline std::string ForwardUnsupported(const FlashParams& p, const DeviceInfo& de
   }
   if (p.kv_seqlens != nullptr) return plan_detail::KvCacheUnserved(p, dev);
   if (p.kv_quant != KvQuant::kNone) return "an int8 / float8_e4m3fn k, v must be a KV cache";
-  const int smem = cuda::FwdSmemBytes(cuda::FwdTileFor(p.head_dim), 1, p.dropout_seeds != nullptr);
+  const int smem = cuda::FwdSmemBytes(cuda::FwdTileFor(p.head_dim), 1);
   if (static_cast<size_t>(smem) > dev.max_smem_per_block_optin) {
-    return "head_dim D=" + std::to_string(p.head_dim) + (p.dropout_seeds ? " with dropout" : "") +
-           " needs " + std::to_string(smem) +
+    return "head_dim D=" + std::to_string(p.head_dim) + " needs " + std::to_string(smem) +
            " bytes of shared memory per block in the forward; this GPU allows " +
            std::to_string(dev.max_smem_per_block_optin);
   }

@@ -374,10 +374,22 @@ __device__ __forceinline__ void ApplyScoreVariants(float (&s)[Tr::kMTiles][Tr::k
   }
 }
 
+// Word offset in shared memory of a lane's first keep word: the padding of Q
+// row warp_row0 + lane / 4, its word lane % 4 (word k lies 8 k rows below).
+// A warp's kMTiles * 2 words per lane fill exactly the padding of its 16
+// kMTiles rows, and the 8 rows x 4 words of one access hit 32 distinct banks
+// (a row is kHeadDim / 2 + 4 words: 4 or 20 more than a multiple of 32).
+template <class Tr>
+__device__ __forceinline__ int KeepWordsOfLane(int warp_row0, int lane) {
+  static_assert(kSmemPad * 2 == 4 * 4, "four keep words per row's padding");
+  return (warp_row0 + lane / 4) * (Tr::kSmemStride / 2) + Tr::kHeadDim / 2 + lane % 4;
+}
+
 // Dropout, P <- Z o P with Z the keep mask of flash_dropout.h at the absolute
 // (query, key) of each element, in two steps:
-//   DropoutKeepBits before S = Q K^T, while S holds no registers, into shared
-//     memory (each lane its own words, so no barrier);
+//   DropoutKeepBits before S = Q K^T, while S holds no registers, into the
+//     16-byte padding of the Q tile's rows (each lane its own words, so no
+//     barrier; the copies never write the padding);
 //   ApplyDropoutBits after the row sums, which stay those of the undropped
 //     softmax (as the LSE does); 1 / (1 - rate) is applied with 1 / l in the
 //     epilogue.
@@ -392,8 +404,8 @@ __device__ __forceinline__ void ApplyScoreVariants(float (&s)[Tr::kMTiles][Tr::k
 // 16): each lane makes the calls of its rows and keeps its word. The rows of
 // a quad may differ in head (packed GQA rows), so the Hopper kernels' quad
 // transpose does not apply. Word (mt, h) of the lane, at keep[(mt * 2 + h) *
-// 32], holds tile nt's two keys at bits 2 nt and 2 nt + 1; `keep` is the
-// lane's slot in the warp's area.
+// Tr::kKeepWordStride], holds tile nt's two keys at bits 2 nt and 2 nt + 1;
+// `keep` is the lane's first word (KeepWordsOfLane).
 template <class Tr>
 __device__ __forceinline__ void DropoutKeepBits(uint32_t* keep, const FlashParams& p, int b,
                                                 int z, int pack, int row0, int key0, int g,
@@ -417,7 +429,7 @@ __device__ __forceinline__ void DropoutKeepBits(uint32_t* keep, const FlashParam
                 ((kept >> 28) & 8u))
                << (4 * c);
       }
-      keep[(mt * 2 + h) * 32] = own;
+      keep[(mt * 2 + h) * Tr::kKeepWordStride] = own;
     }
   }
 }
@@ -429,7 +441,7 @@ __device__ __forceinline__ void ApplyDropoutBits(float (&s)[Tr::kMTiles][Tr::kNT
   for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const uint32_t bits = keep[(mt * 2 + h) * 32];
+      const uint32_t bits = keep[(mt * 2 + h) * Tr::kKeepWordStride];
 #pragma unroll
       for (int nt = 0; nt < Tr::kNTiles; ++nt) {
 #pragma unroll
@@ -566,13 +578,10 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads, 1)
   // per-tile predicate nor a second code path.
   const bool all_live = row_begin + warp_row0 + (kMT - 1) * 16 < row_end;
 
-  // This lane's dropout keep words, after the K/V stages (DropoutKeepBits);
-  // recomputed at each use so that no register holds the address.
+  // This lane's dropout keep words (DropoutKeepBits), in the padding of its
+  // warp's Q rows; recomputed at each use so that no register holds the address.
   auto dropout_keep = [&]() {
-    constexpr int kOneStage = FwdSmemBytes(Tr::kTile, 1, false) / 4;
-    constexpr int kTwoStages = FwdSmemBytes(Tr::kTile, 2, false) / 4;
-    const int offset = Opaque(args.kv_stages == 2 ? kTwoStages : kOneStage);
-    return reinterpret_cast<uint32_t*>(smem_raw) + offset + warp * kMT * 2 * 32 + lane;
+    return reinterpret_cast<uint32_t*>(smem_raw) + Opaque(KeepWordsOfLane<Tr>(warp_row0, lane));
   };
 
   // Mask, online softmax (S becomes P in place), O += P V_n.
@@ -727,7 +736,7 @@ template <typename Elem, int kHeadDim, bool kDropout>
 cudaError_t LaunchFwdKernelFor(const FwdArgs& args, cudaStream_t stream) {
   using Tr = FwdTraits<kHeadDim>;
   const auto kernel = &FwdKernel<Elem, kHeadDim, kDropout>;
-  const int smem_bytes = FwdSmemBytes(Tr::kTile, args.kv_stages, kDropout);
+  const int smem_bytes = FwdSmemBytes(Tr::kTile, args.kv_stages);
   // Opt in once per device to the most dynamic shared memory any launch of
   // this kernel may ask for there (the two-stage size when the device has it;
   // the host only picks two stages then). Setting it per launch size instead
@@ -738,8 +747,8 @@ cudaError_t LaunchFwdKernelFor(const FwdArgs& args, cudaStream_t stream) {
         int optin = 0;
         const cudaError_t e =
             cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-        *max_bytes = FwdSmemBytes(Tr::kTile, 2, kDropout);
-        if (*max_bytes > optin) *max_bytes = FwdSmemBytes(Tr::kTile, 1, kDropout);
+        *max_bytes = FwdSmemBytes(Tr::kTile, 2);
+        if (*max_bytes > optin) *max_bytes = FwdSmemBytes(Tr::kTile, 1);
         return e;
       });
   if (err != cudaSuccess) return err;

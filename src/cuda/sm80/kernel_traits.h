@@ -43,11 +43,11 @@ constexpr FwdTileSizes FwdTileFor(int64_t head_dim) {
 // rows one ldmatrix phase reads fall into 8 distinct bank groups.
 inline constexpr int kSmemPad = 8;
 
-// Q tile plus `stages` K and V tiles, of 2-byte elements; with dropout, then
-// the keep bits of one key block: per m16 tile, 2 words for each of 32 lanes.
-constexpr int FwdSmemBytes(const FwdTileSizes& t, int stages, bool dropout) {
-  return (t.block_m + 2 * stages * t.block_n) * (t.head_dim + kSmemPad) * 2 +
-         (dropout ? t.block_m / 16 * 2 * 32 * 4 : 0);
+// Q tile plus `stages` K and V tiles, of 2-byte elements. Dropout's keep bits
+// of one key block (per m16 tile, 2 words for each of 32 lanes) live in the Q
+// rows' padding, which holds exactly that (fwd_kernel.cuh KeepWordsOfLane).
+constexpr int FwdSmemBytes(const FwdTileSizes& t, int stages) {
+  return (t.block_m + 2 * stages * t.block_n) * (t.head_dim + kSmemPad) * 2;
 }
 
 // The decode kernel (decode_kernel.cu): calls with few packed rows (T * group
@@ -134,6 +134,7 @@ struct FwdTraits {
   static constexpr int kNTiles = kBlockN / 8;              // n8 tiles of S per m16 tile
   static constexpr int kDTiles = kHeadDim / 8;             // n8 tiles of O per m16 tile
   static constexpr int kSmemStride = kHeadDim + kSmemPad;  // elements per smem row
+  static constexpr int kKeepWordStride = 4 * kSmemStride;  // words: 8 rows
   static constexpr int kChunksPerRow = kHeadDim / 8;       // 16-byte cp.async chunks
   static_assert(kBlockM % (16 * kWarps) == 0 && kBlockN % 16 == 0 && kHeadDim % 16 == 0);
 };
