@@ -28,3 +28,15 @@ def test_part_out_of_range_fails():
   out = subprocess.run([sys.executable, "tools/test_part.py", "3", "3"], cwd=ROOT,
                        capture_output=True, text=True, check=False)
   assert out.returncode != 0 and "0 <= K < N" in out.stderr
+
+
+def test_left_lists_the_ids_without_a_result(tmp_path):
+  ids = ["a.py::t[x]", "a.py::t[y z]", "b.py::u", "b.py::v"]
+  (tmp_path / "ids.txt").write_text("\n".join(ids) + "\n")
+  (tmp_path / "one.log").write_text("[gw3] [ 10%] PASSED a.py::t[y z] \n"
+                                    "[gw1] [ 20%] FAILED b.py::u\n")
+  (tmp_path / "two.log").write_text("a.py::t[x] SKIPPED (no GPU)\nb.py::v\n")
+  out = subprocess.run([sys.executable, "tools/test_part.py", "--left", str(tmp_path / "ids.txt"),
+                        str(tmp_path / "one.log"), str(tmp_path / "two.log")],
+                       cwd=ROOT, capture_output=True, text=True, check=True)
+  assert out.stdout.splitlines() == ["b.py::v"]

@@ -4,8 +4,11 @@
 # 1. install with CUDA for sm_90a (the H200; ~30 s on 16 cores)
 # 2. the pytest suite on GPU $TEST_GPU, in parallel processes sharing it
 #    (TESTS=files to choose, SUITE=gpu for the GPU-path files alone, PART=K/N
-#    for part K of N: the whole suite takes about 25-30 minutes with 16
-#    workers, more than one run's 10-minute limit)
+#    for part K of N, IDS=file for the ids listed in it, e.g. those a run cut
+#    by its time limit left: `tools/test_part.py --left`). With XLA's GEMM
+#    autotuning off (below) and 14 workers it ran 1.6-1.7 tests/s on an H100
+#    (with autotuning and 8-16 workers, 190-240 tests per 10 minutes): the
+#    whole suite (about 1,050 tests) in two runs of the 10-minute limit.
 # 3. the quickstart
 # Optional jobs, run on GPU $AUX_GPU: beside the tests when it differs from
 # $TEST_GPU (a 2-GPU host), after them otherwise, so timings never share a GPU:
@@ -95,9 +98,16 @@ run_tests() {
     mapfile -t tests < <(python3 tools/test_part.py "${PART%/*}" "${PART#*/}")
     echo "== part $PART: ${#tests[@]} tests"
   fi
+  if [ -n "${IDS:-}" ]; then
+    mapfile -t tests < "$IDS"
+    echo "== $IDS: ${#tests[@]} tests"
+  fi
+  # No GEMM autotuning: it multiplies XLA's compile time for the reference
+  # backend's matmuls, and the tests check values, not speed.
   (cd tests && CUDA_VISIBLE_DEVICES=$TEST_GPU XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
     timeout -s INT "${TEST_TIMEOUT:-420}" python3 -m pytest -v -rfE -p no:cacheprovider \
-    --tb=short -n "${WORKERS:-8}" --dist loadgroup "${tests[@]}" > "$OUT/pytest.log" 2>&1)
+    --tb=short -n "${WORKERS:-14}" --dist loadgroup "${tests[@]}" > "$OUT/pytest.log" 2>&1)
   # -v keeps every finished test's result when the timeout cuts the run; SIGINT
   # lets pytest still print the failures' tracebacks and the summary.
   grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest.log" | grep -v "^\[gw.*PASSED" | tail -30

@@ -8,12 +8,23 @@ run on the GPU machine in runs of at most 10 minutes each:
 Run from the repository root; the ids are relative to tests/. Dealt out
 rather than cut into runs, so every part gets a share of each file's slow
 cases.
+
+  python3 tools/test_part.py --left IDS LOG...
+
+prints the ids of the file IDS (one per line) that no `pytest -v` log among
+LOG... reports a result for: what a run cut by its time limit left to do
+(IDS=file tools/gpu_suite.sh runs them).
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+
+# A result line of `pytest -v` (with or without xdist's "[gwN] [ P%]" prefix).
+# xdist's --dist loadgroup appends "@group" to the ids of grouped tests.
+_RESULT = re.compile(r"\b(?:PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) +(\S+::.*?)(?:@[\w-]+)? *$")
 
 
 def collect(extra_args: list[str]) -> list[str]:
@@ -28,7 +39,30 @@ def collect(extra_args: list[str]) -> list[str]:
   return [i.removeprefix("tests/") for i in ids]
 
 
+def left(ids_file: str, logs: list[str]) -> list[str]:
+  done = set()
+  for log in logs:
+    with open(log, errors="replace") as f:
+      for line in f:
+        # -v prints a result as "PASSED id" (xdist) or "id PASSED" (one process).
+        m = _RESULT.search(line)
+        if m:
+          done.add(m.group(1))
+        else:
+          m = re.match(r"(\S+::.*?) (?:PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", line)
+          if m:
+            done.add(m.group(1))
+  with open(ids_file) as f:
+    ids = [line.rstrip("\n") for line in f if line.strip()]
+  return [i for i in ids if i not in done]
+
+
 def main(argv: list[str]) -> None:
+  if argv[:1] == ["--left"]:
+    if len(argv) < 3:
+      sys.exit("usage: test_part.py --left IDS LOG...")
+    print("\n".join(left(argv[1], argv[2:])))
+    return
   if len(argv) < 2 or not argv[0].isdigit() or not argv[1].isdigit():
     sys.exit("usage: test_part.py K N [pytest collection args]")
   part, parts = int(argv[0]), int(argv[1])
