@@ -243,14 +243,11 @@ __device__ __forceinline__ void BwdMainBody(const FlashParams& p, const BwdScrat
   // Iteration `it` covers query head kvh * group + it / num_m_blocks and query
   // block m_block_begin + it % num_m_blocks: Q, dO, lse2, Dvec into buffer it % 2
   // (with one dO buffer, dO by load_single_do once the previous block's dV is done).
-  auto do_tile = [&](int64_t it, int64_t* m_begin) {
-    const int64_t h = kvh * p.group_size + it / num_m_blocks;
-    *m_begin = (m_block_begin + it % num_m_blocks) * kM;
-    return static_cast<const Elem*>(p.d_o) + b * p.o_batch_stride + h * p.o_head_stride;
-  };
   auto load_single_do = [&](int64_t it) {
-    int64_t m_begin;
-    const Elem* do_head = do_tile(it, &m_begin);
+    const int64_t h = kvh * p.group_size + it / num_m_blocks;
+    const int64_t m_begin = (m_block_begin + it % num_m_blocks) * kM;
+    const Elem* do_head =
+        static_cast<const Elem*>(p.d_o) + b * p.o_batch_stride + h * p.o_head_stride;
     LoadTileAsync<Tr, kM>(s_do, do_head + m_begin * p.o_row_stride, do_head, p.o_row_stride,
                           seqlen_q - m_begin, head_dim);
   };
