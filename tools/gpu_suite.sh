@@ -107,10 +107,11 @@ run_tests() {
   (cd tests && CUDA_VISIBLE_DEVICES=$TEST_GPU XLA_PYTHON_CLIENT_PREALLOCATE=false \
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
     timeout -s INT "${TEST_TIMEOUT:-420}" python3 -m pytest -v -rfE -p no:cacheprovider \
-    --tb=short -n "${WORKERS:-14}" --dist loadgroup "${tests[@]}" > "$OUT/pytest.log" 2>&1)
+    --tb=short --durations=25 -n "${WORKERS:-14}" --dist loadgroup "${tests[@]}" > "$OUT/pytest.log" 2>&1)
   # -v keeps every finished test's result when the timeout cuts the run; SIGINT
   # lets pytest still print the failures' tracebacks and the summary.
   grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest.log" | grep -v "^\[gw.*PASSED" | tail -30
+  grep -A8 "slowest 25 durations" "$OUT/pytest.log"
   echo "== tests in ${SECONDS}s"
   CUDA_VISIBLE_DEVICES=$TEST_GPU timeout 120 python3 examples/quickstart.py 2>&1 \
     | tee "$OUT/quickstart.log"
