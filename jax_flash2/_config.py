@@ -241,14 +241,19 @@ def _check_softcap(softcap) -> float:
   return value
 
 
-def _check_dropout(dropout_rate, dropout_rng) -> float:
-  """The rate the kernels and the reference both apply: a multiple of 1/256
-  (_scores.applied_dropout_rate), exact in float32."""
+def check_dropout_rate(dropout_rate, caller: str = "flash_attention") -> float:
+  """A static rate in [0, 1) as a float32 (0 = off)."""
   rate = _static_number("dropout_rate", dropout_rate)
   # The float32 rounding decides: 0.99999999 rounds to 1.0, which would drop all.
   if not math.isfinite(rate) or not 0.0 <= rate or not np.float32(rate) < 1.0:
-    raise ValueError(f"flash_attention: dropout_rate must be in [0, 1) (0 = off); got "
-                     f"{dropout_rate!r}")
+    raise ValueError(f"{caller}: dropout_rate must be in [0, 1) (0 = off); got {dropout_rate!r}")
+  return rate
+
+
+def _check_dropout(dropout_rate, dropout_rng) -> float:
+  """The rate the kernels and the reference both apply: a multiple of 1/256
+  (_scores.applied_dropout_rate), exact in float32."""
+  rate = check_dropout_rate(dropout_rate)
   if dropout_rng is not None:
     if not hasattr(dropout_rng, "dtype") or not hasattr(dropout_rng, "shape"):
       raise TypeError("flash_attention: dropout_rng must be a jax PRNG key (jax.random.key) or a "

@@ -22,9 +22,11 @@ import re
 import subprocess
 import sys
 
-# A result line of `pytest -v` (with or without xdist's "[gwN] [ P%]" prefix).
-# xdist's --dist loadgroup appends "@group" to the ids of grouped tests.
-_RESULT = re.compile(r"\b(?:PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) +(\S+::.*?)(?:@[\w-]+)? *$")
+# Result lines of `pytest -v`: "OUTCOME id" under xdist (after "[gwN] [ P%]";
+# --dist loadgroup appends "@group" to grouped ids), "id OUTCOME" in one process.
+_OUTCOME = r"(?:PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)"
+_RESULTS = (re.compile(rf"\b{_OUTCOME} +(\S+::.*?)(?:@[\w-]+)? *$"),
+            re.compile(rf"^(\S+::.*?) {_OUTCOME}\b"))
 
 
 def collect(extra_args: list[str]) -> list[str]:
@@ -44,14 +46,10 @@ def left(ids_file: str, logs: list[str]) -> list[str]:
   for log in logs:
     with open(log, errors="replace") as f:
       for line in f:
-        # -v prints a result as "PASSED id" (xdist) or "id PASSED" (one process).
-        m = _RESULT.search(line)
-        if m:
-          done.add(m.group(1))
-        else:
-          m = re.match(r"(\S+::.*?) (?:PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", line)
-          if m:
+        for pattern in _RESULTS:
+          if m := pattern.search(line):
             done.add(m.group(1))
+            break
   with open(ids_file) as f:
     ids = [line.rstrip("\n") for line in f if line.strip()]
   return [i for i in ids if i not in done]

@@ -170,7 +170,4 @@ def _check_heads(num_heads: int, num_kv_heads: int, qkv_features: int) -> None:
 def _check_dropout_rate(dropout_rate) -> None:
   """The module's dropout_rate, checked also when a call is deterministic (a
   negative or NaN rate would otherwise silently mean no dropout)."""
-  rate = _config._static_number("dropout_rate", dropout_rate)
-  if not 0.0 <= rate < 1.0:
-    raise ValueError(f"MultiHeadAttention: dropout_rate must be in [0, 1) (0 = off); got "
-                     f"{dropout_rate!r}")
+  _config.check_dropout_rate(dropout_rate, "MultiHeadAttention")
