@@ -12,6 +12,8 @@ import jax
 
 FORWARD_TARGET = "jax_flash2_attention_fwd"
 BACKWARD_TARGET = "jax_flash2_attention_bwd"
+# CUDA only: kvcache's append of new keys and values (src/cuda/kv_append.cu).
+KV_APPEND_TARGET = "jax_flash2_kv_append"
 
 # platform name as jax.ffi.register_ffi_target spells it -> extension module
 _MODULES = {"cpu": "jax_flash2._cpu_ext", "CUDA": "jax_flash2._cuda_ext"}

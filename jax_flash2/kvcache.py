@@ -15,9 +15,12 @@ one with P = block_table.shape[1]).
 The kernels get the per-sequence key counts, the block table and a quantized
 cache's scales as more operands of the forward custom call
 (ExtraOperands.kv_seqlens, .block_table and .kv_scales, read when
-AttentionConfig.has_kv_seqlens / .page_size > 0 / .kv_quantized); the
-append is an XLA scatter into the cache before the call, in place when the
-cache buffers are donated (jax.jit(..., donate_argnums=...)).
+AttentionConfig.has_kv_seqlens / .page_size > 0 / .kv_quantized). The
+append writes the new keys and values into the cache before the call: on
+CUDA one custom call (jax_flash2_kv_append) for both caches, elsewhere (and
+without the CUDA extension) one XLA scatter per cache, bit for bit the same;
+either is in place when the cache buffers are donated (jax.jit(...,
+donate_argnums=...)).
 """
 
 from __future__ import annotations
@@ -245,9 +248,26 @@ def quantize(x, dtype, scale):
 
 def _append(k_cache, v_cache, k, v, cache_seqlens, block_table, layout, k_scale, v_scale):
   """The caches with k, v [B, T, K, D] written at positions cache_seqlens[b] +
-  t (through the block table when paged): one scatter per cache, in place on
-  a donated buffer. A position outside [0, S_max) (traced lengths are not
-  checked) is dropped, never wrapped."""
+  t (through the block table when paged; quantized for an int8 / fp8 cache),
+  in place on donated buffers. A position outside [0, S_max) or a page id
+  outside the pool (traced values are not checked) drops the token, never
+  wrapped. Tokens that land on one slot (a page shared by two sequences)
+  race: which values stay is unspecified, as with any XLA scatter.
+
+  On CUDA one custom call writes both caches (_append_kernel: one launch
+  where the scatters take several small dependent kernels); on other
+  platforms, or without the CUDA extension, _append_xla. Both give the same
+  bits."""
+  args = (k_cache, v_cache, k, v, cache_seqlens, block_table, layout, k_scale, v_scale)
+  if _ext.cuda_ext is None:
+    return _append_xla(*args)
+  return jax.lax.platform_dependent(cuda=lambda: _append_kernel(*args),
+                                    default=lambda: _append_xla(*args))
+
+
+def _append_xla(k_cache, v_cache, k, v, cache_seqlens, block_table, layout, k_scale, v_scale):
+  """_append in XLA: the positions and slots computed as arrays, then one
+  scatter per cache (mode="drop" skips the out-of-range slots)."""
   pos = cache_seqlens[:, None] + jnp.arange(layout.seqlen_q, dtype=jnp.int32)[None, :]  # [B, T]
   ok = (pos >= 0) & (pos < layout.capacity)
   if layout.page_size:
@@ -265,6 +285,28 @@ def _append(k_cache, v_cache, k, v, cache_seqlens, block_table, layout, k_scale,
   k_cache = k_cache.at[index].set(k.astype(k_cache.dtype), mode="drop")
   v_cache = v_cache.at[index].set(v.astype(v_cache.dtype), mode="drop")
   return k_cache, v_cache
+
+
+def _append_kernel(k_cache, v_cache, k, v, cache_seqlens, block_table, layout, k_scale, v_scale):
+  """_append as the CUDA extension's jax_flash2_kv_append: both caches in
+  one launch, its results aliased to the caches (input_output_aliases), so
+  that XLA updates them in place. Absent operands (the block table of a
+  contiguous cache, the scales of an unquantized one) are zero-size."""
+  if not layout.quantized:
+    k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
+  absent = lambda dtype: np.zeros((0,), dtype)  # a constant: XLA computes nothing for it
+  # vmap runs the call once per example: the kernel takes one batch of sequences.
+  call = jax.ffi.ffi_call(
+      _ext.KV_APPEND_TARGET,
+      (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+       jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
+      input_output_aliases={0: 0, 1: 1}, vmap_method="sequential")
+  return tuple(call(
+      k_cache, v_cache, k, v, cache_seqlens,
+      absent(np.int32) if block_table is None else block_table,
+      absent(np.float32) if k_scale is None else k_scale,
+      absent(np.float32) if v_scale is None else v_scale,
+      page_size=np.int64(layout.page_size)))
 
 
 def _dequantize(cache, scale, layout, dtype):

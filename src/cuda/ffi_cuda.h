@@ -8,4 +8,8 @@ namespace jax_flash2::cuda {
 extern "C" XLA_FFI_Error* JaxFlash2CudaForward(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxFlash2CudaBackward(XLA_FFI_CallFrame* call_frame);
 
+// FFI handler registered as jax_flash2_kv_append for platform "CUDA"
+// (kv_append.cu): appends k, v to a KV cache in place.
+extern "C" XLA_FFI_Error* JaxFlash2CudaKvAppend(XLA_FFI_CallFrame* call_frame);
+
 }  // namespace jax_flash2::cuda

@@ -54,6 +54,7 @@ NB_MODULE(_cuda_ext, m) {
     nb::dict targets;
     targets["jax_flash2_attention_fwd"] = Capsule(jax_flash2::cuda::JaxFlash2CudaForward);
     targets["jax_flash2_attention_bwd"] = Capsule(jax_flash2::cuda::JaxFlash2CudaBackward);
+    targets["jax_flash2_kv_append"] = Capsule(jax_flash2::cuda::JaxFlash2CudaKvAppend);
     return targets;
   });
   m.def("has_sm90", [] { return jax_flash2::cuda::kHaveSm90; });
