@@ -25,6 +25,7 @@
 
 #include "../ffi_params.h"
 #include "ffi_cuda.h"
+#include "sm80/primitives.cuh"  // ToFloat
 
 namespace jax_flash2::cuda {
 namespace {
@@ -50,17 +51,6 @@ struct KvAppendParams {
   bool k_scale_per_page, v_scale_per_page;  // [num_pages, K] rather than [K]
   bool vectorized;  // D % kChunk == 0 and every buffer 16-byte aligned: whole-chunk copies
 };
-
-template <typename T>
-__device__ __forceinline__ float ToFloat(T x) {
-  if constexpr (std::is_same_v<T, __half>) {
-    return __half2float(x);
-  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __bfloat162float(x);
-  } else {
-    return x;
-  }
-}
 
 // x / y as XLA computes a float32 division on the GPU: its NVPTX backend
 // runs with -nvptx-prec-divf32=1, so fdiv becomes div.full.f32 (within 2 ulp),

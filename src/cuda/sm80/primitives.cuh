@@ -132,7 +132,9 @@ __device__ __forceinline__ float2 UnpackFloat2(uint32_t bits) {
 
 template <typename Elem>
 __device__ __forceinline__ float ToFloat(Elem x) {
-  if constexpr (std::is_same_v<Elem, __half>) {
+  if constexpr (std::is_same_v<Elem, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<Elem, __half>) {
     return __half2float(x);
   } else {
     return __bfloat162float(x);
