@@ -6,7 +6,9 @@ offsets), forward and forward+backward, bf16, causal.
 
 TFLOP/s count useful work only: the visible (query, key) pairs of each
 document, 4 D H per pair forward (two products of 2 D H), 2.5 times that for
-forward+backward. Printed as a markdown table, then a second one with the
+forward+backward. Each timed call chains 5 dependent steps in one jitted
+program (time_call), so short calls are timed on the GPU, not at the host's
+dispatch rate. Printed as a markdown table, then a second one with the
 temporary memory XLA allocates for our packed calls (the compiled program's
 memory_analysis().temp_size_in_bytes, kernel workspace included; the inputs
 and outputs are the same for both), which for varlen shows that no padded
@@ -45,17 +47,34 @@ def warm_up(call, seconds):
     jax.block_until_ready(out)
 
 
-def time_call(fn, args, warmup_s, iters=10, reps=5):
-  warm_up(lambda: fn(*args), warmup_s)
+def chained(fn, steps):
+  """fn run `steps` times in one jitted call, each step's first argument the
+  previous step's first output (same shape and dtype): the steps cannot be
+  merged, and one dispatch covers them all, so that the time is the GPU's
+  even for calls shorter than the host's dispatch (the 64 x 256 forward
+  takes about 100 us)."""
+  def run(first, *rest):
+    for _ in range(steps):
+      out = fn(first, *rest)
+      first = (out[0] if isinstance(out, tuple) else out).astype(first.dtype)
+    return first
+  return jax.jit(run)
+
+
+def time_call(fn, args, warmup_s, steps=5, iters=3, reps=5):
+  """Seconds per call of fn(*args): the median of reps samples, each iters
+  calls of `steps` chained steps."""
+  f = chained(fn, steps)
+  warm_up(lambda: f(*args), warmup_s)
   samples = []
   for _ in range(reps):
-    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(f(*args))
     t0 = time.perf_counter()
     out = None
     for _ in range(iters):
-      out = fn(*args)
+      out = f(*args)
     jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) / iters)
+    samples.append((time.perf_counter() - t0) / (iters * steps))
   return statistics.median(samples)
 
 
@@ -155,7 +174,7 @@ def bench_case(name, rows, heads, head_dim, warmup_s, rng):
 
   def both(fn, args):
     out = []
-    for f in (jax.jit(fn), jax.jit(fwd_bwd(fn))):
+    for f in (fn, fwd_bwd(fn)):
       try:
         out.append(time_call(f, args, warmup_s))
       except Exception as e:  # a backend that cannot run this shape

@@ -1,21 +1,23 @@
 #!/bin/bash
 # Packed sequences (segment ids) on the Hopper kernels, in one run on the GPU machine:
-# builds the package and both Hopper self-tests at once, then runs the
-# self-tests (their segment-id cases and the plain matrix), compute-sanitizer
-# memcheck and racecheck on --tiny, tests/test_packed_gpu.py, and
+# builds the package and the Hopper self-tests at once, then runs the
+# self-tests (the segment-id pre-pass against its CPU model, the kernels'
+# segment-id cases and the plain matrix), compute-sanitizer memcheck and
+# racecheck on them (--tiny), tests/test_packed_gpu.py, and
 # benchmarks/packed_bench.py. Summaries go to the console; every log into
 # $OUT/packed_logs.tgz.
 #   bash tests/cuda/run_sm90_packed.sh
 # STEPS picks the steps (default "selftest sanitize pytest bench");
 # BENCH_ARGS are passed to packed_bench.py, PYTEST_FILES (default
-# test_packed_gpu.py test_gpu_paths.py) to pytest.
+# test_packed_gpu.py test_gpu_paths.py) and PYTEST_ARGS (e.g. "-n 8") to
+# pytest, SANITIZE_TOOLS (default "memcheck racecheck") to the sanitize step.
 
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/sm90_packed_out}
 LOGS=/tmp/sm90_packed_logs
 rm -rf "$LOGS"
-mkdir -p "$OUT" "$LOGS"/pkg "$LOGS"/fwd "$LOGS"/bwd
+mkdir -p "$OUT" "$LOGS"/pkg "$LOGS"/fwd "$LOGS"/bwd build
 STEPS=${STEPS:-selftest sanitize pytest bench}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 SECONDS=0
@@ -43,6 +45,13 @@ fwd_pid=$!
     src/cuda/backward.cu src/cuda/sm80/bwd_*.cu tests/cuda/sm90_bwd_selftest.cu
 ) > "$LOGS/bwd/build.txt" 2>&1 &
 bwd_pid=$!
+[ $need_selftests = 1 ] && nvcc -std=c++17 -O3 -I. -lineinfo $ARCH tests/cuda/sm90_prepass_selftest.cu \
+  -o build/sm90_prepass_selftest > "$LOGS/prepass_build.txt" 2>&1
+echo "== pre-pass self-test built (rc $?)"
+if [[ $STEPS == *selftest* ]] && [ -x build/sm90_prepass_selftest ]; then
+  timeout 60 build/sm90_prepass_selftest > "$LOGS/prepass_selftest.txt" 2>&1
+  echo "-- pre-pass self-test: rc $?"; grep -E "^FAIL|^TIME|failure\(s\)" "$LOGS/prepass_selftest.txt"
+fi
 
 rc=0
 wait $bwd_pid; b_rc=$?
@@ -65,7 +74,7 @@ echo "== package installed (rc $p_rc) at ${SECONDS}s"; tail -n 3 "$LOGS/pkg/inst
 
 if [[ $STEPS == *pytest* ]] && [ $p_rc = 0 ]; then
   echo "== pytest tests/test_packed_gpu.py"
-  (cd tests && timeout "${PYTEST_TIMEOUT:-200}" python3 -m pytest -q -rfE -p no:cacheprovider \
+  (cd tests && timeout "${PYTEST_TIMEOUT:-200}" python3 -m pytest -q -rfE -p no:cacheprovider ${PYTEST_ARGS:-} \
      --tb=short ${PYTEST_FILES:-test_packed_gpu.py test_gpu_paths.py}) > "$LOGS/pytest.txt" 2>&1 &
   py_run=$!
 fi
@@ -91,11 +100,12 @@ if [ -f "$LOGS/pytest.txt" ]; then
 fi
 
 if [[ $STEPS == *sanitize* ]]; then
-  for t in memcheck racecheck; do
-    for bin in sm90_bwd_selftest sm90_fwd_selftest; do
+  for t in ${SANITIZE_TOOLS:-memcheck racecheck}; do
+    for bin in sm90_prepass_selftest sm90_bwd_selftest sm90_fwd_selftest; do
       [ -x build/$bin ] || continue
-      extra=""; [ $bin = sm90_fwd_selftest ] && extra="--schedules pingpong"
-      timeout "${SANITIZE_TIMEOUT:-45}" compute-sanitizer --tool $t --error-exitcode 3 build/$bin --tiny $extra \
+      extra="--tiny"; [ $bin = sm90_fwd_selftest ] && extra="--tiny --schedules pingpong"
+      [ $bin = sm90_prepass_selftest ] && extra="--no-time"
+      timeout "${SANITIZE_TIMEOUT:-45}" compute-sanitizer --tool $t --error-exitcode 3 build/$bin $extra \
         > "$LOGS/${bin}_$t.txt" 2>&1
       echo "== $t $bin: rc $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/${bin}_$t.txt" | head -1) PASS $(grep -c '^PASS' "$LOGS/${bin}_$t.txt") FAIL $(grep -c '^FAIL' "$LOGS/${bin}_$t.txt")"
     done

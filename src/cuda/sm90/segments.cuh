@@ -3,25 +3,27 @@
 // allows it). A pre-pass summarises the ids per block into scratch, so that
 // each kernel visits only the block pairs whose ids can match and applies the
 // per-element id test only to the pairs whose ids are not all one and the
-// same:
+// same. Two kernels:
 //   chunk kernel: the [min, max] id of every query chunk (q_chunk rows) and
 //     key chunk (kv_chunk keys), and copies of both id rows padded to whole
 //     chunks (so the kernels load id pairs as aligned int2, never past a row);
-//   span kernel: for every chunk, the chunks of the other side whose id
+//   span-tile kernel: for every chunk, the chunks of the other side whose id
 //     ranges intersect its own ([first, end): disjoint ranges cannot match;
 //     for sorted ids that is exactly the documents it touches), and within
 //     them a run [full_first, full_end) of chunks whose ids all equal its
 //     single id (empty unless its ids are uniform): blocks there need no
 //     per-element id test. A uniform query chunk whose id's keys form one
-//     run also gets that run's exact bounds;
-//   tile kernel: the spans' unions per kernel tile, and the key run of a
+//     run also gets that run's exact bounds. Then, a block's chunks being
+//     whole kernel tiles, the spans' unions per tile, and the key run of a
 //     query tile whose chunks all share one (one document: the forward
 //     treats it as a key range and starts its key blocks at the run, so a
 //     document shorter than a few blocks takes as many blocks as it would
 //     alone in a batch).
 // Scanning the other side's ids inside the kernels instead costs every tile
-// an O(S) pass over L2 at the start; the summaries are O(chunks) per chunk
-// and the two launches take a few microseconds at T = S = 16k.
+// an O(S) pass over L2 at the start; the summaries are O(chunks) per chunk.
+// The tiles ride in the span kernel because each dependent launch costs
+// about 3 us: at T = S = 16k on an H100 the pre-pass takes 8.4-9.8 us (GPU
+// time, back to back; sm90_prepass_selftest), three kernels took 10.5-12.9.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -120,105 +122,141 @@ __device__ __forceinline__ int2 KeyRunOf(const int2* kv_mm_row, const int32_t* k
   return make_int2(c0 * n + a.first, c1 * n + z.last + 1);
 }
 
-// One warp per chunk: its span over the other side's chunks (see the top),
-// and for a uniform query chunk its id's key run into q_keys.
-static __global__ void __launch_bounds__(256) SegmentSpanKernel(const FlashParams p, SegmentBlocks s,
-                                                         const int2* q_mm, const int2* kv_mm,
-                                                         int2* q_keys) {
-  const int lane = threadIdx.x % 32;
-  const int64_t nq = static_cast<int64_t>(s.num_q_chunks) * p.batch;
-  const int64_t total = nq + static_cast<int64_t>(s.num_kv_chunks) * p.batch;
-  for (int64_t w = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / 32; w < total;
-       w += gridDim.x * int64_t{blockDim.x} / 32) {
-    const bool q_side = w < nq;
-    const int64_t c = q_side ? w : w - nq;
-    const int per_row = q_side ? s.num_q_chunks : s.num_kv_chunks;
-    const int other_n = q_side ? s.num_kv_chunks : s.num_q_chunks;
-    const int2* other = (q_side ? kv_mm : q_mm) + c / per_row * other_n;
-    const int2 own = (q_side ? q_mm : kv_mm)[c];
-    const bool uniform = own.x == own.y;
-    int first = INT_MAX, last = -1, full_first = INT_MAX, full_last = -1, full_count = 0;
-    for (int j = lane; j < other_n; j += 32) {
-      const int2 o = other[j];
-      if (o.x <= own.y && own.x <= o.y) {
-        first = min(first, j);
-        last = max(last, j);
-      }
-      if (uniform && o.x == o.y && o.x == own.x) {
-        full_first = min(full_first, j);
-        full_last = max(full_last, j);
-        ++full_count;
-      }
+// Chunk c of a row (a warp): its span over the other side's chunks (see the
+// top) into span_row[c], and for a uniform query chunk its id's key run into
+// q_keys_row[c] (q_keys_row null on the key side; kv_ids_row: the padded key
+// ids of the row).
+__device__ __forceinline__ void SpanOfChunk(const int2* own_mm_row, const int2* other_mm_row,
+                                            int other_n, const int32_t* kv_ids_row,
+                                            int kv_chunk, int c, int lane, int4* span_row,
+                                            int2* q_keys_row) {
+  const int2 own = own_mm_row[c];
+  const bool uniform = own.x == own.y;
+  int first = INT_MAX, last = -1, full_first = INT_MAX, full_last = -1, full_count = 0;
+  for (int j = lane; j < other_n; j += 32) {
+    const int2 o = other_mm_row[j];
+    if (o.x <= own.y && own.x <= o.y) {
+      first = min(first, j);
+      last = max(last, j);
     }
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) {
-      first = min(first, __shfl_xor_sync(0xffffffffu, first, off));
-      last = max(last, __shfl_xor_sync(0xffffffffu, last, off));
-      full_first = min(full_first, __shfl_xor_sync(0xffffffffu, full_first, off));
-      full_last = max(full_last, __shfl_xor_sync(0xffffffffu, full_last, off));
-      full_count += __shfl_xor_sync(0xffffffffu, full_count, off);
+    if (uniform && o.x == o.y && o.x == own.x) {
+      full_first = min(full_first, j);
+      full_last = max(full_last, j);
+      ++full_count;
     }
-    if (q_side) {
-      int2 run = make_int2(-1, -1);
-      if (uniform && first <= last) {
-        const int64_t b = c / per_row;
-        run = KeyRunOf(other, s.kv_ids + b * other_n * s.kv_chunk, s.kv_chunk, own.x, first,
-                       last, lane);
-      }
-      if (lane == 0) q_keys[c] = run;
-    }
-    if (lane != 0) continue;
-    int4 span = make_int4(0, 0, 0, 0);
-    if (first <= last) {
-      span.x = first;
-      span.y = last + 1;
-      // Only a contiguous run of uniform, equal chunks skips the id test; ids
-      // that repeat after a gap (unsorted) keep it everywhere.
-      if (full_count > 0 && full_count == full_last - full_first + 1) {
-        span.z = full_first;
-        span.w = full_last + 1;
-      }
-    }
-    const_cast<int4*>(q_side ? s.q_span : s.kv_span)[c] = span;
   }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) {
+    first = min(first, __shfl_xor_sync(0xffffffffu, first, off));
+    last = max(last, __shfl_xor_sync(0xffffffffu, last, off));
+    full_first = min(full_first, __shfl_xor_sync(0xffffffffu, full_first, off));
+    full_last = max(full_last, __shfl_xor_sync(0xffffffffu, full_last, off));
+    full_count += __shfl_xor_sync(0xffffffffu, full_count, off);
+  }
+  if (q_keys_row != nullptr) {
+    int2 run = make_int2(-1, -1);
+    if (uniform && first <= last) {
+      run = KeyRunOf(other_mm_row, kv_ids_row, kv_chunk, own.x, first, last, lane);
+    }
+    if (lane == 0) q_keys_row[c] = run;
+  }
+  if (lane != 0) return;
+  int4 span = make_int4(0, 0, 0, 0);
+  if (first <= last) {
+    span.x = first;
+    span.y = last + 1;
+    // Only a contiguous run of uniform, equal chunks skips the id test; ids
+    // that repeat after a gap (unsorted) keep it everywhere.
+    if (full_count > 0 && full_count == full_last - full_first + 1) {
+      span.z = full_first;
+      span.w = full_last + 1;
+    }
+  }
+  span_row[c] = span;
 }
 
-// One thread per kernel tile (query tiles first): the union of its chunks'
-// spans, and for a query tile the key run its chunks share (if they do).
-static __global__ void __launch_bounds__(256) SegmentTileKernel(const FlashParams p,
-                                                                SegmentBlocks s,
-                                                                const int2* q_keys) {
-  const int64_t nq = static_cast<int64_t>(s.num_q_tiles) * p.batch;
-  const int64_t total = nq + static_cast<int64_t>(s.num_kv_tiles) * p.batch;
+// Kernel tile i of a row (a thread): the union of its chunks' spans into
+// kv_tiles_row[i] (a key tile: q_keys_row null), or, with the key run its
+// chunks share if they do, into q_tiles_row[i].
+__device__ __forceinline__ void SummarizeTile(const int4* spans_row, int chunks, int tile_chunks,
+                                              int i, const int2* q_keys_row, int4* q_tiles_row,
+                                              int2* kv_tiles_row) {
+  const int c0 = i * tile_chunks;
+  const int c_end = min(c0 + tile_chunks, chunks);
+  int a = INT_MAX, z = INT_MIN;
+  for (int c = c0; c < c_end; ++c) {
+    const int4 r = spans_row[c];
+    if (r.x < r.y) {
+      a = min(a, r.x);
+      z = max(z, r.y);
+    }
+  }
+  if (q_keys_row == nullptr) {
+    kv_tiles_row[i] = a < z ? make_int2(a, z) : make_int2(0, 0);
+    return;
+  }
+  int2 run = q_keys_row[c0];
+  for (int c = c0 + 1; c < c_end; ++c) {
+    if (q_keys_row[c].x != run.x || q_keys_row[c].y != run.y) run = make_int2(-1, -1);
+  }
+  q_tiles_row[i] = a < z ? make_int4(a, z, run.x, run.y) : make_int4(0, 0, -1, -1);
+}
+
+// Chunks a span-tile block takes at most: one per warp.
+inline constexpr int kSpanTileWarps = 8;
+
+// Tiles of one side in a span-tile block's item: as many whole tiles as
+// its warps have chunks for (at least one).
+__host__ __device__ inline int TilesPerItem(int tile_chunks) {
+  return tile_chunks >= kSpanTileWarps ? 1 : kSpanTileWarps / tile_chunks;
+}
+
+// Items (query side of each row first, then key side): a run of whole
+// tiles of one side of one row. The block's warps take its chunks' spans,
+// then, after a block barrier, its threads the tiles, so the tiles need no
+// launch of their own.
+static __global__ void __launch_bounds__(32 * kSpanTileWarps)
+    SegmentSpanTileKernel(const FlashParams p, SegmentBlocks s, const int2* q_mm,
+                          const int2* kv_mm, int2* q_keys) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int nq = s.num_q_chunks, nk = s.num_kv_chunks;
+  const int q_per = TilesPerItem(s.q_tile_chunks), kv_per = TilesPerItem(s.kv_tile_chunks);
+  const int q_items = (s.num_q_tiles + q_per - 1) / q_per;
+  const int kv_items = (s.num_kv_tiles + kv_per - 1) / kv_per;
+  const int64_t total = static_cast<int64_t>(q_items + kv_items) * p.batch;
   if (blockIdx.x == 0 && threadIdx.x == 0) *s.tile_counter = 0;
-  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total;
-       t += gridDim.x * int64_t{blockDim.x}) {
-    const bool q_side = t < nq;
-    const int64_t i = q_side ? t : t - nq;
-    const int per_row = q_side ? s.num_q_tiles : s.num_kv_tiles;
-    const int chunks = q_side ? s.num_q_chunks : s.num_kv_chunks;
-    const int k = q_side ? s.q_tile_chunks : s.kv_tile_chunks;
-    const int4* spans = (q_side ? s.q_span : s.kv_span) + i / per_row * chunks;
-    const int c0 = static_cast<int>(i % per_row) * k;
-    int a = INT_MAX, z = INT_MIN;
-    for (int c = c0; c < min(c0 + k, chunks); ++c) {
-      const int4 r = spans[c];
-      if (r.x < r.y) {
-        a = min(a, r.x);
-        z = max(z, r.y);
+  for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
+    const int64_t b = item / (q_items + kv_items);
+    const int i = static_cast<int>(item % (q_items + kv_items));
+    const bool q_side = i < q_items;
+    const int per = q_side ? q_per : kv_per;
+    const int tile_chunks = q_side ? s.q_tile_chunks : s.kv_tile_chunks;
+    const int chunks = q_side ? nq : nk;
+    const int t0 = (q_side ? i : i - q_items) * per;
+    const int t1 = min(t0 + per, q_side ? s.num_q_tiles : s.num_kv_tiles);
+    const int c1 = min(chunks, t1 * tile_chunks);
+    const int2* q_mm_row = q_mm + b * nq;
+    const int2* kv_mm_row = kv_mm + b * nk;
+    int4* span_row = const_cast<int4*>(q_side ? s.q_span + b * nq : s.kv_span + b * nk);
+    int2* q_keys_row = q_keys + b * nq;
+    for (int c = t0 * tile_chunks + warp; c < c1; c += kSpanTileWarps) {
+      if (q_side) {
+        SpanOfChunk(q_mm_row, kv_mm_row, nk, s.kv_ids + b * nk * s.kv_chunk, s.kv_chunk, c,
+                    lane, span_row, q_keys_row);
+      } else {
+        SpanOfChunk(kv_mm_row, q_mm_row, nq, nullptr, 0, c, lane, span_row, nullptr);
       }
     }
-    if (!q_side) {
-      const_cast<int2*>(s.kv_tiles)[i] = a < z ? make_int2(a, z) : make_int2(0, 0);
-      continue;
+    __syncthreads();  // the spans and key runs above (global) are read back below
+    for (int t = t0 + static_cast<int>(threadIdx.x); t < t1; t += blockDim.x) {
+      if (q_side) {
+        SummarizeTile(span_row, nq, tile_chunks, t, q_keys_row,
+                      const_cast<int4*>(s.q_tiles) + b * s.num_q_tiles, nullptr);
+      } else {
+        SummarizeTile(span_row, nk, tile_chunks, t, nullptr, nullptr,
+                      const_cast<int2*>(s.kv_tiles) + b * s.num_kv_tiles);
+      }
     }
-    const int2* keys = q_keys + i / per_row * chunks;
-    int2 run = keys[c0];
-    for (int c = c0 + 1; c < min(c0 + k, chunks); ++c) {
-      if (keys[c].x != run.x || keys[c].y != run.y) run = make_int2(-1, -1);
-    }
-    const_cast<int4*>(s.q_tiles)[i] =
-        a < z ? make_int4(a, z, run.x, run.y) : make_int4(0, 0, -1, -1);
   }
 }
 
@@ -259,14 +297,17 @@ static inline cudaError_t RunSegmentPrepass(const FlashParams& p, int q_chunk, i
   int2* q_keys = reinterpret_cast<int2*>(base + lay.q_keys);
   const int64_t warps = (static_cast<int64_t>(s.num_q_chunks) + s.num_kv_chunks) * p.batch;
   if (warps > 0) {
+    using namespace segments_detail;
     const int64_t cap = static_cast<int64_t>(sm_count > 0 ? sm_count : 132) * 16;
     const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((warps + 7) / 8, cap));
-    segments_detail::SegmentChunkKernel<<<blocks, 256, 0, stream>>>(p, s, q_mm, kv_mm);
+    SegmentChunkKernel<<<blocks, 256, 0, stream>>>(p, s, q_mm, kv_mm);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
-    segments_detail::SegmentSpanKernel<<<blocks, 256, 0, stream>>>(p, s, q_mm, kv_mm, q_keys);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-    segments_detail::SegmentTileKernel<<<blocks, 256, 0, stream>>>(p, s, q_keys);
+    const int q_per = TilesPerItem(q_tile_chunks), kv_per = TilesPerItem(kv_tile_chunks);
+    const int64_t items = ((s.num_q_tiles + q_per - 1) / q_per +
+                           (s.num_kv_tiles + kv_per - 1) / kv_per) * p.batch;
+    SegmentSpanTileKernel<<<static_cast<unsigned>(std::min(items, cap)), 32 * kSpanTileWarps, 0,
+                            stream>>>(p, s, q_mm, kv_mm, q_keys);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   *out = s;
