@@ -205,10 +205,18 @@ __device__ __forceinline__ void SummarizeTile(const int4* spans_row, int chunks,
 // Chunks a span-tile block takes at most: one per warp.
 inline constexpr int kSpanTileWarps = 8;
 
-// Tiles of one side in a span-tile block's item: as many whole tiles as
-// its warps have chunks for (at least one).
-__host__ __device__ inline int TilesPerItem(int tile_chunks) {
-  return tile_chunks >= kSpanTileWarps ? 1 : kSpanTileWarps / tile_chunks;
+// A span-tile block's items per row: runs of q_per query tiles or kv_per
+// key tiles, as many whole tiles as its warps have chunks for (at least one).
+struct SpanTileItems {
+  int q_per, kv_per, q_items, kv_items;
+};
+__host__ __device__ inline SpanTileItems SpanTileItemsOf(const SegmentBlocks& s) {
+  SpanTileItems r;
+  r.q_per = s.q_tile_chunks >= kSpanTileWarps ? 1 : kSpanTileWarps / s.q_tile_chunks;
+  r.kv_per = s.kv_tile_chunks >= kSpanTileWarps ? 1 : kSpanTileWarps / s.kv_tile_chunks;
+  r.q_items = (s.num_q_tiles + r.q_per - 1) / r.q_per;
+  r.kv_items = (s.num_kv_tiles + r.kv_per - 1) / r.kv_per;
+  return r;
 }
 
 // Items (query side of each row first, then key side): a run of whole
@@ -220,9 +228,7 @@ static __global__ void __launch_bounds__(32 * kSpanTileWarps)
                           const int2* kv_mm, int2* q_keys) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int nq = s.num_q_chunks, nk = s.num_kv_chunks;
-  const int q_per = TilesPerItem(s.q_tile_chunks), kv_per = TilesPerItem(s.kv_tile_chunks);
-  const int q_items = (s.num_q_tiles + q_per - 1) / q_per;
-  const int kv_items = (s.num_kv_tiles + kv_per - 1) / kv_per;
+  const auto [q_per, kv_per, q_items, kv_items] = SpanTileItemsOf(s);
   const int64_t total = static_cast<int64_t>(q_items + kv_items) * p.batch;
   if (blockIdx.x == 0 && threadIdx.x == 0) *s.tile_counter = 0;
   for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
@@ -303,9 +309,8 @@ static inline cudaError_t RunSegmentPrepass(const FlashParams& p, int q_chunk, i
     SegmentChunkKernel<<<blocks, 256, 0, stream>>>(p, s, q_mm, kv_mm);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
-    const int q_per = TilesPerItem(q_tile_chunks), kv_per = TilesPerItem(kv_tile_chunks);
-    const int64_t items = ((s.num_q_tiles + q_per - 1) / q_per +
-                           (s.num_kv_tiles + kv_per - 1) / kv_per) * p.batch;
+    const SpanTileItems per_row = SpanTileItemsOf(s);
+    const int64_t items = static_cast<int64_t>(per_row.q_items + per_row.kv_items) * p.batch;
     SegmentSpanTileKernel<<<static_cast<unsigned>(std::min(items, cap)), 32 * kSpanTileWarps, 0,
                             stream>>>(p, s, q_mm, kv_mm, q_keys);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
