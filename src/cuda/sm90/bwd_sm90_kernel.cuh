@@ -752,7 +752,10 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       float s[Tr::kSAcc], dp[Tr::kSAcc];
       MbarWait(&q_full[ring.stage], ring.phase);
       float2 lse2[kBlockM / 8], dvec[kBlockM / 8];
-      load_rows(ring.stage, 0, lse2);
+      // The options kernels read lse2 from shared memory in their exponential
+      // loop, as they read Dvec in the dS^T loop: held from here, it spilled
+      // the D = 64 consumers.
+      if constexpr (!kScoreOptions) load_rows(ring.stage, 0, lse2);
       WgmmaFence();
       issue_keys_x_queries(s, desc_k_rows, desc_q_k);    // S^T = K_c Q^T
       issue_keys_x_queries(dp, desc_v_rows, desc_do_k);  // dP^T = V_c dO^T
@@ -814,9 +817,20 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // rows that see no key) gives exactly 0. P^T and dS^T become A fragments
       // (rounded to Elem, as in FlashAttention-2): n8 tiles 2 kk and 2 kk + 1
       // form k16 slice kk (see wgmma.cuh).
-      // Softcap's 1 - th^2: per score while computed, then pairs of Elem.
+      // Softcap's 1 - th^2: per score while computed, then pairs of Elem
+      // parked in shared memory where this thread stores the same pair of
+      // dS^T below (pair q = 4 kk + r is dsa[kk][r]): buffer ds_buf is free
+      // from this block on (see the dQ barrier), and in registers the pairs
+      // spilled the D = 64 consumers.
       float cap_deriv[Tr::kSAcc];
-      uint32_t cap_pairs[Tr::kSAcc / 2];
+      unsigned char* const ds_tile = s_ds + ds_buf * Tr::kDsBytes;
+      const auto ds_slot = [&](int q) {
+        const int kk = q / 4, r = q % 4;
+        const int row = 64 * cg + 16 * warp + g + 8 * (r % 2);
+        const int chunk = (2 * (kk % 4) + r / 2) ^ g;  // row % 8 == g
+        return reinterpret_cast<uint32_t*>(ds_tile + (kk / 4) * Tr::kDsPanelBytes + row * 128 +
+                                           chunk * 16 + 4 * t4);
+      };
       if constexpr (!options) {
         load_rows(ring.stage, 1, dvec);
 #pragma unroll
@@ -840,10 +854,12 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
         float base[2];
         alibi_base(base);
         const float slope_u = alibi_slope();
+        if (p.softcap > 0.f) wait_staging_read();  // the parked pairs share the staging rows
+        const float* lse2_row = s_rows + 2 * ring.stage * kBlockM + 2 * t4;
         WithOptionFlags(p.softcap > 0.f, p.alibi_slopes != nullptr, [&](auto softcap, auto alibi) {
 #pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {
-            const float2 l = lse2[j];
+            const float2 l = *reinterpret_cast<const float2*>(lse2_row + 8 * j);
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
               const int i = 4 * j + r;
@@ -858,8 +874,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
               s[i] = FastExp2(fmaf(u, scale_log2, -((r & 1) ? l.y : l.x)));
             }
             if constexpr (softcap) {
-              cap_pairs[2 * j] = PackFloat2<Elem>(cap_deriv[4 * j], cap_deriv[4 * j + 1]);
-              cap_pairs[2 * j + 1] = PackFloat2<Elem>(cap_deriv[4 * j + 2], cap_deriv[4 * j + 3]);
+              *ds_slot(2 * j) = PackFloat2<Elem>(cap_deriv[4 * j], cap_deriv[4 * j + 1]);
+              *ds_slot(2 * j + 1) = PackFloat2<Elem>(cap_deriv[4 * j + 2], cap_deriv[4 * j + 3]);
             }
           }
         });
@@ -906,7 +922,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
             if constexpr (capped) {
               // A bf16 half is the top of its fp32: a shift or a mask, where
               // UnpackFloat2 cost one more instruction per pair.
-              const uint32_t pair = cap_pairs[i / 2];
+              const uint32_t pair = *ds_slot(i / 2);
               if constexpr (std::is_same_v<Elem, __nv_bfloat16>) {
                 dp[i] *= __uint_as_float((r & 1) ? pair & 0xFFFF0000u : pair << 16);
               } else {
@@ -937,18 +953,10 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // (The previous tile's dK and dV staging shares these rows: once read by
       // the copy engine they are free.)
       wait_staging_read();  // (a no-op after the item's first iteration)
-      {
-        unsigned char* ds_tile = s_ds + ds_buf * Tr::kDsBytes;
 #pragma unroll
-        for (int kk = 0; kk < Tr::kSlices; ++kk) {
+      for (int kk = 0; kk < Tr::kSlices; ++kk) {
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            const int row = 64 * cg + 16 * warp + g + 8 * (r % 2);
-            const int chunk = (2 * (kk % 4) + r / 2) ^ g;  // row % 8 == g
-            *reinterpret_cast<uint32_t*>(ds_tile + (kk / 4) * Tr::kDsPanelBytes + row * 128 +
-                                         chunk * 16 + 4 * t4) = dsa[kk][r];
-          }
-        }
+        for (int r = 0; r < 4; ++r) *ds_slot(4 * kk + r) = dsa[kk][r];
       }
       FenceProxyAsync();
 
