@@ -731,7 +731,9 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     // The mainloop, here in the kernel body: as a function of its own (per
     // query block, or per item) it compiled to other code.
     for (int it = it_begin; it < it_end; ++it) {
-      const auto [h, m_begin] = query_block(tile, it);
+      // Named, not structured bindings: the lambdas below capture them.
+      const auto block = query_block(tile, it);
+      const int h = block.h, m_begin = block.m_begin;
       const uint32_t q_off = ring.stage * Tr::kQBytes;
       const int ds_buf = it % 2;
       // With dropout, P^T's dropped elements carry a minus sign from the
