@@ -57,7 +57,8 @@
 //
 // Softcap and ALiBi (score_options.h, kernels with kScoreOptions): S^T
 // transformed before the exponentials as in the forward, and dS^T times the
-// cap's derivative 1 - th^2, th found again from P^T (see the loop).
+// cap's derivative 1 - th^2, computed beside the exponential and parked in
+// shared memory until dS^T (see the loop).
 // Dropout (../dropout_bits.cuh, kernels with kScoreOptions), with Z the forward's
 // keep mask regenerated: dV += (Z o P^T) dO (1 / (1 - rate) in the
 // epilogue) and dS^T = P^T o (Z o dP^T / (1 - rate) - Dvec), Dvec being
@@ -798,7 +799,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // Softcap, ALiBi (score_options.h): u from S^T, P^T = exp2(u * log2 -
       // lse2) while dP^T runs; once it is done, dS^T = P^T o (dP^T - Dvec) o
       // (1 - th^2), th = tanh(S^T scale / cap), 1 - th^2 the cap's derivative
-      // (cap_pairs). Both kernels keep one dV issue point and one dP^T wait
+      // (parked at ds_slot). Both kernels keep one dV issue point and one dP^T wait
       // (issued or waited in branches of their own, ptxas serialized every
       // wgmma: C7512, C7514).
       constexpr bool options = kScoreOptions;
@@ -846,13 +847,11 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
         }
       } else {
         // The options score by score with its exponential. With softcap the
-        // cap's derivative 1 - th^2 is kept beside P^T as pairs of Elem (the
-        // rounding dS^T gets anyway; bf16 pairs under fp16 inputs gave 5x the
-        // same-dtype error in dQ), in the registers Dvec takes in the plain
-        // kernel (here Dvec is read from shared memory in the dS^T loop):
-        // recovering th from P^T took a MUFU.LG2 per score, a third
-        // special-function op beside tanh and exp2, and lost th at caps
-        // below about 0.1.
+        // cap's derivative 1 - th^2 is kept as pairs of Elem (the rounding
+        // dS^T gets anyway; bf16 pairs under fp16 inputs gave 5x the
+        // same-dtype error in dQ) at ds_slot: recovering th from P^T took a
+        // MUFU.LG2 per score, a third special-function op beside tanh and
+        // exp2, and lost th at caps below about 0.1.
         float base[2];
         alibi_base(base);
         const float slope_u = alibi_slope();
@@ -905,7 +904,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       WgmmaWaitFenced<kDvUnderDs ? 1 : 0>(dp);  // dP^T done; dV may still run
       // dS^T = P^T o (dP^T - Dvec[query]); with dropout P^T o (Z o dP^T /
       // (1 - rate) - Dvec[query]).
-      // With softcap times 1 - th^2 (the cap's derivative, in cap_pairs).
+      // With softcap times 1 - th^2 (the cap's derivative, at ds_slot).
       const float dp_scale = dropout ? p.dropout_scale : 1.f;
       const float* dvec_row = s_rows + (2 * ring.stage + 1) * kBlockM + 2 * t4;
       WithOptionFlags(dropout, options && p.softcap > 0.f, [&](auto dropped, auto capped) {
