@@ -45,9 +45,11 @@ fwd_pid=$!
     src/cuda/backward.cu src/cuda/sm80/bwd_*.cu tests/cuda/sm90_bwd_selftest.cu
 ) > "$LOGS/bwd/build.txt" 2>&1 &
 bwd_pid=$!
-[ $need_selftests = 1 ] && nvcc -std=c++17 -O3 -I. -lineinfo $ARCH tests/cuda/sm90_prepass_selftest.cu \
-  -o build/sm90_prepass_selftest > "$LOGS/prepass_build.txt" 2>&1
-echo "== pre-pass self-test built (rc $?)"
+if [ $need_selftests = 1 ]; then
+  nvcc -std=c++17 -O3 -I. -lineinfo $ARCH tests/cuda/sm90_prepass_selftest.cu \
+    -o build/sm90_prepass_selftest > "$LOGS/prepass_build.txt" 2>&1
+  echo "== pre-pass self-test built (rc $?)"
+fi
 if [[ $STEPS == *selftest* ]] && [ -x build/sm90_prepass_selftest ]; then
   timeout 60 build/sm90_prepass_selftest > "$LOGS/prepass_selftest.txt" 2>&1
   echo "-- pre-pass self-test: rc $?"; grep -E "^FAIL|^TIME|failure\(s\)" "$LOGS/prepass_selftest.txt"

@@ -667,8 +667,12 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   // once S^T is done (its loads then run under the exponentials). Loaded
   // where they were used, the first use waited out their latency behind the
   // wgmma reads (ncu: 4-7% of the stall samples on one FFMA at D = 128).
+  // This thread's first entry of lse2 (which 0) or Dvec (1) of a stage.
+  const auto rows_at = [&](int stage, int which) {
+    return s_rows + (2 * stage + which) * kBlockM + 2 * t4;
+  };
   const auto load_rows = [&](int stage, int which, float2 (&out)[kBlockM / 8]) {
-    const float* row = s_rows + (2 * stage + which) * kBlockM + 2 * t4;
+    const float* row = rows_at(stage, which);
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) out[j] = *reinterpret_cast<const float2*>(row + 8 * j);
   };
@@ -821,10 +825,10 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // (rounded to Elem, as in FlashAttention-2): n8 tiles 2 kk and 2 kk + 1
       // form k16 slice kk (see wgmma.cuh).
       // Softcap's 1 - th^2: per score while computed, then pairs of Elem
-      // parked in shared memory where this thread stores the same pair of
-      // dS^T below (pair q = 4 kk + r is dsa[kk][r]): buffer ds_buf is free
-      // from this block on (see the dQ barrier), and in registers the pairs
-      // spilled the D = 64 consumers.
+      // parked at ds_slot(q), the slot where this thread stores the same
+      // pair of dS^T below (pair q = 4 kk + r is dsa[kk][r]): buffer ds_buf
+      // is free from this block on (see the dQ barrier). Held in registers
+      // (with lse2), the pairs spilled the D = 64 consumers 334 bytes.
       float cap_deriv[Tr::kSAcc];
       unsigned char* const ds_tile = s_ds + ds_buf * Tr::kDsBytes;
       const auto ds_slot = [&](int q) {
@@ -846,17 +850,17 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
           }
         }
       } else {
-        // The options score by score with its exponential. With softcap the
-        // cap's derivative 1 - th^2 is kept as pairs of Elem (the rounding
-        // dS^T gets anyway; bf16 pairs under fp16 inputs gave 5x the
-        // same-dtype error in dQ) at ds_slot: recovering th from P^T took a
-        // MUFU.LG2 per score, a third special-function op beside tanh and
-        // exp2, and lost th at caps below about 0.1.
+        // The options score by score with its exponential. The cap's
+        // derivative is kept in Elem pairs, the rounding dS^T gets anyway
+        // (bf16 pairs under fp16 inputs gave 5x the same-dtype error in dQ);
+        // recovering th from P^T instead took a MUFU.LG2 per score, a third
+        // special-function op beside tanh and exp2, and lost th at caps
+        // below about 0.1.
         float base[2];
         alibi_base(base);
         const float slope_u = alibi_slope();
         if (p.softcap > 0.f) wait_staging_read();  // the parked pairs share the staging rows
-        const float* lse2_row = s_rows + 2 * ring.stage * kBlockM + 2 * t4;
+        const float* lse2_row = rows_at(ring.stage, 0);
         WithOptionFlags(p.softcap > 0.f, p.alibi_slopes != nullptr, [&](auto softcap, auto alibi) {
 #pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {
@@ -906,7 +910,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // (1 - rate) - Dvec[query]).
       // With softcap times 1 - th^2 (the cap's derivative, at ds_slot).
       const float dp_scale = dropout ? p.dropout_scale : 1.f;
-      const float* dvec_row = s_rows + (2 * ring.stage + 1) * kBlockM + 2 * t4;
+      const float* dvec_row = rows_at(ring.stage, 1);
       WithOptionFlags(dropout, options && p.softcap > 0.f, [&](auto dropped, auto capped) {
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
