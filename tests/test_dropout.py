@@ -5,6 +5,10 @@ same mask, transforms, and argument errors."""
 
 from __future__ import annotations
 
+import pathlib
+import shutil
+import subprocess
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -360,6 +364,23 @@ def test_bytewise_threshold_compare_exhaustive():
       got = np.array([compare(int(w), threshold * 0x01010101) for w in words])
       want = ((lanes >= threshold) << (8 * np.arange(4) + 7)).sum(axis=1)
       np.testing.assert_array_equal(got, want)
+
+
+def test_kernel_keep_bit_layouts_on_host_lanes(tmp_path):
+  """The CUDA kernels' keep-bit layouts (src/cuda/dropout_bits.cuh: the
+  forward's quad transpose of packed bits, the backward's 8 x 8 one), built
+  for the host with a thread per lane of a warp: every element's bit equals
+  DropoutMask's, for each accumulator size the kernels use."""
+  compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+  if compiler is None:
+    pytest.skip("no C++ compiler")
+  root = pathlib.Path(__file__).resolve().parents[1]
+  binary = tmp_path / "dropout_bits_host_test"
+  subprocess.run([compiler, "-std=c++17", "-O2", "-pthread", f"-I{root}",
+                  str(root / "tests" / "cuda" / "dropout_bits_host_test.cc"), "-o", str(binary)],
+                 check=True)
+  run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0 and " 0 mismatches" in run.stdout, run.stdout + run.stderr
 
 
 @pytest.mark.parametrize("rate,applied", [(0.1, 26 / 256), (0.5, 0.5), (1e-4, 1 / 256),

@@ -17,18 +17,65 @@
 //   makes one of eight calls and packs its 16 keep bits; an 8 x 8 transpose
 //   of 2-bit entries (three shuffles for two such batches) hands every lane
 //   its bits.
+//
+// With JF2_DROPOUT_BITS_HOST_LANES defined, a host build gets the layout
+// functions (not the mask load or the packed-pair max) with the shuffle
+// supplied by the includer, which runs the lanes of a warp as threads
+// (tests/cuda/dropout_bits_host_test.cc): the layouts are checked bit for bit
+// on any machine.
 #pragma once
 
+#if defined(__CUDACC__)
 #include <cuda_bf16.h>
+#endif
 
 #include <cstdint>
 #include <type_traits>
 
 #include "../flash_dropout.h"
 
+#if defined(__CUDACC__)
+#define JF2_LANES_FN __device__ __forceinline__
+#elif defined(JF2_DROPOUT_BITS_HOST_LANES)
+#define JF2_LANES_FN inline
+#endif
+
 namespace jax_flash2::cuda {
 
+#if defined(__CUDACC__) || defined(JF2_DROPOUT_BITS_HOST_LANES)
+
+#if !defined(__CUDACC__)
+// The includer's lane exchange: v of lane ^ lane_mask.
+uint32_t HostShflXor(uint32_t v, int lane_mask);
+#endif
+
+JF2_LANES_FN uint32_t ShflXor(uint32_t v, int lane_mask) {
 #if defined(__CUDACC__)
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask);
+#else
+  return HostShflXor(v, lane_mask);
+#endif
+}
+
+// prmt.b32 with selector sel: result byte i is byte sel_i % 8 of {b, a}
+// (a the low four), replaced by its sign bit in all 8 bits when sel_i >= 8.
+JF2_LANES_FN uint32_t Prmt(uint32_t a, uint32_t b, uint32_t sel) {
+#if defined(__CUDACC__)
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+#else
+  const uint64_t bytes = (static_cast<uint64_t>(b) << 32) | a;
+  uint32_t d = 0;
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t nib = (sel >> (4 * i)) & 0xF;
+    uint32_t byte = (bytes >> (8 * (nib & 7))) & 0xFF;
+    if (nib & 8) byte = (byte & 0x80) ? 0xFF : 0;
+    d |= byte << (8 * i);
+  }
+  return d;
+#endif
+}
 
 // Words of keep bits for kAcc accumulator elements.
 template <int kAcc>
@@ -36,32 +83,26 @@ constexpr int KeepWords() {
   return (kAcc + 31) / 32;
 }
 
-// The mask of (b, h): its seed pair, read through the read-only path.
-__device__ __forceinline__ DropoutMask LoadDropoutMask(const FlashParams& p, int bh) {
-  const uint2 seed = __ldg(reinterpret_cast<const uint2*>(p.dropout_seeds) + bh);
-  return DropoutMask{seed.x, seed.y, p.dropout_threshold};
-}
-
 // Word w (a runtime 0..3) of a call, by selects (an indexed register array
 // would go to local memory).
-__device__ __forceinline__ uint32_t SelectWord(const Philox4& r, int w) {
+JF2_LANES_FN uint32_t SelectWord(const Philox4& r, int w) {
   return (w & 2) ? ((w & 1) ? r.x[3] : r.x[2]) : ((w & 1) ? r.x[1] : r.x[0]);
 }
 
 // In: w = the words of the call this lane made (call t4 of its quad). Out:
 // w[x] = word t4 of call t4 ^ x.
-__device__ __forceinline__ void QuadTranspose(uint32_t (&w)[4], int t4) {
+JF2_LANES_FN void QuadTranspose(uint32_t (&w)[4], int t4) {
   const bool odd = t4 & 1, high = t4 & 2;
   uint32_t a[2][2];  // after lane ^ 1: a[j][s] = word 2 j + odd of call t4 ^ s
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     a[j][0] = odd ? w[2 * j + 1] : w[2 * j];
-    a[j][1] = __shfl_xor_sync(0xffffffffu, odd ? w[2 * j] : w[2 * j + 1], 1);
+    a[j][1] = ShflXor(odd ? w[2 * j] : w[2 * j + 1], 1);
   }
 #pragma unroll
   for (int s = 0; s < 2; ++s) {  // after lane ^ 2: word t4 of calls t4 ^ s, t4 ^ 2 ^ s
     w[s] = high ? a[1][s] : a[0][s];
-    w[2 + s] = __shfl_xor_sync(0xffffffffu, high ? a[0][s] : a[1][s], 2);
+    w[2 + s] = ShflXor(high ? a[0][s] : a[1][s], 2);
   }
 }
 
@@ -71,9 +112,8 @@ __device__ __forceinline__ void QuadTranspose(uint32_t (&w)[4], int t4) {
 // byte b (KeepBytes' bit 8 b + 7) land at bit 8 b + 7 - (2 (c % 4) + rh) of
 // word c / 4 (FwdKept).
 template <int kAcc>
-__device__ __forceinline__ void FwdKeepBits(uint32_t (&keep)[KeepWords<kAcc>()],
-                                            const DropoutMask& mask, int64_t row, int64_t key0,
-                                            int t4) {
+JF2_LANES_FN void FwdKeepBits(uint32_t (&keep)[KeepWords<kAcc>()], const DropoutMask& mask,
+                              int64_t row, int64_t key0, int t4) {
   constexpr int kGroups = kAcc / 8;
   static_assert(kAcc % 8 == 0, "whole groups of 16 keys");
   const uint32_t threshold4 = mask.Threshold4();
@@ -96,7 +136,7 @@ __device__ __forceinline__ void FwdKeepBits(uint32_t (&keep)[KeepWords<kAcc>()],
     constexpr int c = kGroups - 1;
     const int rh = t4 & 1;
     const Philox4 r = mask.Words(row + 8 * rh, group0 + c);
-    const uint32_t theirs = __shfl_xor_sync(0xffffffffu, SelectWord(r, t4 ^ 1), 1);
+    const uint32_t theirs = ShflXor(SelectWord(r, t4 ^ 1), 1);
     keep[c / 4] |= KeepBytes(SelectWord(r, t4), threshold4) >> (2 * (c % 4) + rh);
     keep[c / 4] |= KeepBytes(theirs, threshold4) >> (2 * (c % 4) + (rh ^ 1));
   }
@@ -110,27 +150,10 @@ __device__ __forceinline__ void FwdKeepBits(uint32_t (&keep)[KeepWords<kAcc>()],
 // over its half. Two instructions per pair, with the AND, where a bit test
 // and a select per fp32 element cost four.
 template <int kAcc>
-__device__ __forceinline__ uint32_t FwdKeepPairMask(const uint32_t (&keep)[KeepWords<kAcc>()],
-                                                    int i) {
+JF2_LANES_FN uint32_t FwdKeepPairMask(const uint32_t (&keep)[KeepWords<kAcc>()], int i) {
   const int c = i / 8, b = 2 * ((i / 4) % 2), rh = (i / 2) % 2;
   const uint32_t at_bit7 = keep[c / 4] << (2 * (c % 4) + rh);
-  uint32_t mask;
-  asm("prmt.b32 %0, %1, 0, %2;\n" : "=r"(mask) : "r"(at_bit7), "r"(b == 0 ? 0x9988u : 0xBBAAu));
-  return mask;
-}
-
-// max(x, 0) in each half of a packed pair of Elem, NaN kept: the backward's
-// sign-marked P^T (dropped elements negative) to Z o P^T in one instruction
-// per pair, where a compare and a select per fp32 element cost four.
-template <typename Elem>
-__device__ __forceinline__ uint32_t ZeroNegativeHalves(uint32_t x) {
-  uint32_t y;
-  if constexpr (std::is_same_v<Elem, __nv_bfloat16>) {
-    asm("max.NaN.bf16x2 %0, %1, %2;\n" : "=r"(y) : "r"(x), "r"(0u));
-  } else {
-    asm("max.NaN.f16x2 %0, %1, %2;\n" : "=r"(y) : "r"(x), "r"(0u));
-  }
-  return y;
+  return Prmt(at_bit7, 0, b == 0 ? 0x9988u : 0xBBAAu);
 }
 
 // Backward: the keep bits of this thread's elements of a 16-row slab (keys)
@@ -142,9 +165,8 @@ __device__ __forceinline__ uint32_t ZeroNegativeHalves(uint32_t x) {
 // g's bits (lane ^ 4, ^ 8, ^ 16) then turn the destination d into the
 // source lane (BwdKept).
 template <int kAcc>
-__device__ __forceinline__ void BwdKeepBits(uint32_t (&keep)[KeepWords<kAcc>()],
-                                            const DropoutMask& mask, int64_t key,
-                                            int64_t m_begin, int g, int t4) {
+JF2_LANES_FN void BwdKeepBits(uint32_t (&keep)[KeepWords<kAcc>()], const DropoutMask& mask,
+                              int64_t key, int64_t m_begin, int g, int t4) {
   constexpr int kCalls = kAcc / 2;  // 2 per n8 tile
   constexpr int kBatches = (kCalls + 7) / 8;
   static_assert(kAcc % 4 == 0 && (kBatches + 1) / 2 == KeepWords<kAcc>(), "two batches a word");
@@ -167,7 +189,7 @@ __device__ __forceinline__ void BwdKeepBits(uint32_t (&keep)[KeepWords<kAcc>()],
     constexpr int kShift[3] = {8, 1, 2};
 #pragma unroll
     for (int k = 0; k < 3; ++k) {
-      const uint32_t y = __shfl_xor_sync(0xffffffffu, x, 4 << k);
+      const uint32_t y = ShflXor(x, 4 << k);
       x = ((g >> k) & 1) ? (x & kMask[k]) | ((y & kMask[k]) >> kShift[k])
                          : (x & ~kMask[k]) | ((y & ~kMask[k]) << kShift[k]);
     }
@@ -177,12 +199,36 @@ __device__ __forceinline__ void BwdKeepBits(uint32_t (&keep)[KeepWords<kAcc>()],
 
 // Whether backward element i survives, from BwdKeepBits' words.
 template <int kAcc>
-__device__ __forceinline__ bool BwdKept(const uint32_t (&keep)[KeepWords<kAcc>()], int i) {
+JF2_LANES_FN bool BwdKept(const uint32_t (&keep)[KeepWords<kAcc>()], int i) {
   const int j = i / 4, rh = (i / 2) % 2, e = i % 2;
   const int u = 2 * j + e, batch = u / 8, src = u % 8;
   const int bit = 8 * (2 * rh + (src & 1)) + 2 * ((src >> 2) & 1) + ((src >> 1) & 1) +
                   4 * (batch % 2);
   return (keep[batch / 2] >> bit) & 1u;
+}
+
+#endif  // __CUDACC__ || JF2_DROPOUT_BITS_HOST_LANES
+
+#if defined(__CUDACC__)
+
+// The mask of (b, h): its seed pair, read through the read-only path.
+__device__ __forceinline__ DropoutMask LoadDropoutMask(const FlashParams& p, int bh) {
+  const uint2 seed = __ldg(reinterpret_cast<const uint2*>(p.dropout_seeds) + bh);
+  return DropoutMask{seed.x, seed.y, p.dropout_threshold};
+}
+
+// max(x, 0) in each half of a packed pair of Elem, NaN kept: the backward's
+// sign-marked P^T (dropped elements negative) to Z o P^T in one instruction
+// per pair, where a compare and a select per fp32 element cost four.
+template <typename Elem>
+__device__ __forceinline__ uint32_t ZeroNegativeHalves(uint32_t x) {
+  uint32_t y;
+  if constexpr (std::is_same_v<Elem, __nv_bfloat16>) {
+    asm("max.NaN.bf16x2 %0, %1, %2;\n" : "=r"(y) : "r"(x), "r"(0u));
+  } else {
+    asm("max.NaN.f16x2 %0, %1, %2;\n" : "=r"(y) : "r"(x), "r"(0u));
+  }
+  return y;
 }
 
 #endif  // __CUDACC__
