@@ -718,6 +718,8 @@ int main(int argc, char** argv) {
         {"B4 T=S=4096 H16 D64 bf16 softcap50+alibi", bf, 4, 4096, 4096, 16, 16, 64, -1, -1, false, SegKind::kNone, 0, 50.f, true},
         {"B4 T=S=4096 H16 D64 bf16 alibi", bf, 4, 4096, 4096, 16, 16, 64, -1, -1, false, SegKind::kNone, 0, 0.f, true},
         {"B2 T=S=8192 H16 D64 bf16 causal alibi", bf, 2, 8192, 8192, 16, 16, 64, -1, 0, false, SegKind::kNone, 0, 0.f, true},
+        {"B4 T=S=4096 H16 D64 bf16 dropout0.1", bf, 4, 4096, 4096, 16, 16, 64, -1, -1, false, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
+        {"B4 T=S=4096 H16 D128 bf16 dropout0.1", bf, 4, 4096, 4096, 16, 16, 128, -1, -1, false, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
         // Dropout beside its plain rows (--filter T8k).
         {"B2 T=S=8192 H16 D128 bf16 causal T8k", bf, 2, 8192, 8192, 16, 16, 128, -1, 0},
         {"B2 T=S=8192 H16 D128 bf16 causal T8k dropout0.1", bf, 2, 8192, 8192, 16, 16, 128, -1, 0, false, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
