@@ -21,6 +21,7 @@
 //   sm90_bwd_selftest --filter STR  only the cases (checked and timed) whose name contains STR
 //   sm90_bwd_selftest --no-time     skip timings
 //   sm90_bwd_selftest --time-only   timings only
+//   sm90_bwd_selftest --no-sm80     time the sm90 kernels only (A/B runs)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -477,6 +478,8 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
 // The whole backward (preprocess, main, convert) by both paths, bf16;
 // TFLOP/s = 2.5 * 4 B T S H D / t (5 products of 2 B T S H D flops each),
 // halved when causal.
+bool g_time_sm80 = true;  // --no-sm80 clears it
+
 void TimeCase(const Case& c, const DeviceInfo& dev) {
   FlashParams p = CaseParams(c);
   std::vector<void*> bufs = AllocBackwardTimingBuffers(&p);
@@ -527,7 +530,7 @@ void TimeCase(const Case& c, const DeviceInfo& dev) {
     CHECK_CUDA(cudaFree(scratch));
     return;
   }
-  time("sm80", [&](int) { return cuda::RunBackward(p, scratch, dev, 0); });
+  if (g_time_sm80) time("sm80", [&](int) { return cuda::RunBackward(p, scratch, dev, 0); });
   time("sm90", [&](int) { return RunSm90(p, scratch, dev); });
   if (cuda::Sm90BackwardStreamKSlots(p, dev) > 0) {
     // The same grid without the stream-K tail (whole tiles only).
@@ -556,6 +559,8 @@ int main(int argc, char** argv) {
       no_time = true;
     } else if (a == "--time-only") {
       time_only = true;
+    } else if (a == "--no-sm80") {
+      g_time_sm80 = false;
     } else {
       mode = a;
     }

@@ -17,6 +17,7 @@
 //                                   (the only one the package builds)
 //   sm90_fwd_selftest --no-time     skip timings
 //   sm90_fwd_selftest --time-only   timings only
+//   sm90_fwd_selftest --no-sm80     time the sm90 kernels only (A/B runs)
 //   sm90_fwd_selftest --schedules serial,overlap,pingpong
 //                                   the sm90 schedules to check and time (default all)
 //   sm90_fwd_selftest --tile N      run tile N (SelftestTile, sm90_fwd_variants.cuh:
@@ -371,6 +372,8 @@ int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
 // of `reps`, L2 cold only in the sense that the working set exceeds it) and
 // prints one line per implementation as soon as it is measured, so a hang in
 // a later schedule still leaves the earlier numbers in the log.
+bool g_time_sm80 = true;  // --no-sm80 clears it
+
 void TimeCase(const Case& c, const cuda::DeviceInfo& dev, int reps, bool with_sm80 = true) {
   HostVariants var;
   float* d_slopes;
@@ -407,7 +410,9 @@ void TimeCase(const Case& c, const cuda::DeviceInfo& dev, int reps, bool with_sm
                 flops / med / 1e9);
     std::fflush(stdout);
   };
-  if (with_sm80) time("sm80", [&](int) { return cuda::RunForward(p, scratch, dev, 0); });
+  if (with_sm80 && g_time_sm80) {
+    time("sm80", [&](int) { return cuda::RunForward(p, scratch, dev, 0); });
+  }
   for (Sm90Schedule sch : SchedulesFor(p)) {
     const std::string impl = std::string("sm90 ") + ScheduleName(sch);
     time(impl.c_str(), [&](int) {
@@ -462,6 +467,8 @@ int main(int argc, char** argv) {
       no_time = true;
     } else if (a == "--time-only") {
       time_only = true;
+    } else if (a == "--no-sm80") {
+      g_time_sm80 = false;
     } else {
       mode = a;
     }
