@@ -308,14 +308,7 @@ int RunCase(const Case& c, const DeviceInfo& dev, uint64_t seed) {
   });
 
   void* d_ids = nullptr;
-  if (!q_ids.empty()) {
-    CHECK_CUDA(cudaMalloc(&d_ids, (q_ids.size() + kv_ids.size()) * 4));
-    CHECK_CUDA(cudaMemcpy(d_ids, q_ids.data(), q_ids.size() * 4, cudaMemcpyHostToDevice));
-    int32_t* kv = static_cast<int32_t*>(d_ids) + q_ids.size();
-    CHECK_CUDA(cudaMemcpy(kv, kv_ids.data(), kv_ids.size() * 4, cudaMemcpyHostToDevice));
-    p.q_segment_ids = static_cast<const int32_t*>(d_ids);
-    p.kv_segment_ids = kv;
-  }
+  if (!q_ids.empty()) d_ids = UploadSegmentIds(q_ids, kv_ids, &p);
   // One buffer: the dropout seeds [B, H, 2], then the ALiBi slopes.
   float* d_slopes = nullptr;
   const size_t seed_words = var.dropout_seeds.size();
@@ -504,6 +497,12 @@ void TimeCase(const Case& c, const DeviceInfo& dev) {
     SetDropout(var, d_seeds, &p);
     bufs.push_back(d_seeds);
   }
+  std::vector<int32_t> q_ids, kv_ids;
+  if (c.seg != SegKind::kNone) {
+    std::mt19937_64 id_rng(11);
+    MakeSegmentIds(c.seg, c.docs, c.B, c.T, c.S, id_rng, &q_ids, &kv_ids);
+    bufs.push_back(UploadSegmentIds(q_ids, kv_ids, &p));
+  }
   if (!cuda::Sm90BackwardSupports(p)) {  // a build without the options (a baseline's)
     std::printf("SKIP %s: Sm90BackwardSupports is false\n", c.name.c_str());
     for (void* ptr : bufs) CHECK_CUDA(cudaFree(ptr));
@@ -513,6 +512,9 @@ void TimeCase(const Case& c, const DeviceInfo& dev) {
   CHECK_CUDA(cudaMalloc(&scratch, ScratchBytes(p, dev)));
   double flops = 2.5 * 4.0 * c.B * c.T * c.S * c.H * c.D;
   if (c.wr == 0) flops /= 2;
+  if (c.seg != SegKind::kNone) {  // the documents' visible pairs only
+    flops = 2.5 * 4.0 * VisiblePairs(q_ids, c.B, c.T, c.wr == 0) * c.H * c.D;
+  }
   auto time = [&](const char* impl, auto run) {
     const std::vector<float> ms = TimeRuns(c.name + " [" + impl + "]", 15, run);
     const double med = ms[ms.size() / 2];
@@ -832,6 +834,14 @@ int main(int argc, char** argv) {
         {"B2 T=S=8192 H16 D128 causal T8k drop0.1", bf, 2, 8192, 8192, 16, 16, 128, -1, 0, false, false, 0, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
         {"B2 T=S=8192 H16 D64 causal T8k", bf, 2, 8192, 8192, 16, 16, 64, -1, 0},
         {"B2 T=S=8192 H16 D64 causal T8k drop0.1", bf, 2, 8192, 8192, 16, 16, 64, -1, 0, false, false, 0, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
+        // Packed documents (one row of 16k) beside the same documents as a
+        // batch (--filter packed; the pre-pass included).
+        {"packed 64x256 H16 D128 causal", bf, 1, 16384, 16384, 16, 16, 128, -1, 0, false, false, 0, SegKind::kEqual, 64},
+        {"packed 64x256 H16 D128 causal batch", bf, 64, 256, 256, 16, 16, 128, -1, 0},
+        {"packed 64x256 H16 D64 causal", bf, 1, 16384, 16384, 16, 16, 64, -1, 0, false, false, 0, SegKind::kEqual, 64},
+        {"packed 64x256 H16 D64 causal batch", bf, 64, 256, 256, 16, 16, 64, -1, 0},
+        {"packed 8x2048 H16 D128 causal", bf, 1, 16384, 16384, 16, 16, 128, -1, 0, false, false, 0, SegKind::kEqual, 8},
+        {"packed 8x2048 H16 D128 causal batch", bf, 8, 2048, 2048, 16, 16, 128, -1, 0},
         // The deterministic backward beside the plain one.
         Det({"B2 T=S=8192 H16 D128 causal", bf, 2, 8192, 8192, 16, 16, 128, -1, 0}),
         Det({"B2 T=S=8192 H16 D128", bf, 2, 8192, 8192, 16, 16, 128, -1, -1}),

@@ -178,13 +178,7 @@ int RunCase(const Case& c, const cuda::DeviceInfo& dev, uint64_t seed) {
   void* d_ids = nullptr;
   if (c.seg != SegKind::kNone) {
     MakeSegmentIds(c.seg, c.docs, c.B, c.T, c.S, rng, &var.q_ids, &var.kv_ids);
-    const size_t nq_ids = var.q_ids.size(), nkv_ids = var.kv_ids.size();
-    CHECK_CUDA(cudaMalloc(&d_ids, (nq_ids + nkv_ids) * 4 + 16));
-    CHECK_CUDA(cudaMemcpy(d_ids, var.q_ids.data(), nq_ids * 4, cudaMemcpyHostToDevice));
-    int32_t* kv = static_cast<int32_t*>(d_ids) + nq_ids;
-    CHECK_CUDA(cudaMemcpy(kv, var.kv_ids.data(), nkv_ids * 4, cudaMemcpyHostToDevice));
-    p0.q_segment_ids = static_cast<const int32_t*>(d_ids);
-    p0.kv_segment_ids = kv;
+    d_ids = UploadSegmentIds(var.q_ids, var.kv_ids, &p0);
   }
   if (!cuda::Sm90ForwardSupports(p0)) {
     std::printf("FAIL %-44s Sm90ForwardSupports is false\n", c.name.c_str());
@@ -379,9 +373,16 @@ void TimeCase(const Case& c, const cuda::DeviceInfo& dev, int reps, bool with_sm
   float* d_slopes;
   std::mt19937_64 option_rng(7);
   FlashParams p = OptionParams(c, option_rng, &var, &d_slopes);
+  void* d_ids = nullptr;
+  if (c.seg != SegKind::kNone) {
+    std::mt19937_64 id_rng(11);
+    MakeSegmentIds(c.seg, c.docs, c.B, c.T, c.S, id_rng, &var.q_ids, &var.kv_ids);
+    d_ids = UploadSegmentIds(var.q_ids, var.kv_ids, &p);
+  }
   if (!cuda::Sm90ForwardSupports(p)) {  // a build without the options (a baseline's)
     std::printf("SKIP %s: Sm90ForwardSupports is false\n", c.name.c_str());
     if (d_slopes) CHECK_CUDA(cudaFree(d_slopes));
+    if (d_ids) CHECK_CUDA(cudaFree(d_ids));
     return;
   }
   const int64_t nq = c.B * c.T * c.H * c.D, nk = c.B * c.S * c.K * c.D;
@@ -403,6 +404,9 @@ void TimeCase(const Case& c, const cuda::DeviceInfo& dev, int reps, bool with_sm
   if (scratch_bytes) CHECK_CUDA(cudaMalloc(&scratch, scratch_bytes));
   double flops = 4.0 * c.B * c.T * c.S * c.H * c.D;
   if (c.wr == 0) flops /= 2;
+  if (c.seg != SegKind::kNone) {  // the documents' visible pairs only
+    flops = 4.0 * VisiblePairs(var.q_ids, c.B, c.T, c.wr == 0) * c.H * c.D;
+  }
   auto time = [&](const char* impl, auto run) {
     const std::vector<float> ms = TimeRuns(c.name + " [" + impl + "]", reps, run);
     const double med = ms[reps / 2];
@@ -422,6 +426,7 @@ void TimeCase(const Case& c, const cuda::DeviceInfo& dev, int reps, bool with_sm
   for (void* ptr : {q, k, v, o, static_cast<void*>(lse)}) CHECK_CUDA(cudaFree(ptr));
   if (scratch) CHECK_CUDA(cudaFree(scratch));
   if (d_slopes) CHECK_CUDA(cudaFree(d_slopes));
+  if (d_ids) CHECK_CUDA(cudaFree(d_ids));
 }
 
 std::string Name(const char* fmt, long long a, long long b, long long c, const char* d) {
@@ -732,6 +737,14 @@ int main(int argc, char** argv) {
         {"B2 T=S=8192 H16 D128 bf16 causal T8k dropout0.1", bf, 2, 8192, 8192, 16, 16, 128, -1, 0, false, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
         {"B2 T=S=8192 H16 D64 bf16 causal T8k", bf, 2, 8192, 8192, 16, 16, 64, -1, 0},
         {"B2 T=S=8192 H16 D64 bf16 causal T8k dropout0.1", bf, 2, 8192, 8192, 16, 16, 64, -1, 0, false, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
+        // Packed documents (one row of 16k) beside the same documents as a
+        // batch (--filter packed; the pre-pass included).
+        {"packed 64x256 H16 D128 bf16 causal", bf, 1, 16384, 16384, 16, 16, 128, -1, 0, false, SegKind::kEqual, 64},
+        {"packed 64x256 H16 D128 bf16 causal batch", bf, 64, 256, 256, 16, 16, 128, -1, 0},
+        {"packed 64x256 H16 D64 bf16 causal", bf, 1, 16384, 16384, 16, 16, 64, -1, 0, false, SegKind::kEqual, 64},
+        {"packed 64x256 H16 D64 bf16 causal batch", bf, 64, 256, 256, 16, 16, 64, -1, 0},
+        {"packed 8x2048 H16 D128 bf16 causal", bf, 1, 16384, 16384, 16, 16, 128, -1, 0, false, SegKind::kEqual, 8},
+        {"packed 8x2048 H16 D128 bf16 causal batch", bf, 8, 2048, 2048, 16, 16, 128, -1, 0},
     };
     if (grid) {
       for (int64_t d : {64, 128, 256}) {

@@ -10,6 +10,9 @@
 #include <random>
 #include <vector>
 
+#include "src/flash_params.h"
+#include "tests/cuda/selftest_util.h"  // CHECK_CUDA
+
 namespace jax_flash2::selftest {
 
 enum class SegKind : int {
@@ -19,6 +22,7 @@ enum class SegKind : int {
   kShort,    // documents of 1..40 tokens (shorter than any block)
   kRandom,   // unsorted: q ids in [0, 4), kv ids in [0, 3) (id 3 sees no key)
   kMissing,  // kPacked, but the kv side holds only the even documents
+  kEqual,    // `docs` runs of equal length (the benchmarks' packed rows; timings)
 };
 
 // Cuts of `length` into `docs` runs of random lengths (sorted cut points, so
@@ -92,6 +96,10 @@ void MakeSegmentIds(SegKind kind, int docs, int64_t B, int64_t T, int64_t S, Rng
         }
         break;
       }
+      case SegKind::kEqual:
+        for (int64_t i = 0; i < T; ++i) q[i] = static_cast<int32_t>(i * docs / T);
+        for (int64_t j = 0; j < S; ++j) kv[j] = static_cast<int32_t>(j * docs / S);
+        break;
       case SegKind::kRandom: {
         std::uniform_int_distribution<int32_t> q_id(0, 3), kv_id(0, 2);
         for (int64_t i = 0; i < T; ++i) q[i] = q_id(rng);
@@ -100,6 +108,38 @@ void MakeSegmentIds(SegKind kind, int docs, int64_t B, int64_t T, int64_t S, Rng
       }
     }
   }
+}
+
+// Device copies of q_ids [B, T] and kv_ids [B, S] in one buffer (returned;
+// the caller frees it), set as p's segment ids.
+inline void* UploadSegmentIds(const std::vector<int32_t>& q_ids,
+                              const std::vector<int32_t>& kv_ids, FlashParams* p) {
+  void* d_ids;
+  CHECK_CUDA(cudaMalloc(&d_ids, (q_ids.size() + kv_ids.size()) * 4 + 16));
+  CHECK_CUDA(cudaMemcpy(d_ids, q_ids.data(), q_ids.size() * 4, cudaMemcpyHostToDevice));
+  int32_t* kv = static_cast<int32_t*>(d_ids) + q_ids.size();
+  CHECK_CUDA(cudaMemcpy(kv, kv_ids.data(), kv_ids.size() * 4, cudaMemcpyHostToDevice));
+  p->q_segment_ids = static_cast<const int32_t*>(d_ids);
+  p->kv_segment_ids = kv;
+  return d_ids;
+}
+
+// The (query, key) pairs a call computes when q and kv share sorted runs
+// (T == S): per run of length L, L^2, or L (L + 1) / 2 under a causal mask,
+// summed over the batch (the useful work of a packed row, for TFLOP/s).
+inline double VisiblePairs(const std::vector<int32_t>& ids, int64_t B, int64_t T, bool causal) {
+  double pairs = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t* row = ids.data() + b * T;
+    for (int64_t i = 0; i < T;) {
+      int64_t j = i;
+      while (j < T && row[j] == row[i]) ++j;
+      const double len = static_cast<double>(j - i);
+      pairs += causal ? len * (len + 1) / 2 : len * len;
+      i = j;
+    }
+  }
+  return pairs;
 }
 
 }  // namespace jax_flash2::selftest
