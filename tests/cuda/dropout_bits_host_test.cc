@@ -64,6 +64,21 @@ void RunWarp(const std::function<void(int)>& body) {
   for (std::thread& t : lanes) t.join();
 }
 
+// Mismatches reported from any lane thread; the first few are printed.
+class Mismatches {
+ public:
+  template <typename... Args>
+  void Add(const char* format, Args... args) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (count_++ < 5) std::printf(format, args...);
+  }
+  int count() const { return count_; }
+
+ private:
+  std::mutex mutex_;
+  int count_ = 0;
+};
+
 bool Keep(const DropoutMask& mask, int64_t query, int64_t key) {
   return (mask.Keep16(query, key / 16) >> (key % 16)) & 1u;
 }
@@ -71,8 +86,7 @@ bool Keep(const DropoutMask& mask, int64_t query, int64_t key) {
 // Forward slab: lane (g, t4) holds rows row0 + g (+ 8), keys key0 + 8 j + 2 t4 + e.
 template <int kAcc>
 int CheckForward(const DropoutMask& mask, int64_t row0, int64_t key0) {
-  int failures = 0;
-  std::mutex report;
+  Mismatches bad;
   RunWarp([&](int lane) {
     const int g = lane / 4, t4 = lane % 4;
     uint32_t keep[jax_flash2::cuda::KeepWords<kAcc>()];
@@ -85,24 +99,20 @@ int CheckForward(const DropoutMask& mask, int64_t row0, int64_t key0) {
         const uint32_t half = (pair >> (16 * e)) & 0xFFFFu;
         const uint32_t want = Keep(mask, row, key) ? 0xFFFFu : 0u;
         if (half != want) {
-          std::lock_guard<std::mutex> lock(report);
-          if (failures++ < 5) {
-            std::printf("forward kAcc %d lane %d element %d (row %lld key %lld): %04x, want %04x\n",
-                        kAcc, lane, i + e, static_cast<long long>(row),
-                        static_cast<long long>(key), half, want);
-          }
+          bad.Add("forward kAcc %d lane %d element %d (row %lld key %lld): %04x, want %04x\n",
+                  kAcc, lane, i + e, static_cast<long long>(row), static_cast<long long>(key),
+                  half, want);
         }
       }
     }
   });
-  return failures;
+  return bad.count();
 }
 
 // Backward slab (S^T): lane (g, t4) holds keys key0 + g (+ 8), queries m0 + 8 j + 2 t4 + e.
 template <int kAcc>
 int CheckBackward(const DropoutMask& mask, int64_t key0, int64_t m0) {
-  int failures = 0;
-  std::mutex report;
+  Mismatches bad;
   RunWarp([&](int lane) {
     const int g = lane / 4, t4 = lane % 4;
     uint32_t keep[jax_flash2::cuda::KeepWords<kAcc>()];
@@ -112,15 +122,12 @@ int CheckBackward(const DropoutMask& mask, int64_t key0, int64_t m0) {
       const int64_t query = m0 + 8 * (i / 4) + 2 * t4 + i % 2;
       const bool got = jax_flash2::cuda::BwdKept<kAcc>(keep, i);
       if (got != Keep(mask, query, key)) {
-        std::lock_guard<std::mutex> lock(report);
-        if (failures++ < 5) {
-          std::printf("backward kAcc %d lane %d element %d (query %lld key %lld): %d\n", kAcc,
-                      lane, i, static_cast<long long>(query), static_cast<long long>(key), got);
-        }
+        bad.Add("backward kAcc %d lane %d element %d (query %lld key %lld): %d\n", kAcc, lane, i,
+                static_cast<long long>(query), static_cast<long long>(key), static_cast<int>(got));
       }
     }
   });
-  return failures;
+  return bad.count();
 }
 
 }  // namespace
