@@ -534,8 +534,9 @@ void TimeCase(const Case& c, const DeviceInfo& dev) {
   }
   if (g_time_sm80) time("sm80", [&](int) { return cuda::RunBackward(p, scratch, dev, 0); });
   time("sm90", [&](int) { return RunSm90(p, scratch, dev); });
-  if (cuda::Sm90BackwardStreamKSlots(p, dev) > 0) {
-    // The same grid without the stream-K tail (whole tiles only).
+  if (cuda::Sm90BackwardStreamKSlots(p, dev) > 0 && p.q_segment_ids == nullptr) {
+    // The same grid without the stream-K tail (whole tiles only; with
+    // segment ids the slots hold the pre-pass's summaries instead).
     time("sm90 whole", [&](int) { return RunSm90(p, scratch, dev, true); });
   }
   if (c.wl < 0 && c.wr < 0 && cuda::sm90::BwdSm90TileFor(c.D).persistent) {
