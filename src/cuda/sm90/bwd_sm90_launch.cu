@@ -54,6 +54,10 @@ cudaError_t LaunchBwdSm90Kernel(const BwdSm90Args& args, int num_ctas, cudaStrea
   const cudaError_t err =
       OptInSharedMemoryOnce(reinterpret_cast<const void*>(kernel), opted_in, smem_bytes);
   if (err != cudaSuccess) return err;
+  if (args.seg.kv_span != nullptr) {  // after the pre-pass, which lets it start early
+    return sm90::LaunchAfterPrevious(kernel, static_cast<unsigned>(num_ctas),
+                                     sm90::kBwdSm90Threads, smem_bytes, stream, args);
+  }
   kernel<<<static_cast<unsigned>(num_ctas), sm90::kBwdSm90Threads, smem_bytes, stream>>>(args);
   return cudaGetLastError();
 }
