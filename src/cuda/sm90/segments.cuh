@@ -22,8 +22,10 @@
 // Scanning the other side's ids inside the kernels instead costs every tile
 // an O(S) pass over L2 at the start; the summaries are O(chunks) per chunk.
 // The tiles ride in the span kernel because each dependent launch costs
-// about 3 us: at T = S = 16k on an H100 the pre-pass takes 8.4-9.8 us (GPU
-// time, back to back; sm90_prepass_selftest), three kernels took 10.5-12.9.
+// about 3 us (three kernels took 10.5-12.9 us), and the span kernel and the
+// attention kernel after it launch as programmatic dependents: at T = S =
+// 16k on an H100 the pre-pass takes 7.5-8.9 us (GPU time, back to back;
+// sm90_prepass_selftest), 8.7-9.9 us launched plainly.
 #pragma once
 
 #include <cuda_runtime.h>
