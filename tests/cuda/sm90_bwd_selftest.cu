@@ -781,6 +781,18 @@ int main(int argc, char** argv) {
              true}),
         Det({"bf16 d128 T300 S100 B2 causal (empty rows)", bf, 2, 300, 100, 2, 2, 128, -1, 0}),
         Det({"bf16 d96 T257 S1000 full mqa", bf, 1, 257, 1000, 4, 1, 96, -1, -1}),
+        // The rotated order (unmasked; whole groups of key blocks per round):
+        // two rounds of two groups, a grid of 16 on 17 SMs, three groups per
+        // round with a partial last round, and an SM count that falls back
+        // to the descending order (20 % 8 > 20 / 8).
+        Det({"fp16 d64 T1000 S1000 B2 H4 full gqa2 (16 SMs, rotated)", fp, 2, 1000, 1000, 4, 2,
+             64, -1, -1, false, false, 16}),
+        Det({"bf16 d128 T700 S1000 full mqa dlse (17 SMs, rotated)", bf, 1, 700, 1000, 4, 1, 128,
+             -1, -1, true, false, 17}),
+        Det({"bf16 d128 T1000 S1000 B2 H4 full gqa2 (24 SMs, rotated)", bf, 2, 1000, 1000, 4, 2,
+             128, -1, -1, false, false, 24}),
+        Det({"fp16 d64 T1000 S1000 B2 H2 full (20 SMs)", fp, 2, 1000, 1000, 2, 2, 64, -1, -1,
+             false, false, 20}),
         Det({"bf16 d256 T700 S1000 causal gqa2", bf, 1, 700, 1000, 4, 2, 256, -1, 0}),
         Det({"fp16 d256 T500 S700 window(128,32) bhtd", fp, 1, 500, 700, 2, 2, 256, 128, 32, false,
              true}),
@@ -848,6 +860,8 @@ int main(int argc, char** argv) {
         Det({"B2 T=S=8192 H16 D128", bf, 2, 8192, 8192, 16, 16, 128, -1, -1}),
         Det({"B2 T=S=8192 H32 D64 causal", bf, 2, 8192, 8192, 32, 32, 64, -1, 0}),
         Det({"B2 T=S=8192 H32 D64", bf, 2, 8192, 8192, 32, 32, 64, -1, -1}),
+        Det({"B2 T=S=4096 H16 D64", bf, 2, 4096, 4096, 16, 16, 64, -1, -1}),
+        Det({"B2 T=S=4096 H16 D128", bf, 2, 4096, 4096, 16, 16, 128, -1, -1}),
         Det({"B4 T=S=4096 H16 D128 causal gqa4", bf, 4, 4096, 4096, 16, 4, 128, -1, 0}),
         Det({"B1 T=S=16384 H16 D128", bf, 1, 16384, 16384, 16, 16, 128, -1, -1}),
         Det({"B1 T=S=16384 H16 D64 causal", bf, 1, 16384, 16384, 16, 16, 64, -1, 0}),

@@ -48,26 +48,35 @@ int64_t Sm90BackwardStreamKSlots(const FlashParams& p, const DeviceInfo& dev);
 // The deterministic backward (p.deterministic): dQ in one accumulator, each
 // element summed in one fixed order. Every (batch, query head, query block)
 // has a counter in the scratch (BwdScratchLayout::dq_turns, zeroed per call):
-// how many key blocks have added their dQ to that block so far. The key
-// blocks that see a query block are a contiguous run ..., n1 - 1, n1 (window
-// masks are bands; segment ids do not narrow a tile's query blocks here), and
-// key block n1 - j adds its dQ as the j-th: the dQ warp waits (acquire) until
-// the counter is j, issues the reductions, waits until they have landed, and
-// stores j + 1 (release). Tiles take a (batch, K/V head)'s key blocks from
-// the last (BwdSm90Args::key_block_flip), so a CTA waits only on tiles of
-// lower index: launched before it (one CTA per tile, started in blockIdx
-// order), or taken earlier in the persistent grid's walk, whose CTAs are
-// all resident. Under a causal mask each query block's first writer is then
-// its diagonal key block, and key block n, whose first query block comes
-// before n + 1's, meets each later one after n + 1 has: no waiting. (In
-// ascending order key block n would wait for key block 0 to reach its first
-// query block, holding its SM meanwhile.) Unmasked, key
-// block n's first reduction waits for those of the n' > n of its group
-// (once per tile, a chain of reduction latencies). No stream-K (a tile's
-// pieces would run out of that order). Whole backward, H200, B2 T=S=8192
-// H16 D128: causal 538 -> 519 TFLOP/s, unmasked 582 -> 511 (H32 D64: 446 ->
-// 448, 507 -> 409). Counters needed by p (0 unless deterministic), counted
-// with the smallest block_m of the tiles (64).
+// how many key blocks have added their dQ to that block so far. Key block n
+// has a turn j per query block; its dQ warp waits (acquire) until the
+// counter is j, issues the reductions, waits until they have landed, and
+// stores j + 1 (release). Two orders:
+// - Descending: the key blocks that see a query block are a contiguous run
+//   ..., n1 - 1, n1 (window masks are bands; segment ids do not narrow a
+//   tile's query blocks here), and key block n1 - j adds its dQ as the j-th.
+//   Tiles take a (batch, K/V head)'s key blocks from the last
+//   (BwdSm90Args::key_block_flip), so a CTA waits only on tiles of lower
+//   index: launched before it (one CTA per tile, started in blockIdx order),
+//   or taken earlier in the persistent grid's walk, whose CTAs are all
+//   resident. Under a causal mask each query block's first writer is then its
+//   diagonal key block, and key block n, whose first query block comes before
+//   n + 1's, meets each later one after n + 1 has: no waiting. (In ascending
+//   order key block n would wait for key block 0 to reach its first query
+//   block, holding its SM meanwhile.) Unmasked, every tile starts at the
+//   same query block and waits there for all the key blocks after its own: a
+//   chain of one reduction latency per key block, once per tile.
+// - Rotated (unmasked calls that fit; RotatesDqOrder, bwd_sm90_launch.cu):
+//   key block n walks its I iterations from iteration n on, and iteration w
+//   takes the key blocks in the order they reach it (dq_order.h). In step,
+//   key block n + 1 has added its dQ to w one iteration before n gets there,
+//   so no tile waits out a chain; but the last key blocks' last iterations
+//   wait for the first ones' first, so all tiles of a (batch, K/V head) must
+//   run at once: the grid takes whole groups of tiles per round (a
+//   persistent walk of (SMs / N) N CTAs).
+// No stream-K (a tile's pieces would run out of either order). Counters
+// needed by p (0 unless deterministic), counted with the smallest block_m of
+// the tiles (64).
 int64_t Sm90BackwardDqTurns(const FlashParams& p);
 
 namespace sm90 {
@@ -234,6 +243,9 @@ struct BwdSm90Args {
   // Tiles' key blocks (KeyBlockAt): 0, in order; num_n_blocks - 1 when
   // deterministic, from the last.
   int key_block_flip = 0;
+  // The rotated dQ order (Sm90BackwardDqTurns, dq_order.h) instead of the
+  // descending one.
+  bool rotated_dq = false;
   bool q_heads_inner = true;
   bool do_heads_inner = true;
   bool k_heads_inner = true;

@@ -92,6 +92,7 @@
 #include "../sm80/primitives.cuh"
 #include "bwd_sm90.h"
 #include "bwd_sm90_common.cuh"
+#include "dq_order.h"
 #include "../dropout_bits.cuh"
 #include "primitives.cuh"
 #include "segments.cuh"
@@ -171,11 +172,19 @@ struct BwdSm90Smem {
 
 // Tile t (BwdSm90Args): key block n_begin of (b, kv_head), and the query
 // blocks [m_block_begin, + num_m_blocks) that may see one of its keys, once
-// per query head of the group: num_iters iterations.
+// per query head of the group: num_iters iterations, heads outer.
 struct BwdSm90TileSpan {
   int n_begin, b, kv_head;
   int m_block_begin, num_m_blocks, num_iters;
 };
+
+// The iteration that step `it` of a tile's walk visits: `it` itself, or
+// RotatedDqVisit's in the rotated dQ order. Derived from n_begin here (a
+// field of the tile spilled the producer warps' 24 registers more).
+template <int kBlockN>
+__device__ __forceinline__ int VisitOf(const BwdSm90TileSpan& tile, int it, bool rotated) {
+  return rotated ? RotatedDqVisit(it, tile.n_begin / kBlockN, tile.num_iters) : it;
+}
 
 // A consumer thread: warpgroup cg owns keys [64 cg, 64 cg + 64) of a tile,
 // warp w of it 16 keys (accumulator rows g, g + 8), lane column pair t4.
@@ -366,8 +375,9 @@ __device__ __forceinline__ void BwdSm90StageRows(const BwdSm90Args& args, const 
       // float4 x of the stage: lse2 rows 4 x.. for x < kBlockM / 4, then
       // Dvec's.
       constexpr int kVecs = kBlockM / 4;
-      const int64_t row0 = first_row + (it / tile.num_m_blocks) * args.t_pad +
-                           (it % tile.num_m_blocks) * kBlockM;
+      const int visit = VisitOf<Tr::kBlockN>(tile, it, args.rotated_dq);
+      const int64_t row0 = first_row + (visit / tile.num_m_blocks) * args.t_pad +
+                           (visit % tile.num_m_blocks) * kBlockM;
       float4 v[kVecs / 16];
 #pragma unroll
       for (int k = 0; k < kVecs / 16; ++k) {
@@ -448,9 +458,11 @@ __device__ __forceinline__ void BwdSm90ReduceDq(const BwdSm90Args& args, const W
             turn_counter = args.dq_turns +
                            (tile.b * static_cast<int>(p.num_heads_q) + h) * args.num_q_blocks +
                            m_begin / kBlockM;
+            const int n = tile.n_begin / kBlockN;
             const int turn =
-                LastKeyBlockOf(mask, m_begin, kBlockM, kBlockN, args.num_n_blocks) -
-                tile.n_begin / kBlockN;
+                args.rotated_dq
+                    ? RotatedDqTurn(n, VisitOf<kBlockN>(tile, it, true), args.num_n_blocks)
+                    : LastKeyBlockOf(mask, m_begin, kBlockM, kBlockN, args.num_n_blocks) - n;
             WaitDqTurn(turn_counter, turn);
             next_turn = turn + 1;
           }
@@ -541,8 +553,9 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
     int m_begin;
   };
   const auto query_block = [&](const Tile& tile, int it) {
-    return QueryBlock{tile.kv_head * static_cast<int>(p.group_size) + it / tile.num_m_blocks,
-                      (tile.m_block_begin + it % tile.num_m_blocks) * kBlockM};
+    const int v = VisitOf<kBlockN>(tile, it, args.rotated_dq);
+    return QueryBlock{tile.kv_head * static_cast<int>(p.group_size) + v / tile.num_m_blocks,
+                      (tile.m_block_begin + v % tile.num_m_blocks) * kBlockM};
   };
 
   // The CTA's walk, the same in every role: items 0 .. num_items - 1, each

@@ -89,9 +89,36 @@ struct BwdSm90Grid {
   int sk_ctas;
 };
 
+// Key blocks of the tile's block_n per (batch, K/V head).
+int64_t NumNBlocks(const FlashParams& p) {
+  const BwdSm90Tile tile = sm90::BwdSm90TileFor(p.head_dim);
+  return (p.seqlen_k + tile.block_n - 1) / tile.block_n;
+}
+
+// Whether a deterministic call takes the rotated dQ order (bwd_sm90.h): no
+// mask (every tile sees every query block), BwdSm90Kernel, at least as many
+// iterations per tile as key blocks (each key block starts on an iteration
+// of its own), and whole (batch, K/V head) groups of N tiles per round of
+// the SMs, with at most an eighth of them idle (132 SMs: N 8-44, 64, 128
+// and others). Unmasked D 64, B2 H32 T 8192: ADD_NUMBERS.
+bool RotatesDqOrder(const FlashParams& p, const DeviceInfo& dev) {
+  const BwdSm90Tile tile = sm90::BwdSm90TileFor(p.head_dim);
+  if (!p.deterministic || HasWindow(p) || sm90::HasSegmentIds(p) || sm90::BwdSm90SplitsD(tile)) {
+    return false;
+  }
+  const int64_t n = NumNBlocks(p), sms = dev.sm_count;
+  return n >= 2 && n <= sm90::BwdSm90FullTileIters(p.seqlen_q, p.group_size, tile.block_m) &&
+         n <= sms && sms % n <= sms / 8;
+}
+
 BwdSm90Grid PlanGrid(const FlashParams& p, const DeviceInfo& dev, int num_tiles,
                      bool allow_stream_k) {
   const BwdSm90Tile tile = sm90::BwdSm90TileFor(p.head_dim);
+  if (RotatesDqOrder(p, dev)) {
+    // Rounds of whole groups (a persistent walk; no stream-K).
+    const int per_round = static_cast<int>(dev.sm_count / NumNBlocks(p) * NumNBlocks(p));
+    return BwdSm90Grid{std::min(num_tiles, per_round), num_tiles, 0};
+  }
   // A persistent grid (BwdSm90Tile::persistent) only without a mask: masked
   // tiles differ in length, and one CTA per tile lets the hardware balance
   // them.
@@ -113,12 +140,6 @@ BwdSm90Grid PlanGrid(const FlashParams& p, const DeviceInfo& dev, int num_tiles,
   grid.sk_first_tile = (num_tiles / sms - 1) * sms;
   grid.num_ctas = tile.persistent ? sms : grid.sk_first_tile + sms;
   return grid;
-}
-
-// Key blocks of the tile's block_n per (batch, K/V head).
-int64_t NumNBlocks(const FlashParams& p) {
-  const BwdSm90Tile tile = sm90::BwdSm90TileFor(p.head_dim);
-  return (p.seqlen_k + tile.block_n - 1) / tile.block_n;
 }
 
 // Tiles (key blocks x B x K); Sm90BackwardSupports keeps them within an int.
@@ -201,6 +222,7 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
     args.dq_turns = s.dq_turns;
     args.num_q_blocks = static_cast<int>((p.seqlen_q + tile.block_m - 1) / tile.block_m);
     args.key_block_flip = args.num_n_blocks - 1;
+    args.rotated_dq = RotatesDqOrder(p, dev);
   }
   const int num_ctas = grid.num_ctas;
   cudaError_t err = cudaSuccess;
