@@ -620,6 +620,9 @@ int main(int argc, char** argv) {
         Det({"tiny fp16 d64 T100 S700 full dlse (2 CTAs)", fp, 1, 100, 700, 2, 2, 64, -1, -1, true,
              false, 2}),
         Det({"tiny bf16 d64 T150 S500 window(100,-1)", bf, 1, 150, 500, 2, 2, 64, 100, -1}),
+        Det({"tiny bf16 d64 T300 S300 full gqa2 (rotated)", bf, 1, 300, 300, 2, 1, 64, -1, -1}),
+        Det({"tiny fp16 d128 T200 S250 B2 full dlse (4 SMs, rotated)", fp, 2, 200, 250, 2, 2, 128,
+             -1, -1, true, false, 4}),
         Det({"tiny fp16 d256 T130 S300 window(100,20) gqa2", fp, 1, 130, 300, 2, 1, 256, 100,
              20}),
     };
