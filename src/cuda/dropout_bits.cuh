@@ -117,24 +117,20 @@ JF2_LANES_FN uint32_t SelectWord(const Philox4& r, int w) {
 // Lane s of the quad makes, per pair of groups, the call of row half s % 2
 // and group 2 (c / 2) + s / 2, whose word w lane w needs; that bit's slot,
 // 2 (c % 4) + rh = 4 ((c / 2) % 2) + s, depends only on the maker, so each
-// lane packs word w at slot 4 ((c / 2) % 2) + w and a transpose of the
-// 4 x 4 slot matrix (maker, word) puts every bit in place. Butterfly stage
-// k keeps the slots whose bit k equals the lane's, and sends the others,
-// rotated by 2^k slots onto the kept ones' places, to lane ^ 2^k, which
-// takes them into the places it sent from. (With an odd number of groups
-// the last pair's second call covers keys past the block: unread slots.)
+// lane packs word w at slot 4 ((c / 2) % 2) + w (FwdKeepPack) and a
+// transpose of the 4 x 4 slot matrix (maker, word) puts every bit in place
+// (FwdKeepTranspose). Two calls, so that a kernel can run the transpose's
+// shuffles where its warps wait anyway (under a wgmma) rather than on the
+// way to issuing one. (With an odd number of groups the last pair's second
+// call covers keys past the block: unread slots.)
 template <int kAcc>
-JF2_LANES_FN void FwdKeepBits(uint32_t (&keep)[KeepWords<kAcc>()], const DropoutMask& mask,
+JF2_LANES_FN void FwdKeepPack(uint32_t (&keep)[KeepWords<kAcc>()], const DropoutMask& mask,
                               int64_t row, int64_t key0, int t4) {
   constexpr int kCalls = (kAcc / 8 + 1) / 2;  // per lane: one per pair of groups
   static_assert(kAcc % 8 == 0, "whole groups of 16 keys");
   const uint32_t threshold4 = mask.Threshold4();
   const int64_t call_row = row + 8 * (t4 & 1);
   const int64_t call_group0 = key0 / 16 + (t4 >> 1);
-  // Slot k sits at bits 7 - k of each byte: even slots 0xAA.., slots with
-  // k % 4 < 2 0xCC..; a rotation left by one bit moves a slot down by one.
-  const uint32_t kept1 = 0xAAAAAAAAu >> (t4 & 1), kept2 = 0xCCCCCCCCu >> (t4 & 2);
-  const int rot1 = 1 - 2 * (t4 & 1), rot2 = 2 - 2 * (t4 & 2);
 #pragma unroll
   for (int wd = 0; wd < KeepWords<kAcc>(); ++wd) {
     uint32_t x = 0;
@@ -144,9 +140,30 @@ JF2_LANES_FN void FwdKeepBits(uint32_t (&keep)[KeepWords<kAcc>()], const Dropout
 #pragma unroll
       for (int w = 0; w < 4; ++w) x |= KeepBytes(r.x[w], threshold4) >> (4 * h + w);
     }
-    x = ButterflyStage(x, kept1, rot1, 1);
-    keep[wd] = ButterflyStage(x, kept2, rot2, 2);
+    keep[wd] = x;
   }
+}
+
+// Butterfly stage k keeps the slots whose bit k equals the lane's, and sends
+// the others, rotated by 2^k slots onto the kept ones' places, to lane ^ 2^k,
+// which takes them into the places it sent from.
+template <int kAcc>
+JF2_LANES_FN void FwdKeepTranspose(uint32_t (&keep)[KeepWords<kAcc>()], int t4) {
+  // Slot k sits at bits 7 - k of each byte: even slots 0xAA.., slots with
+  // k % 4 < 2 0xCC..; a rotation left by one bit moves a slot down by one.
+  const uint32_t kept1 = 0xAAAAAAAAu >> (t4 & 1), kept2 = 0xCCCCCCCCu >> (t4 & 2);
+  const int rot1 = 1 - 2 * (t4 & 1), rot2 = 2 - 2 * (t4 & 2);
+#pragma unroll
+  for (int wd = 0; wd < KeepWords<kAcc>(); ++wd) {
+    keep[wd] = ButterflyStage(ButterflyStage(keep[wd], kept1, rot1, 1), kept2, rot2, 2);
+  }
+}
+
+template <int kAcc>
+JF2_LANES_FN void FwdKeepBits(uint32_t (&keep)[KeepWords<kAcc>()], const DropoutMask& mask,
+                              int64_t row, int64_t key0, int t4) {
+  FwdKeepPack<kAcc>(keep, mask, row, key0, t4);
+  FwdKeepTranspose<kAcc>(keep, t4);
 }
 
 // The keep mask of forward elements i, i + 1 (i even: two adjacent keys, one
