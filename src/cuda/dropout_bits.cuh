@@ -166,6 +166,57 @@ JF2_LANES_FN void FwdKeepBits(uint32_t (&keep)[KeepWords<kAcc>()], const Dropout
   FwdKeepTranspose<kAcc>(keep, t4);
 }
 
+// In: w = the words of the call this lane made (call t4 of its quad). Out:
+// w[x] = word t4 of call t4 ^ x.
+JF2_LANES_FN void QuadTranspose(uint32_t (&w)[4], int t4) {
+  const bool odd = t4 & 1, high = t4 & 2;
+  uint32_t a[2][2];  // after lane ^ 1: a[j][s] = word 2 j + odd of call t4 ^ s
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    a[j][0] = odd ? w[2 * j + 1] : w[2 * j];
+    a[j][1] = ShflXor(odd ? w[2 * j] : w[2 * j + 1], 1);
+  }
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {  // after lane ^ 2: word t4 of calls t4 ^ s, t4 ^ 2 ^ s
+    w[s] = high ? a[1][s] : a[0][s];
+    w[2 + s] = ShflXor(high ? a[0][s] : a[1][s], 2);
+  }
+}
+
+// FwdKeepBits' result the other way: the four lanes' words transposed first
+// (QuadTranspose), then compared. The kernels with 128-row tiles take this
+// one (FwdSm90Kernel's keep_bits says why).
+template <int kAcc>
+JF2_LANES_FN void FwdKeepBitsByWords(uint32_t (&keep)[KeepWords<kAcc>()], const DropoutMask& mask,
+                              int64_t row, int64_t key0, int t4) {
+  constexpr int kGroups = kAcc / 8;
+  static_assert(kAcc % 8 == 0, "whole groups of 16 keys");
+  const uint32_t threshold4 = mask.Threshold4();
+  const int64_t group0 = key0 / 16;
+#pragma unroll
+  for (int w = 0; w < KeepWords<kAcc>(); ++w) keep[w] = 0;
+  // Groups in pairs: lane t4 makes the call of row half t4 & 1, group
+  // 2 cc + t4 / 2; word c / 4 = cc / 2, slot 2 (c % 4) + rh = 4 (cc % 2) + call.
+#pragma unroll
+  for (int cc = 0; cc < kGroups / 2; ++cc) {
+    const Philox4 r = mask.Words(row + 8 * (t4 & 1), group0 + 2 * cc + (t4 >> 1));
+    uint32_t v[4] = {r.x[0], r.x[1], r.x[2], r.x[3]};
+    QuadTranspose(v, t4);
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      keep[cc / 2] |= KeepBytes(v[x], threshold4) >> (4 * (cc % 2) + (t4 ^ x));
+    }
+  }
+  if constexpr (kGroups % 2 == 1) {  // the last group alone: lanes t4 and t4 ^ 2 make one call
+    constexpr int c = kGroups - 1;
+    const int rh = t4 & 1;
+    const Philox4 r = mask.Words(row + 8 * rh, group0 + c);
+    const uint32_t theirs = ShflXor(SelectWord(r, t4 ^ 1), 1);
+    keep[c / 4] |= KeepBytes(SelectWord(r, t4), threshold4) >> (2 * (c % 4) + rh);
+    keep[c / 4] |= KeepBytes(theirs, threshold4) >> (2 * (c % 4) + (rh ^ 1));
+  }
+}
+
 // The keep mask of forward elements i, i + 1 (i even: two adjacent keys, one
 // packed pair of P's A fragment), from FwdKeepBits' words: 0xFFFF over the
 // half of each kept key. The pair's bits sit at bit 7 - slot of bytes b and
