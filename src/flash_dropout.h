@@ -87,21 +87,11 @@ inline uint32_t DropoutThreshold(float rate) {
 // (the threshold in all four bytes); the other bits are 0. Per byte, with
 // a, t the bytes and lo their low 7 bits: (a | 0x80) - t.lo never borrows
 // across bytes, and its bit 7 is a.lo >= t.lo; a >= t is then decided by the
-// top bits, a.7 > t.7, or equal and a.lo >= t.lo: the majority of a.7,
-// a.lo >= t.lo and not t.7, one three-input LOP3 (four instructions a word
-// with the OR, the subtraction and the mask, where the select form took six).
+// top bits, a.7 > t.7, or equal and a.lo >= t.lo.
 JF2_DROPOUT_HD uint32_t KeepBytes(uint32_t word, uint32_t threshold4) {
   constexpr uint32_t kHigh = 0x80808080u;
   const uint32_t low_ge = (word | kHigh) - (threshold4 & ~kHigh);
-#if defined(__CUDA_ARCH__)
-  // As one lop3 (look-up table 0xD4 over word, low_ge, threshold4): written
-  // as C, the compiler splits the majority into three.
-  uint32_t majority;
-  asm("lop3.b32 %0, %1, %2, %3, 0xD4;" : "=r"(majority) : "r"(word), "r"(low_ge), "r"(threshold4));
-  return majority & kHigh;
-#else
-  return ((word & low_ge) | ((word | low_ge) & ~threshold4)) & kHigh;
-#endif
+  return ((word & ~threshold4) | (~(word ^ threshold4) & low_ge)) & kHigh;
 }
 
 // The mask of one (batch, head): which scores survive dropout.

@@ -173,6 +173,18 @@ int main() {
                 CheckBackward<64>(mask, key0, row0);
     cases += 5;
   }
+  // The LOP3 form of the byte compare, every byte against every threshold
+  // (the other three bytes of the word random).
+  for (uint32_t t = 0; t < 256; ++t) {
+    for (uint32_t a = 0; a < 256; ++a) {
+      const uint32_t word = static_cast<uint32_t>(rng()) & ~0xFFu | a;
+      if (jax_flash2::cuda::KeepBytesMajority(word, t * 0x01010101u) !=
+          jax_flash2::KeepBytes(word, t * 0x01010101u)) {
+        ++failures;
+      }
+    }
+  }
+  ++cases;
   std::printf("%d layout cases, %d mismatches\n", cases, failures);
   return failures == 0 ? 0 : 1;
 }
