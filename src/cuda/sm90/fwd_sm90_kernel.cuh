@@ -815,13 +815,14 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
   // are queries wg_row0 + 16 warp + g, + 8. The Philox calls run before S =
   // Q K_n^T is issued, while S holds no registers: beside S (in the softmax)
   // they spilled the D 256 and 176-key consumers 12-64 bytes. The D 64 tile
-  // compares and packs the words first and transposes the packed bits after
-  // the issue, under the wgmma (FwdKeepPack / FwdKeepTranspose): 294 SASS
-  // instructions a block against 367, forward 2-4% faster (H100, D 64 T 4k
-  // unmasked and T 8k causal). The others transpose the words first
-  // (FwdKeepBitsByWords): packing first made the D 128 forward 3% slower,
-  // transposed before the issue or under it. Indices through Opaque, as for
-  // ALiBi.
+  // compares (one LOP3 a word) and packs the words first and transposes the
+  // packed bits after the issue, under the wgmma (FwdKeepPack /
+  // FwdKeepTranspose): 294 SASS instructions a block against 367, forward
+  // 3% faster (H100, D 64 T 4k unmasked and T 8k causal). The others
+  // transpose the words first and compare in C (FwdKeepBitsByWords):
+  // packing first made the D 128 forward 3% slower, transposed before the
+  // issue or under it, and the LOP3 compare 2-4% slower. Indices through
+  // Opaque, as for ALiBi.
   const bool dropout = c.dropout;
   constexpr bool kPackKeepBits = Tr::kHeadDim == 64;
   auto keep_bits = [&](uint32_t (&keep)[KeepWords<Tr::kSAcc>()], int n, const FwdSm90TileSpan& tl,
