@@ -9,8 +9,10 @@
 // 2w + 1, 2w + 8, 2w + 9 of them.
 // - Forward (rows = queries, columns = keys): lane t4 needs word t4 of the
 //   calls of its two rows. The four lanes of a quad each make one of four
-//   calls (two rows, two key groups) and a 4 x 4 word transpose (two
-//   shuffle stages) hands every lane its word of each.
+//   calls (two rows, two key groups), compares its words and packs the bits
+//   of two such rounds in one register: a 4 x 4 matrix (maker, receiver) of
+//   2 x 4 bits, which two butterfly stages (a shuffle and three ALU
+//   instructions each) transpose.
 // - Backward (rows = keys, columns = queries): a slab's 16 keys are one
 //   group, so each query column is one call, shared by the eight lanes of
 //   equal t4 (lane g needs the bytes of keys g and g + 8). Each of the eight
@@ -57,6 +59,16 @@ JF2_LANES_FN uint32_t ShflXor(uint32_t v, int lane_mask) {
 #endif
 }
 
+// x rotated left by n % 32 bits (SHF.L.W).
+JF2_LANES_FN uint32_t RotateLeft(uint32_t x, int n) {
+#if defined(__CUDACC__)
+  return __funnelshift_l(x, x, n);
+#else
+  n &= 31;
+  return n == 0 ? x : (x << n) | (x >> (32 - n));
+#endif
+}
+
 // prmt.b32 with selector sel: result byte i is byte sel_i % 8 of {b, a}
 // (a the low four), replaced by its sign bit in all 8 bits when sel_i >= 8.
 JF2_LANES_FN uint32_t Prmt(uint32_t a, uint32_t b, uint32_t sel) {
@@ -77,16 +89,111 @@ JF2_LANES_FN uint32_t Prmt(uint32_t a, uint32_t b, uint32_t sel) {
 #endif
 }
 
+// lop3.b32 with lookup table kLut: result bit i is bit (a_i b_i c_i) (a
+// the high index bit) of kLut.
+template <uint32_t kLut>
+JF2_LANES_FN uint32_t Lop3(uint32_t a, uint32_t b, uint32_t c) {
+#if defined(__CUDACC__)
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, %4;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c), "n"(kLut));
+  return d;
+#else
+  uint32_t d = 0;
+  for (int i = 0; i < 32; ++i) {
+    const uint32_t index = ((a >> i) & 1) << 2 | ((b >> i) & 1) << 1 | ((c >> i) & 1);
+    d |= ((kLut >> index) & 1u) << i;
+  }
+  return d;
+#endif
+}
+
+// KeepBytes (flash_dropout.h) with its top-bit decision as one LOP3: a >= t
+// per byte is the majority of a.7, a.lo >= t.lo and not t.7 (table 0xD4
+// over word, low_ge, threshold4; written as C, ptxas splits it into three).
+// Taken where it measured faster: the D 64 forward's pack (B4 T 4k, H100:
+// 1.01 -> 0.98 ms) and the backward; the 128-row forward tiles keep the C
+// form (with the LOP3 there: 1.31 -> 1.36 ms at D 128).
+JF2_LANES_FN uint32_t KeepBytesMajority(uint32_t word, uint32_t threshold4) {
+  constexpr uint32_t kHigh = 0x80808080u;
+  const uint32_t low_ge = (word | kHigh) - (threshold4 & ~kHigh);
+  return Lop3<0xD4>(word, low_ge, threshold4) & kHigh;
+}
+
 // Words of keep bits for kAcc accumulator elements.
 template <int kAcc>
 constexpr int KeepWords() {
   return (kAcc + 31) / 32;
 }
 
+// One stage of a bit transpose across lane pairs (lane, lane ^ lane_mask)
+// whose `kept` masks are complements: each lane keeps its bits under `kept`
+// and gives the others away rotated by `rot` onto the places of `kept`,
+// which are the ones its partner fills (the receiver only merges).
+JF2_LANES_FN uint32_t ButterflyStage(uint32_t x, uint32_t kept, int rot, int lane_mask) {
+  return (x & kept) | ShflXor(RotateLeft(x, rot) & kept, lane_mask);
+}
+
 // Word w (a runtime 0..3) of a call, by selects (an indexed register array
 // would go to local memory).
 JF2_LANES_FN uint32_t SelectWord(const Philox4& r, int w) {
   return (w & 2) ? ((w & 1) ? r.x[3] : r.x[2]) : ((w & 1) ? r.x[1] : r.x[0]);
+}
+
+// Forward: the keep bits of this thread's elements of a 16-row slab x kAcc*2
+// keys of S whose row g is query `row` and whose first key is key0 (a
+// multiple of 16). Group c (keys key0 + 16 c ..) and row half rh of key
+// byte b (KeepBytes' bit 8 b + 7) land at bit 8 b + 7 - (2 (c % 4) + rh) of
+// word c / 4 (FwdKeepPairMask).
+// Lane s of the quad makes, per pair of groups, the call of row half s % 2
+// and group 2 (c / 2) + s / 2, whose word w lane w needs; that bit's slot,
+// 2 (c % 4) + rh = 4 ((c / 2) % 2) + s, depends only on the maker, so each
+// lane packs word w at slot 4 ((c / 2) % 2) + w (FwdKeepPack) and a
+// transpose of the 4 x 4 slot matrix (maker, word) puts every bit in place
+// (FwdKeepTranspose). Two calls, so that a kernel can run the transpose's
+// shuffles where its warps wait anyway (under a wgmma) rather than on the
+// way to issuing one. (With an odd number of groups the last pair's second
+// call covers keys past the block: unread slots.)
+template <int kAcc>
+JF2_LANES_FN void FwdKeepPack(uint32_t (&keep)[KeepWords<kAcc>()], const DropoutMask& mask,
+                              int64_t row, int64_t key0, int t4) {
+  constexpr int kCalls = (kAcc / 8 + 1) / 2;  // per lane: one per pair of groups
+  static_assert(kAcc % 8 == 0, "whole groups of 16 keys");
+  const uint32_t threshold4 = mask.Threshold4();
+  const int64_t call_row = row + 8 * (t4 & 1);
+  const int64_t call_group0 = key0 / 16 + (t4 >> 1);
+#pragma unroll
+  for (int wd = 0; wd < KeepWords<kAcc>(); ++wd) {
+    uint32_t x = 0;
+#pragma unroll
+    for (int h = 0; h < 2 && 2 * wd + h < kCalls; ++h) {
+      const Philox4 r = mask.Words(call_row, call_group0 + 2 * (2 * wd + h));
+#pragma unroll
+      for (int w = 0; w < 4; ++w) x |= KeepBytesMajority(r.x[w], threshold4) >> (4 * h + w);
+    }
+    keep[wd] = x;
+  }
+}
+
+// Butterfly stage k keeps the slots whose bit k equals the lane's, and sends
+// the others, rotated by 2^k slots onto the kept ones' places, to lane ^ 2^k,
+// which takes them into the places it sent from.
+template <int kAcc>
+JF2_LANES_FN void FwdKeepTranspose(uint32_t (&keep)[KeepWords<kAcc>()], int t4) {
+  // Slot k sits at bits 7 - k of each byte: even slots 0xAA.., slots with
+  // k % 4 < 2 0xCC..; a rotation left by one bit moves a slot down by one.
+  const uint32_t kept1 = 0xAAAAAAAAu >> (t4 & 1), kept2 = 0xCCCCCCCCu >> (t4 & 2);
+  const int rot1 = 1 - 2 * (t4 & 1), rot2 = 2 - 2 * (t4 & 2);
+#pragma unroll
+  for (int wd = 0; wd < KeepWords<kAcc>(); ++wd) {
+    keep[wd] = ButterflyStage(ButterflyStage(keep[wd], kept1, rot1, 1), kept2, rot2, 2);
+  }
+}
+
+template <int kAcc>
+JF2_LANES_FN void FwdKeepBits(uint32_t (&keep)[KeepWords<kAcc>()], const DropoutMask& mask,
+                              int64_t row, int64_t key0, int t4) {
+  FwdKeepPack<kAcc>(keep, mask, row, key0, t4);
+  FwdKeepTranspose<kAcc>(keep, t4);
 }
 
 // In: w = the words of the call this lane made (call t4 of its quad). Out:
@@ -106,13 +213,11 @@ JF2_LANES_FN void QuadTranspose(uint32_t (&w)[4], int t4) {
   }
 }
 
-// Forward: the keep bits of this thread's elements of a 16-row slab x kAcc*2
-// keys of S whose row g is query `row` and whose first key is key0 (a
-// multiple of 16). Group c (keys key0 + 16 c ..) and row half rh of key
-// byte b (KeepBytes' bit 8 b + 7) land at bit 8 b + 7 - (2 (c % 4) + rh) of
-// word c / 4 (FwdKept).
+// FwdKeepBits' result the other way: the four lanes' words transposed first
+// (QuadTranspose), then compared. The kernels with 128-row tiles take this
+// one (FwdSm90Kernel's keep_bits says why).
 template <int kAcc>
-JF2_LANES_FN void FwdKeepBits(uint32_t (&keep)[KeepWords<kAcc>()], const DropoutMask& mask,
+JF2_LANES_FN void FwdKeepBitsByWords(uint32_t (&keep)[KeepWords<kAcc>()], const DropoutMask& mask,
                               int64_t row, int64_t key0, int t4) {
   constexpr int kGroups = kAcc / 8;
   static_assert(kAcc % 8 == 0, "whole groups of 16 keys");
@@ -180,7 +285,7 @@ JF2_LANES_FN void BwdKeepBits(uint32_t (&keep)[KeepWords<kAcc>()], const Dropout
       const int u = 8 * (2 * wd + bb) + g;  // past kCalls: a call whose bits go unused
       const Philox4 r = mask.Words(m_begin + 8 * (u / 2) + 2 * t4 + u % 2, group);
 #pragma unroll
-      for (int w = 0; w < 4; ++w) x |= KeepBytes(r.x[w], threshold4) >> (7 - w - 4 * bb);
+      for (int w = 0; w < 4; ++w) x |= KeepBytesMajority(r.x[w], threshold4) >> (7 - w - 4 * bb);
     }
     // Stage for g's bit k: the destination bit sits at position bit 3, 0, 1
     // (mask of the set positions, shift); the lane keeps the half it is the
@@ -189,9 +294,8 @@ JF2_LANES_FN void BwdKeepBits(uint32_t (&keep)[KeepWords<kAcc>()], const Dropout
     constexpr int kShift[3] = {8, 1, 2};
 #pragma unroll
     for (int k = 0; k < 3; ++k) {
-      const uint32_t y = ShflXor(x, 4 << k);
-      x = ((g >> k) & 1) ? (x & kMask[k]) | ((y & kMask[k]) >> kShift[k])
-                         : (x & ~kMask[k]) | ((y & ~kMask[k]) << kShift[k]);
+      const uint32_t bit = (g >> k) & 1;
+      x = ButterflyStage(x, kMask[k] ^ (bit - 1), bit ? kShift[k] : -kShift[k], 4 << k);
     }
     keep[wd] = x;
   }

@@ -83,14 +83,19 @@ bool Keep(const DropoutMask& mask, int64_t query, int64_t key) {
   return (mask.Keep16(query, key / 16) >> (key % 16)) & 1u;
 }
 
-// Forward slab: lane (g, t4) holds rows row0 + g (+ 8), keys key0 + 8 j + 2 t4 + e.
+// Forward slab: lane (g, t4) holds rows row0 + g (+ 8), keys key0 + 8 j + 2 t4 + e;
+// by_words: FwdKeepBitsByWords, else FwdKeepBits (packed, then transposed).
 template <int kAcc>
-int CheckForward(const DropoutMask& mask, int64_t row0, int64_t key0) {
+int CheckForward(const DropoutMask& mask, int64_t row0, int64_t key0, bool by_words) {
   Mismatches bad;
   RunWarp([&](int lane) {
     const int g = lane / 4, t4 = lane % 4;
     uint32_t keep[jax_flash2::cuda::KeepWords<kAcc>()];
-    jax_flash2::cuda::FwdKeepBits<kAcc>(keep, mask, row0 + g, key0, t4);
+    if (by_words) {
+      jax_flash2::cuda::FwdKeepBitsByWords<kAcc>(keep, mask, row0 + g, key0, t4);
+    } else {
+      jax_flash2::cuda::FwdKeepBits<kAcc>(keep, mask, row0 + g, key0, t4);
+    }
     for (int i = 0; i < kAcc; i += 2) {
       const uint32_t pair = jax_flash2::cuda::FwdKeepPairMask<kAcc>(keep, i);
       for (int e = 0; e < 2; ++e) {
@@ -99,9 +104,9 @@ int CheckForward(const DropoutMask& mask, int64_t row0, int64_t key0) {
         const uint32_t half = (pair >> (16 * e)) & 0xFFFFu;
         const uint32_t want = Keep(mask, row, key) ? 0xFFFFu : 0u;
         if (half != want) {
-          bad.Add("forward kAcc %d lane %d element %d (row %lld key %lld): %04x, want %04x\n",
-                  kAcc, lane, i + e, static_cast<long long>(row), static_cast<long long>(key),
-                  half, want);
+          bad.Add("forward%s kAcc %d lane %d element %d (row %lld key %lld): %04x, want %04x\n",
+                  by_words ? " by words" : "", kAcc, lane, i + e, static_cast<long long>(row),
+                  static_cast<long long>(key), half, want);
         }
       }
     }
@@ -153,15 +158,33 @@ int main() {
     const int64_t key0 = static_cast<int64_t>(rng() % (int64_t{1} << 33)) * 16;
     // Forward: the Hopper kernels' S accumulators (80, 128 and 176 keys) and
     // odd group counts; backward: the query blocks' (16 .. 128 queries).
-    failures += CheckForward<8>(mask, row0, key0) + CheckForward<16>(mask, row0, key0) +
-                CheckForward<24>(mask, row0, key0) + CheckForward<40>(mask, row0, key0) +
-                CheckForward<64>(mask, row0, key0) + CheckForward<88>(mask, row0, key0) +
-                CheckForward<96>(mask, row0, key0);
+    for (bool by_words : {false, true}) {
+      failures += CheckForward<8>(mask, row0, key0, by_words) +
+                  CheckForward<16>(mask, row0, key0, by_words) +
+                  CheckForward<24>(mask, row0, key0, by_words) +
+                  CheckForward<40>(mask, row0, key0, by_words) +
+                  CheckForward<64>(mask, row0, key0, by_words) +
+                  CheckForward<88>(mask, row0, key0, by_words) +
+                  CheckForward<96>(mask, row0, key0, by_words);
+      cases += 7;
+    }
     failures += CheckBackward<8>(mask, key0, row0) + CheckBackward<16>(mask, key0, row0) +
                 CheckBackward<32>(mask, key0, row0) + CheckBackward<40>(mask, key0, row0) +
                 CheckBackward<64>(mask, key0, row0);
-    cases += 12;
+    cases += 5;
   }
+  // The LOP3 form of the byte compare, every byte against every threshold
+  // (the other three bytes of the word random).
+  for (uint32_t t = 0; t < 256; ++t) {
+    for (uint32_t a = 0; a < 256; ++a) {
+      const uint32_t word = static_cast<uint32_t>(rng()) & ~0xFFu | a;
+      if (jax_flash2::cuda::KeepBytesMajority(word, t * 0x01010101u) !=
+          jax_flash2::KeepBytes(word, t * 0x01010101u)) {
+        ++failures;
+      }
+    }
+  }
+  ++cases;
   std::printf("%d layout cases, %d mismatches\n", cases, failures);
   return failures == 0 ? 0 : 1;
 }
