@@ -130,11 +130,14 @@ def test_backward_path(rng, case):
     assert_close_to_oracle(name, g, r, bg, q.dtype)
 
 
-# (B, T, S, H, K, D, causal): many key blocks per query block, GQA, each kernel.
+# (B, T, S, H, K, D, causal): many key blocks per query block, GQA, each
+# kernel; unmasked ones in the rotated dQ order (T1500 D128, T1000 D64) and
+# in the descending one (S > T: more key blocks than query blocks).
 DET_CASES = [
     (2, 1000, 2000, 8, 2, 128, True),
     (2, 1500, 1500, 8, 8, 128, False),
     (2, 1000, 1000, 8, 2, 64, True),
+    (2, 1000, 1000, 4, 2, 64, False),
     (3, 777, 1500, 4, 4, 64, False),
     (2, 500, 700, 4, 2, 256, True),
 ]
