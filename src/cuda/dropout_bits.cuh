@@ -9,10 +9,13 @@
 // 2w + 1, 2w + 8, 2w + 9 of them.
 // - Forward (rows = queries, columns = keys): lane t4 needs word t4 of the
 //   calls of its two rows. The four lanes of a quad each make one of four
-//   calls (two rows, two key groups), compares its words and packs the bits
-//   of two such rounds in one register: a 4 x 4 matrix (maker, receiver) of
-//   2 x 4 bits, which two butterfly stages (a shuffle and three ALU
-//   instructions each) transpose.
+//   calls (two rows, two key groups). Either each compares its words and
+//   packs the bits of two such rounds in one register, a 4 x 4 matrix
+//   (maker, receiver) of 2 x 4 bits that two butterfly stages (a shuffle
+//   and three ALU instructions each) transpose (FwdKeepPack,
+//   FwdKeepTranspose: the D 64 forward), or a 4 x 4 transpose of the words
+//   comes first and each lane compares the words it receives
+//   (FwdKeepBitsByWords: the 128-row tiles).
 // - Backward (rows = keys, columns = queries): a slab's 16 keys are one
 //   group, so each query column is one call, shared by the eight lanes of
 //   equal t4 (lane g needs the bytes of keys g and g + 8). Each of the eight
