@@ -6,6 +6,7 @@
 
 #include "../../flash_params.h"
 #include "../../plan.h"  // kMaxSplits
+#include "../launch.h"
 
 namespace jax_flash2::cuda {
 
@@ -39,17 +40,7 @@ struct FwdArgs {
 template <typename Kernel>
 cudaError_t LaunchWithFwdArgs(Kernel kernel, dim3 grid, dim3 block, size_t smem_bytes,
                               cudaStream_t stream, const FwdArgs& args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem_bytes;
-  config.stream = stream;
-  cudaLaunchAttribute early;
-  early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  early.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &early;
-  config.numAttrs = args.programmatic_launch ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, args);
+  return LaunchKernel(kernel, grid, block, smem_bytes, stream, args.programmatic_launch, args);
 }
 
 // One head-dim bucket's forward kernel; defined in fwd_kernel.cuh, instantiated

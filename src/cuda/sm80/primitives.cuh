@@ -183,9 +183,11 @@ __device__ __forceinline__ void PrefetchRowL2(const void* row, int bytes) {
 #endif
 }
 
-// Programmatic dependent launch (sm90+; no-ops before): a primary kernel
-// lets its dependent grid be scheduled early, and the dependent waits here
-// until the primary grid has completed and its writes are visible.
+// Programmatic dependent launch (sm90+; no-ops before; the launch is
+// LaunchKernel's, ../launch.h): a primary kernel lets its dependent grid be
+// scheduled early, and the dependent waits here until the primary grid has
+// completed and its writes are visible. In a plainly launched kernel the
+// wait returns at once.
 __device__ __forceinline__ void AllowDependentLaunch() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::);

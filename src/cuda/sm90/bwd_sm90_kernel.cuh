@@ -630,7 +630,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
   // With segment ids the pre-pass kernel runs just before (LaunchBwdSm90Kernel)
   // and this grid may start under its end. Unconditional: a no-op for a plain
   // launch (as in the forward).
-  WaitForPreviousGrid();
+  WaitForPrimaryGrid();
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "../../flash_mask.h"
+#include "../launch.h"
 #include "../sm80/bwd_kernel.cuh"
 #include "../smem_optin.h"
 #include "bwd_sm90.h"
@@ -54,12 +55,9 @@ cudaError_t LaunchBwdSm90Kernel(const BwdSm90Args& args, int num_ctas, cudaStrea
   const cudaError_t err =
       OptInSharedMemoryOnce(reinterpret_cast<const void*>(kernel), opted_in, smem_bytes);
   if (err != cudaSuccess) return err;
-  if (args.seg.kv_span != nullptr) {  // after the pre-pass, which lets it start early
-    return sm90::LaunchAfterPrevious(kernel, static_cast<unsigned>(num_ctas),
-                                     sm90::kBwdSm90Threads, smem_bytes, stream, args);
-  }
-  kernel<<<static_cast<unsigned>(num_ctas), sm90::kBwdSm90Threads, smem_bytes, stream>>>(args);
-  return cudaGetLastError();
+  // With segment ids after the pre-pass, which lets it start early.
+  return LaunchKernel(kernel, dim3(static_cast<unsigned>(num_ctas)), dim3(sm90::kBwdSm90Threads),
+                      smem_bytes, stream, args.seg.kv_span != nullptr, args);
 }
 
 // The score options' template flag.

@@ -89,6 +89,7 @@
 
 #include "../../flash_mask.h"
 #include "../../online_softmax.h"
+#include "../launch.h"
 #include "../sm80/primitives.cuh"
 #include "../dropout_bits.cuh"
 #include "../smem_optin.h"
@@ -719,7 +720,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
   // With segment ids the pre-pass kernel runs just before (LaunchFwdSm90Kernel)
   // and this grid may start under its end. Unconditional: a no-op for a plain
   // launch, and a branch around it changed the persistent kernels' main loops.
-  WaitForPreviousGrid();
+  WaitForPrimaryGrid();
 
   // The pingpong kernels that skip key blocks take the warpgroup index
   // through a broadcast, so the compiler knows it warp-uniform: their address
@@ -1171,12 +1172,9 @@ cudaError_t LaunchFwdSm90Kernel(const FwdSm90Launch& launch, cudaStream_t stream
   const cudaError_t err =
       OptInSharedMemoryOnce(reinterpret_cast<const void*>(kernel), opted_in, smem_bytes);
   if (err != cudaSuccess) return err;
-  if (launch.args.seg.q_span != nullptr) {  // after the pre-pass, which lets it start early
-    return LaunchAfterPrevious(kernel, launch.grid_blocks, FwdSm90Threads(tile), smem_bytes,
-                               stream, launch.args);
-  }
-  kernel<<<launch.grid_blocks, FwdSm90Threads(tile), smem_bytes, stream>>>(launch.args);
-  return cudaGetLastError();
+  // With segment ids after the pre-pass, which lets it start early.
+  return LaunchKernel(kernel, dim3(launch.grid_blocks), dim3(FwdSm90Threads(tile)), smem_bytes,
+                      stream, launch.args.seg.q_span != nullptr, launch.args);
 }
 
 template <typename Elem, class TileRow, Sm90Schedule kSchedule, bool kPersistent>

@@ -12,44 +12,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <utility>
 
 #include "../sm80/primitives.cuh"  // PackFloat2
 
 namespace jax_flash2::cuda::sm90 {
-
-// ---------------------------------------------------------------------------
-// Programmatic dependent launch. A kernel launched by LaunchAfterPrevious may
-// start its blocks while the stream's previous kernel is still running (its
-// launch and prologue overlap that kernel's tail, where a plain launch waits
-// for the grid to drain: about 3 us per dependent launch); it must call
-// WaitForPreviousGrid before it reads anything that kernel wrote. The wait
-// returns once that grid has finished and its writes are visible; for a
-// plainly launched kernel it returns at once. AllowNextGridLaunch lets the
-// next kernel's blocks be scheduled before this grid has finished (each
-// block's call, or its exit, counts).
-__device__ __forceinline__ void WaitForPreviousGrid() {
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-}
-__device__ __forceinline__ void AllowNextGridLaunch() {
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-
-template <typename... KernelArgs, typename... Args>
-cudaError_t LaunchAfterPrevious(void (*kernel)(KernelArgs...), unsigned grid, unsigned block,
-                                size_t smem_bytes, cudaStream_t stream, Args&&... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(block);
-  config.dynamicSmemBytes = smem_bytes;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
-}
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));

@@ -35,6 +35,7 @@
 #include <cstdint>
 
 #include "../../flash_params.h"
+#include "../launch.h"
 #include "primitives.cuh"
 #include "segments.h"
 
@@ -47,7 +48,7 @@ namespace segments_detail {
 // window anyway).
 static __global__ void __launch_bounds__(256) SegmentChunkKernel(const FlashParams p, SegmentBlocks s,
                                                           int2* q_mm, int2* kv_mm) {
-  AllowNextGridLaunch();
+  AllowDependentLaunch();
   const int lane = threadIdx.x % 32;
   const int64_t nq = static_cast<int64_t>(s.num_q_chunks) * p.batch;
   const int64_t total = nq + static_cast<int64_t>(s.num_kv_chunks) * p.batch;
@@ -230,8 +231,8 @@ __host__ __device__ inline SpanTileItems SpanTileItemsOf(const SegmentBlocks& s)
 static __global__ void __launch_bounds__(32 * kSpanTileWarps)
     SegmentSpanTileKernel(const FlashParams p, SegmentBlocks s, const int2* q_mm,
                           const int2* kv_mm, int2* q_keys) {
-  WaitForPreviousGrid();  // the chunk kernel's summaries
-  AllowNextGridLaunch();
+  WaitForPrimaryGrid();  // the chunk kernel's summaries
+  AllowDependentLaunch();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int nq = s.num_q_chunks, nk = s.num_kv_chunks;
   const auto [q_per, kv_per, q_items, kv_items] = SpanTileItemsOf(s);
@@ -317,10 +318,9 @@ static inline cudaError_t RunSegmentPrepass(const FlashParams& p, int q_chunk, i
     if (err != cudaSuccess) return err;
     const SpanTileItems per_row = SpanTileItemsOf(s);
     const int64_t items = static_cast<int64_t>(per_row.q_items + per_row.kv_items) * p.batch;
-    err = LaunchAfterPrevious(SegmentSpanTileKernel, static_cast<unsigned>(std::min(items, cap)),
-                              32 * kSpanTileWarps, 0, stream, p, s,
-                              static_cast<const int2*>(q_mm), static_cast<const int2*>(kv_mm),
-                              q_keys);
+    err = LaunchKernel(SegmentSpanTileKernel, dim3(static_cast<unsigned>(std::min(items, cap))),
+                       dim3(32 * kSpanTileWarps), 0, stream, /*after_previous=*/true, p, s,
+                       static_cast<const int2*>(q_mm), static_cast<const int2*>(kv_mm), q_keys);
     if (err != cudaSuccess) return err;
   }
   *out = s;
