@@ -192,13 +192,6 @@ JF2_LANES_FN void FwdKeepTranspose(uint32_t (&keep)[KeepWords<kAcc>()], int t4) 
   }
 }
 
-template <int kAcc>
-JF2_LANES_FN void FwdKeepBits(uint32_t (&keep)[KeepWords<kAcc>()], const DropoutMask& mask,
-                              int64_t row, int64_t key0, int t4) {
-  FwdKeepPack<kAcc>(keep, mask, row, key0, t4);
-  FwdKeepTranspose<kAcc>(keep, t4);
-}
-
 // In: w = the words of the call this lane made (call t4 of its quad). Out:
 // w[x] = word t4 of call t4 ^ x.
 JF2_LANES_FN void QuadTranspose(uint32_t (&w)[4], int t4) {
@@ -216,12 +209,12 @@ JF2_LANES_FN void QuadTranspose(uint32_t (&w)[4], int t4) {
   }
 }
 
-// FwdKeepBits' result the other way: the four lanes' words transposed first
-// (QuadTranspose), then compared. The kernels with 128-row tiles take this
+// FwdKeepPack and FwdKeepTranspose's result the other way: the four lanes'
+// words transposed first (QuadTranspose), then compared. The kernels with 128-row tiles take this
 // one (FwdSm90Kernel's keep_bits says why).
 template <int kAcc>
-JF2_LANES_FN void FwdKeepBitsByWords(uint32_t (&keep)[KeepWords<kAcc>()], const DropoutMask& mask,
-                              int64_t row, int64_t key0, int t4) {
+JF2_LANES_FN void FwdKeepBitsByWords(uint32_t (&keep)[KeepWords<kAcc>()],
+                                     const DropoutMask& mask, int64_t row, int64_t key0, int t4) {
   constexpr int kGroups = kAcc / 8;
   static_assert(kAcc % 8 == 0, "whole groups of 16 keys");
   const uint32_t threshold4 = mask.Threshold4();
@@ -251,7 +244,7 @@ JF2_LANES_FN void FwdKeepBitsByWords(uint32_t (&keep)[KeepWords<kAcc>()], const 
 }
 
 // The keep mask of forward elements i, i + 1 (i even: two adjacent keys, one
-// packed pair of P's A fragment), from FwdKeepBits' words: 0xFFFF over the
+// packed pair of P's A fragment), from the forward's keep words: 0xFFFF over the
 // half of each kept key. The pair's bits sit at bit 7 - slot of bytes b and
 // b + 1 of word c / 4 (slot 2 (c % 4) + rh); a shift brings them to bit 7,
 // where prmt's sign-replicating selectors (nibbles 8 + byte) spread each

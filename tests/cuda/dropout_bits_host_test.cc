@@ -1,9 +1,10 @@
 // The dropout keep-bit layouts of src/cuda/dropout_bits.cuh, built for the
 // host with each lane of a warp a thread (the shuffles exchange through
 // shared slots between barriers), against DropoutMask's own bits: the
-// forward's FwdKeepBits / FwdKeepPairMask and the backward's BwdKeepBits /
-// BwdKept, for every accumulator size the kernels use, random seeds, rows,
-// key offsets and thresholds. Needs no GPU; tests/test_dropout.py builds and
+// forward's FwdKeepPack + FwdKeepTranspose or FwdKeepBitsByWords with
+// FwdKeepPairMask, and the backward's BwdKeepBits / BwdKept, for every
+// accumulator size the kernels use, random seeds, rows, key offsets and
+// thresholds; and KeepBytesMajority against KeepBytes. Needs no GPU; tests/test_dropout.py builds and
 // runs it.
 //
 //   c++ -std=c++17 -O2 -pthread -I. tests/cuda/dropout_bits_host_test.cc -o build/dropout_bits_host_test
@@ -84,7 +85,7 @@ bool Keep(const DropoutMask& mask, int64_t query, int64_t key) {
 }
 
 // Forward slab: lane (g, t4) holds rows row0 + g (+ 8), keys key0 + 8 j + 2 t4 + e;
-// by_words: FwdKeepBitsByWords, else FwdKeepBits (packed, then transposed).
+// by_words: FwdKeepBitsByWords, else FwdKeepPack then FwdKeepTranspose.
 template <int kAcc>
 int CheckForward(const DropoutMask& mask, int64_t row0, int64_t key0, bool by_words) {
   Mismatches bad;
@@ -94,7 +95,8 @@ int CheckForward(const DropoutMask& mask, int64_t row0, int64_t key0, bool by_wo
     if (by_words) {
       jax_flash2::cuda::FwdKeepBitsByWords<kAcc>(keep, mask, row0 + g, key0, t4);
     } else {
-      jax_flash2::cuda::FwdKeepBits<kAcc>(keep, mask, row0 + g, key0, t4);
+      jax_flash2::cuda::FwdKeepPack<kAcc>(keep, mask, row0 + g, key0, t4);
+      jax_flash2::cuda::FwdKeepTranspose<kAcc>(keep, t4);
     }
     for (int i = 0; i < kAcc; i += 2) {
       const uint32_t pair = jax_flash2::cuda::FwdKeepPairMask<kAcc>(keep, i);
