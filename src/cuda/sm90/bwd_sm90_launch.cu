@@ -85,6 +85,7 @@ struct BwdSm90Grid {
   int num_ctas;
   int sk_first_tile;
   int sk_ctas;
+  bool rotated_dq = false;  // the rotated dQ order, which needs this grid
 };
 
 // Key blocks of the tile's block_n per (batch, K/V head).
@@ -116,7 +117,7 @@ BwdSm90Grid PlanGrid(const FlashParams& p, const DeviceInfo& dev, int num_tiles,
   if (RotatesDqOrder(p, dev)) {
     // Rounds of whole groups (a persistent walk; no stream-K).
     const int per_round = static_cast<int>(dev.sm_count / NumNBlocks(p) * NumNBlocks(p));
-    return BwdSm90Grid{std::min(num_tiles, per_round), num_tiles, 0};
+    return BwdSm90Grid{std::min(num_tiles, per_round), num_tiles, 0, true};
   }
   // A persistent grid (BwdSm90Tile::persistent) only without a mask: masked
   // tiles differ in length, and one CTA per tile lets the hardware balance
@@ -221,7 +222,7 @@ cudaError_t RunBackwardSm90(const FlashParams& p, const BwdScratchPtrs& s, const
     args.dq_turns = s.dq_turns;
     args.num_q_blocks = static_cast<int>((p.seqlen_q + tile.block_m - 1) / tile.block_m);
     args.key_block_flip = args.num_n_blocks - 1;
-    args.rotated_dq = RotatesDqOrder(p, dev);
+    args.rotated_dq = grid.rotated_dq;
   }
   const int num_ctas = grid.num_ctas;
   cudaError_t err = cudaSuccess;
