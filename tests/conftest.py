@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import pathlib
+import shutil
+import subprocess
 import zlib
 
 import jax
@@ -38,6 +41,18 @@ def package_env(drop=(), **overrides) -> dict:
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get("PYTHONPATH")]))
   env.update(overrides)
   return env
+
+def run_host_test(tmp_path, source: str) -> subprocess.CompletedProcess:
+  """Builds tests/cuda/<source> (C++17, the repository root on the include
+  path) with the host's C++ compiler and runs it; skips without one."""
+  compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+  if compiler is None:
+    pytest.skip("no C++ compiler")
+  root = pathlib.Path(__file__).resolve().parents[1]
+  binary = tmp_path / pathlib.Path(source).stem
+  subprocess.run([compiler, "-std=c++17", "-O2", "-pthread", f"-I{root}",
+                  str(root / "tests" / "cuda" / source), "-o", str(binary)], check=True)
+  return subprocess.run([str(binary)], capture_output=True, text=True, timeout=300)
 
 # Compute dtype of the model-level tests (Flax layers, the training example):
 # bfloat16 on the GPU (the CUDA kernels' dtypes; float32 there runs the

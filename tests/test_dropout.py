@@ -5,10 +5,6 @@ same mask, transforms, and argument errors."""
 
 from __future__ import annotations
 
-import pathlib
-import shutil
-import subprocess
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +12,7 @@ import pytest
 
 import jax_flash2
 from conftest import (ON_GPU, attention_fn, keep_mask, materialize_options, random_inputs,
-                      supports)
+                      run_host_test, supports)
 from jax_flash2 import _ext, reference
 from oracle import assert_close_to_oracle, naive_same_dtype, oracle
 
@@ -371,15 +367,7 @@ def test_kernel_keep_bit_layouts_on_host_lanes(tmp_path):
   forward's quad transpose of packed bits, the backward's 8 x 8 one), built
   for the host with a thread per lane of a warp: every element's bit equals
   DropoutMask's, for each accumulator size the kernels use."""
-  compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-  if compiler is None:
-    pytest.skip("no C++ compiler")
-  root = pathlib.Path(__file__).resolve().parents[1]
-  binary = tmp_path / "dropout_bits_host_test"
-  subprocess.run([compiler, "-std=c++17", "-O2", "-pthread", f"-I{root}",
-                  str(root / "tests" / "cuda" / "dropout_bits_host_test.cc"), "-o", str(binary)],
-                 check=True)
-  run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=300)
+  run = run_host_test(tmp_path, "dropout_bits_host_test.cc")
   assert run.returncode == 0 and " 0 mismatches" in run.stdout, run.stdout + run.stderr
 
 
