@@ -117,17 +117,26 @@ def test_dropout_matches_reference_and_oracle(rng, case):
 
 
 @needs_gpu
-def test_dropout_mask_on_hopper_is_the_reference_mask():
+@pytest.mark.parametrize("d, s", [(256, 256), (64, 448), (128, 640), (128, 4400)])
+def test_dropout_mask_on_hopper_is_the_reference_mask(d, s):
   """The mask read off the kernel's output (q = 0: P = 1 / S; v one-hot over
-  the keys) is the reference's bit for bit, on the Hopper forward's grid."""
-  b, t, s, h, rate = 2, 1000, 256, 16, 0.3
+  d of the keys per call) is the reference's bit for bit, on every Hopper
+  forward tile: D 64 (bits packed, then transposed), both D 128 ones and D
+  256 (words transposed, then compared)."""
+  b, t, h, rate = 2, 1000, 16, 0.3
   key = jax.random.key(3)
-  q = jnp.zeros((b, t, h, s), jnp.float16)
-  k = jnp.zeros((b, s, h, s), jnp.float16)
-  v = jnp.broadcast_to(jnp.eye(s, dtype=jnp.float16)[None, :, None, :], k.shape)
-  plan = device_plan(q, k, v, dropout_rate=rate)["forward"]
+  q = jnp.zeros((b, t, h, d), jnp.float16)
+  k = jnp.zeros((b, s, h, d), jnp.float16)
+  plan = device_plan(q, k, k, dropout_rate=rate)["forward"]
   assert plan.kernel == ("sm90" if is_hopper() else "sm80-prefill"), plan
-  out = jax_flash2.flash_attention(q, k, v, dropout_rate=rate, dropout_rng=key)
+
+  @jax.jit
+  def keys_of_chunk(j):
+    one_hot = (jnp.arange(s)[:, None] == j * d + jnp.arange(d)[None, :]).astype(jnp.float16)
+    v = jnp.broadcast_to(one_hot[None, :, None, :], k.shape)
+    return jax_flash2.flash_attention(q, k, v, dropout_rate=rate, dropout_rng=key)
+
+  out = jnp.concatenate([keys_of_chunk(j) for j in range(-(-s // d))], axis=-1)[..., :s]
   scaled = np.asarray(out, np.float32).transpose(0, 2, 1, 3) * s * (1 - rate)
   assert np.all((np.abs(scaled) < 1e-5) | (np.abs(scaled - 1) < 2e-3)), "entries not 0 or 1"
   np.testing.assert_array_equal(scaled > 0.5, keep_mask(key, b, h, t, s, rate))
