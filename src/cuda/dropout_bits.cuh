@@ -210,8 +210,8 @@ JF2_LANES_FN void QuadTranspose(uint32_t (&w)[4], int t4) {
 }
 
 // FwdKeepPack and FwdKeepTranspose's result the other way: the four lanes'
-// words transposed first (QuadTranspose), then compared. The kernels with 128-row tiles take this
-// one (FwdSm90Kernel's keep_bits says why).
+// words transposed first (QuadTranspose), then compared. The kernels with
+// 128-row tiles take this one (FwdSm90Kernel's keep_bits says why).
 template <int kAcc>
 JF2_LANES_FN void FwdKeepBitsByWords(uint32_t (&keep)[KeepWords<kAcc>()],
                                      const DropoutMask& mask, int64_t row, int64_t key0, int t4) {

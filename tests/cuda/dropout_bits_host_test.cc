@@ -4,8 +4,8 @@
 // forward's FwdKeepPack + FwdKeepTranspose or FwdKeepBitsByWords with
 // FwdKeepPairMask, and the backward's BwdKeepBits / BwdKept, for every
 // accumulator size the kernels use, random seeds, rows, key offsets and
-// thresholds; and KeepBytesMajority against KeepBytes. Needs no GPU; tests/test_dropout.py builds and
-// runs it.
+// thresholds; and KeepBytesMajority against KeepBytes. Needs no GPU;
+// tests/test_dropout.py builds and runs it.
 //
 //   c++ -std=c++17 -O2 -pthread -I. tests/cuda/dropout_bits_host_test.cc -o build/dropout_bits_host_test
 //   build/dropout_bits_host_test
