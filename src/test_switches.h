@@ -12,6 +12,9 @@
 //   JAX_FLASH2_DECODE_QUANT=0    int8 / fp8 KV caches reach the decode kernel
 //                                as XLA's dequantized copy instead of being
 //                                dequantized by the kernel itself
+//   JAX_FLASH2_SOFTCAP_FIXED_MAX=0
+//                                the Hopper forward tracks the running softmax
+//                                max with softcap too (src/cuda/sm90/score_options.h)
 //   JAX_FLASH2_KV_SPLIT_KEYS=N   a KV-cache decode call splits its keys in
 //                                shares of N (instead of the plan's rule)
 //   JAX_FLASH2_MAX_SMEM_PER_BLOCK=N
@@ -35,6 +38,7 @@ struct TestSwitches {
   bool decode_pdl = true;
   bool decode_quant = true;
   bool sm90_backward = true;
+  bool softcap_fixed_max = true;
   int64_t max_smem_per_block = 0;  // 0: the device's own limit
   int64_t kv_split_keys = 0;       // 0: the plan's default
 };
@@ -49,6 +53,7 @@ inline TestSwitches ReadTestSwitches() {
   s.decode_pdl = !off("JAX_FLASH2_DECODE_PDL");
   s.decode_quant = !off("JAX_FLASH2_DECODE_QUANT");
   s.sm90_backward = !off("JAX_FLASH2_SM90_BACKWARD");
+  s.softcap_fixed_max = !off("JAX_FLASH2_SOFTCAP_FIXED_MAX");
   if (const char* v = std::getenv("JAX_FLASH2_MAX_SMEM_PER_BLOCK")) {
     const long long n = std::strtoll(v, nullptr, 10);
     s.max_smem_per_block = n > 0 ? n : 0;

@@ -50,6 +50,10 @@ FWD_CASES = [
     ("both", 2, 1024, 9000, 16, 16, 128, True, (-1, -1), None, 10.0, False, jnp.bfloat16),
     ("both", 3, 700, 900, 24, 8, 128, False, (-1, -1), 1.0, 50.0, True, jnp.float16),
     ("softcap", 4, 777, 700, 8, 8, 200, False, (-1, -1), 1.0, 30.0, False, jnp.bfloat16),
+    # Gemma 2's cap at D 64, scores of tens: the forward's constant max
+    # (caps up to about 54); a cap of 100 keeps the running max.
+    ("softcap", 2, 1100, 1300, 16, 2, 64, False, (-1, -1), 1.0, 50.0, False, jnp.bfloat16),
+    ("softcap", 2, 1000, 1000, 16, 4, 64, True, (-1, -1), 1.0, 100.0, False, jnp.float16),
 ]
 
 
@@ -137,11 +141,13 @@ def test_gradients(rng, case):
     assert_close_to_oracle(name, g, r, bg, dtype)
 
 
-def test_nan_in_nan_out_with_options(rng):
-  """A NaN in q reaches the outputs of its row through the option paths."""
+@pytest.mark.parametrize("alibi", [True, False])
+def test_nan_in_nan_out_with_options(rng, alibi):
+  """A NaN in q reaches the outputs of its row through the option paths
+  (softcap alone: the forward's constant max)."""
   q, k, v = random_inputs(rng, 2, 1000, 1000, 16, 4, 128, jnp.bfloat16)
   q = q.at[1, 17, 3, 5].set(jnp.nan)
-  slopes = _slopes(rng, 2, 16, False)
+  slopes = _slopes(rng, 2, 16, False) if alibi else None
   out = jax.jit(lambda q, k, v, s: jax_flash2.flash_attention(
       q, k, v, causal=True, softcap=20.0, alibi_slopes=s))(q, k, v, slopes)
   out = np.asarray(out, np.float32)
@@ -149,3 +155,23 @@ def test_nan_in_nan_out_with_options(rng):
   rest = np.ones(out.shape[:3], bool)
   rest[1, 17, 3] = False  # a query is no key: every other row stays finite
   assert np.all(np.isfinite(out[rest]))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_softcap_with_every_score_at_minus_the_cap(rng, head_dim):
+  """Every score far below -cap (tanh saturated at -1): with the forward's
+  constant max the terms are at their smallest (2^-125 at cap 50), and the
+  rows must still see their keys: out and LSE against the oracle."""
+  b, t, h, dtype = 2, 1000, 16, jnp.bfloat16
+  q = jnp.asarray(rng.uniform(2.0, 3.0, (b, t, h, head_dim)), dtype)
+  k = jnp.asarray(-rng.uniform(2.0, 3.0, (b, t, h, head_dim)), dtype)
+  v = jnp.asarray(rng.standard_normal((b, t, h, head_dim)), dtype)
+  kwargs = dict(causal=False, softcap=50.0, softmax_scale=1.0)
+  assert device_plan(q, k, v, **kwargs)["forward"].kernel == (
+      "sm90" if is_hopper() else "sm80-prefill")
+  out, lse = jax.jit(lambda q, k, v: jax_flash2.flash_attention(
+      q, k, v, return_lse=True, **kwargs))(q, k, v)
+  (ref_out, ref_lse), _ = oracle(q, k, v, np.ones(q.shape), np.zeros(lse.shape), **kwargs)
+  base_out, base_lse = naive_same_dtype(q, k, v, **kwargs)
+  assert_close_to_oracle("out", out, ref_out, base_out, dtype)
+  assert_close_to_oracle("lse", lse, ref_lse, base_lse, dtype)

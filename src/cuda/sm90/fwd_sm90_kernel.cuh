@@ -492,6 +492,7 @@ struct FwdSm90Consumer {
   uint64_t desc_k0;
   uint64_t desc_v0;
   bool dropout;
+  bool fixed_max;  // softcap alone: a constant softmax max (score_options.h)
   unsigned char* s_o_staged;  // this warpgroup's O staging (Cfg::kOPanelStride)
 
   __device__ __forceinline__ FwdSm90Consumer(const FwdSm90Args& args_, const WindowMask& mask_,
@@ -513,6 +514,7 @@ struct FwdSm90Consumer {
         desc_k0(MakeDescK(SmemAddr(buf_.s_k))),
         desc_v0(MakeDescMN(SmemAddr(buf_.s_v), Tr::kKvPanelBytes)),
         dropout(Cfg::kScoreOptions && args_.p.dropout_seeds != nullptr),
+        fixed_max(Cfg::kScoreOptions && args_.units.fixed_max > -INFINITY),
         s_o_staged(Tr::kStagesO
                        ? buf_.smem + Cfg::Smem::kO + cg * Tr::kOWarpgroupBytes
                        : buf_.smem + Cfg::Smem::kQ + cg * 64 * 128) {}
@@ -754,6 +756,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
   constexpr int kLastGroup = Cfg::kLastGroup;
   const int cg = c.cg, warp = c.warp, lane = c.lane, g = c.g, t4 = c.t4;
   const float scale_log2 = c.scale_log2;
+  const bool fixed_max = c.fixed_max;
   const uint64_t desc_q = c.desc_q, desc_k0 = c.desc_k0, desc_v0 = c.desc_v0;
   uint64_t* const q_full = c.buf.q_full;
   uint64_t* const q_empty = c.buf.q_empty;
@@ -874,16 +877,23 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float mx = row_max[h];
+      float max_scaled;
+      if (fixed_max) {
+        // row_max holds the constant; O and l keep their scale.
+        max_scaled = row_max[h] * scale_log2;
+        correction[h] = 1.f;
+      } else {
+        float mx = row_max[h];
 #pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
-        mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+        for (int j = 0; j < kBlockN / 8; ++j) {
+          mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+        }
+        mx = QuadMax(mx);
+        max_scaled = ExpOffset(mx, scale_log2);
+        correction[h] = RescaleFactor(row_max[h], mx, scale_log2, FastExp2);
+        row_max[h] = mx;
+        row_sum[h] *= correction[h];
       }
-      mx = QuadMax(mx);
-      const float max_scaled = ExpOffset(mx, scale_log2);
-      correction[h] = RescaleFactor(row_max[h], mx, scale_log2, FastExp2);
-      row_max[h] = mx;
-      row_sum[h] *= correction[h];
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j) {
 #pragma unroll
@@ -922,6 +932,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
   };
 
   auto rescale_o = [&](const float (&correction)[2]) {
+    if (fixed_max) return;  // correction is 1
 #pragma unroll
     for (int i = 0; i < Tr::kOAcc; ++i) o[i] *= correction[(i / 2) % 2];
   };
@@ -1010,7 +1021,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
       mask.KeyRange(t, t + 1, &lo, &hi);
       key_lo[h] = static_cast<int>(lo);
       key_hi[h] = static_cast<int>(hi);
-      row_max[h] = -INFINITY;
+      row_max[h] = fixed_max ? args.units.fixed_max : -INFINITY;
       row_sum[h] = 0.f;
     }
 #pragma unroll

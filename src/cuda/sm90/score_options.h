@@ -15,9 +15,12 @@
 // epilogues as without softcap (d logit / dS = scale * (1 - tanh^2)).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <type_traits>
 
 #include "../../flash_params.h"
+#include "../../test_switches.h"
 
 namespace jax_flash2::cuda::sm90 {
 
@@ -26,7 +29,19 @@ struct Sm90ScoreUnits {
   float log2 = 1.f;     // natural * log2(e): the exp2 factor
   float tanh_in = 0.f;  // scale / cap: tanh's argument per unit of S; 0 without softcap
   float inv_natural = 1.f;  // 1 / natural (ALiBi's slope per unit of u)
+  // The forward's softmax max m (units of u) when it can be a constant,
+  // -inf when the kernel tracks the running max (see MakeSm90ScoreUnits).
+  float fixed_max = -INFINITY;
 };
+
+// Softcap alone bounds every score, |u| <= 1, so the forward can take
+// exp2((u - m) log2) against a constant m instead of the running max: no max
+// reduction before the exponentials, no rescale of O. m = min(1, 125 / log2 -
+// 1) keeps a visible key's term in [2^-125, 2^32] (a normal float, so l > 0
+// for every row that sees a key; O at most 2^32 times the plain path's
+// bound), which holds up to log2 = 78.5 (caps up to about 54). Larger caps
+// and ALiBi (unbounded below) keep the running max.
+inline constexpr float kFixedMaxLog2Limit = 78.5f;
 
 inline Sm90ScoreUnits MakeSm90ScoreUnits(const FlashParams& p) {
   Sm90ScoreUnits u;
@@ -39,6 +54,10 @@ inline Sm90ScoreUnits MakeSm90ScoreUnits(const FlashParams& p) {
     u.log2 = p.softmax_scale_log2;
   }
   u.inv_natural = 1.f / u.natural;
+  if (p.softcap > 0.f && p.alibi_slopes == nullptr && u.log2 <= kFixedMaxLog2Limit &&
+      GetTestSwitches().softcap_fixed_max) {
+    u.fixed_max = std::min(1.f, 125.f / u.log2 - 1.f);
+  }
   return u;
 }
 
