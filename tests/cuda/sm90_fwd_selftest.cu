@@ -727,6 +727,7 @@ int main(int argc, char** argv) {
         // The score options beside their plain rows above.
         {"B4 T=S=4096 H16 D128 bf16 softcap50", bf, 4, 4096, 4096, 16, 16, 128, -1, -1, false, SegKind::kNone, 0, 50.f},
         {"B4 T=S=4096 H16 D128 bf16 causal alibi", bf, 4, 4096, 4096, 16, 16, 128, -1, 0, false, SegKind::kNone, 0, 0.f, true},
+        {"B4 T=S=4096 H16 D64 bf16 softcap50", bf, 4, 4096, 4096, 16, 16, 64, -1, -1, false, SegKind::kNone, 0, 50.f},
         {"B4 T=S=4096 H16 D64 bf16 softcap50+alibi", bf, 4, 4096, 4096, 16, 16, 64, -1, -1, false, SegKind::kNone, 0, 50.f, true},
         {"B4 T=S=4096 H16 D64 bf16 alibi", bf, 4, 4096, 4096, 16, 16, 64, -1, -1, false, SegKind::kNone, 0, 0.f, true},
         {"B2 T=S=8192 H16 D64 bf16 causal alibi", bf, 2, 8192, 8192, 16, 16, 64, -1, 0, false, SegKind::kNone, 0, 0.f, true},
