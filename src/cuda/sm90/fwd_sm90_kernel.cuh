@@ -757,6 +757,10 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
   const int cg = c.cg, warp = c.warp, lane = c.lane, g = c.g, t4 = c.t4;
   const float scale_log2 = c.scale_log2;
   const bool fixed_max = c.fixed_max;
+  // The D 256 tile (80-key blocks) takes each row's max and sum in four
+  // interleaved chains instead of one dependent chain: its forward 3-4%
+  // faster; the D 64 and D 128 tiles 2-7% slower that way (H100 self-test).
+  constexpr bool kFourChains = Tr::kHeadDim > 128;
   const uint64_t desc_q = c.desc_q, desc_k0 = c.desc_k0, desc_v0 = c.desc_v0;
   uint64_t* const q_full = c.buf.q_full;
   uint64_t* const q_empty = c.buf.q_empty;
@@ -884,9 +888,19 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
         correction[h] = 1.f;
       } else {
         float mx = row_max[h];
+        if constexpr (kFourChains) {
+          float part[4];
 #pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
-          mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+          for (int j = 0; j < kBlockN / 8; ++j) {
+            const float pair = fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
+            part[j % 4] = j < 4 ? pair : fmaxf(part[j % 4], pair);
+          }
+          mx = fmaxf(fmaxf(mx, fmaxf(part[0], part[1])), fmaxf(part[2], part[3]));
+        } else {
+#pragma unroll
+          for (int j = 0; j < kBlockN / 8; ++j) {
+            mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+          }
         }
         mx = QuadMax(mx);
         max_scaled = ExpOffset(mx, scale_log2);
@@ -894,13 +908,27 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
         row_max[h] = mx;
         row_sum[h] *= correction[h];
       }
+      if constexpr (kFourChains) {
+        float sum[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
+        for (int j = 0; j < kBlockN / 8; ++j) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pv = FastExp2(fmaf(s[4 * j + 2 * h + e], scale_log2, -max_scaled));
-          s[4 * j + 2 * h + e] = pv;
-          row_sum[h] += pv;
+          for (int e = 0; e < 2; ++e) {
+            const float pv = FastExp2(fmaf(s[4 * j + 2 * h + e], scale_log2, -max_scaled));
+            s[4 * j + 2 * h + e] = pv;
+            sum[(2 * j + e) % 4] += pv;
+          }
+        }
+        row_sum[h] += (sum[0] + sum[1]) + (sum[2] + sum[3]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pv = FastExp2(fmaf(s[4 * j + 2 * h + e], scale_log2, -max_scaled));
+            s[4 * j + 2 * h + e] = pv;
+            row_sum[h] += pv;
+          }
         }
       }
     }
