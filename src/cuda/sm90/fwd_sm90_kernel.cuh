@@ -759,7 +759,7 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
   const bool fixed_max = c.fixed_max;
   // The D 256 tile (80-key blocks) takes each row's max and sum in four
   // interleaved chains instead of one dependent chain: its forward 3-4%
-  // faster; the D 64 and D 128 tiles 2-7% slower that way (H100 self-test).
+  // faster; the D 64 and D 128 tiles up to 7% slower that way (H100 self-test).
   constexpr bool kFourChains = Tr::kHeadDim > 128;
   const uint64_t desc_q = c.desc_q, desc_k0 = c.desc_k0, desc_v0 = c.desc_v0;
   uint64_t* const q_full = c.buf.q_full;
