@@ -7,8 +7,9 @@ offsets), forward and forward+backward, bf16, causal.
 TFLOP/s count useful work only: the visible (query, key) pairs of each
 document, 4 D H per pair forward (two products of 2 D H), 2.5 times that for
 forward+backward. Each timed call chains 5 dependent steps in one jitted
-program (time_call), so short calls are timed on the GPU, not at the host's
-dispatch rate. Printed as a markdown table, then a second one with the
+program (chained), so short calls are timed on the GPU, not at the host's
+dispatch rate; the samples of all implementations of a case are taken in
+rounds (time_calls). Printed as a markdown table, then a second one with the
 temporary memory XLA allocates for our packed calls (the compiled program's
 memory_analysis().temp_size_in_bytes, kernel workspace included; the inputs
 and outputs are the same for both), which for varlen shows that no padded
@@ -61,21 +62,33 @@ def chained(fn, steps):
   return jax.jit(run)
 
 
-def time_call(fn, args, warmup_s, steps=5, iters=3, reps=5):
-  """Seconds per call of fn(*args): the median of reps samples, each iters
-  calls of `steps` chained steps."""
-  f = chained(fn, steps)
-  warm_up(lambda: f(*args), warmup_s)
-  samples = []
+def time_calls(calls, warmup_s, errors, steps=5, iters=3, reps=5):
+  """Seconds per call of each fn(*args) of calls ({key: (fn, args)}): the
+  median of reps samples, each iters calls of `steps` chained steps. The
+  samples are taken in rounds, one of every key per round, so that the
+  GPU's clock and power drift over a case falls on every implementation
+  alike. A key whose call raises gets None, its error appended to
+  errors."""
+  ready = {}
+  for key, (fn, args) in calls.items():
+    f = chained(fn, steps)
+    try:
+      warm_up(lambda: f(*args), warmup_s)
+    except Exception as e:  # a backend that cannot run this shape
+      errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+      continue
+    ready[key] = (f, args)
+  samples = {key: [] for key in ready}
   for _ in range(reps):
-    jax.block_until_ready(f(*args))
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(iters):
-      out = f(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) / (iters * steps))
-  return statistics.median(samples)
+    for key, (f, args) in ready.items():
+      jax.block_until_ready(f(*args))
+      t0 = time.perf_counter()
+      out = None
+      for _ in range(iters):
+        out = f(*args)
+      jax.block_until_ready(out)
+      samples[key].append((time.perf_counter() - t0) / (iters * steps))
+  return {key: statistics.median(samples[key]) if key in samples else None for key in calls}
 
 
 def mixed_lengths(rng, rows, lo=32, hi=8192):
@@ -170,21 +183,18 @@ def bench_case(name, rows, heads, head_dim, warmup_s, rng):
 
   q, k, v = (rand((b, ROW, heads, head_dim)) for _ in range(3))
   ids = segment_ids(rows)
-  results, notes = {}, []
+  notes = []
+  # (implementation, part, forward or forward+backward) -> (fn, args); part
+  # is one batch of the "batch" figures (their times are summed).
+  calls = {}
 
-  def both(fn, args):
-    out = []
-    for f in (fn, fwd_bwd(fn)):
-      try:
-        out.append(time_call(f, args, warmup_s))
-      except Exception as e:  # a backend that cannot run this shape
-        notes.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
-        out.append(None)
-    return tuple(out)
+  def add(impl, fn, args, part=0):
+    calls[(impl, part, 0)] = (fn, args)
+    calls[(impl, part, 1)] = (fwd_bwd(fn), args)
 
   def ours_packed(q, k, v, ids):
     return jax_flash2.flash_attention(q, k, v, causal=True, segment_ids=(ids, ids))
-  results["ours packed"] = both(ours_packed, (q, k, v, ids))
+  add("ours packed", ours_packed, (q, k, v, ids))
   memory = {"ours packed": tuple(temp_bytes(f, (q, k, v, ids))
                                  for f in (ours_packed, fwd_bwd(ours_packed)))}
   plan = jax_flash2.plan(q, k, v, causal=True, segment_ids=(ids, ids),
@@ -201,7 +211,7 @@ def bench_case(name, rows, heads, head_dim, warmup_s, rng):
   def ours_varlen(q, k, v, cu):
     return jax_flash2.flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=True)
   flat = tuple(x.reshape((b * ROW,) + x.shape[2:]) for x in (q, k, v))
-  results["ours varlen"] = both(ours_varlen, flat + (cu,))
+  add("ours varlen", ours_varlen, flat + (cu,))
   memory["ours varlen"] = tuple(temp_bytes(f, flat + (cu,))
                                 for f in (ours_varlen, fwd_bwd(ours_varlen)))
 
@@ -217,28 +227,30 @@ def bench_case(name, rows, heads, head_dim, warmup_s, rng):
   if len(set(docs)) > 4:
     notes.append(f"{name}: batch figures pad each document to a power of two "
                  f"({len(groups)} batches)")
-
-  def batched_times(fn):
-    total = [0.0, 0.0]
-    for n, count in groups.items():
-      qb, kb, vb = (rand((count, n, heads, head_dim)) for _ in range(3))
-      t = both(fn, (qb, kb, vb))
-      for i in range(2):
-        total[i] = None if total[i] is None or t[i] is None else total[i] + t[i]
-    return tuple(total)
-
-  results["ours batch"] = batched_times(
-      lambda q, k, v: jax_flash2.flash_attention(q, k, v, causal=True))
-  results["cuDNN batch"] = batched_times(
-      lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                   implementation="cudnn"))
+  batches = {n: tuple(rand((count, n, heads, head_dim)) for _ in range(3))
+             for n, count in groups.items()}
+  for n, qkv in batches.items():
+    add("ours batch", lambda q, k, v: jax_flash2.flash_attention(q, k, v, causal=True), qkv, n)
+    add("cuDNN batch", lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn"), qkv, n)
 
   cudnn_packed, why = cudnn_packed_fn()
   if cudnn_packed is None:
     notes.append(f"cuDNN packed not run: {why}")
   else:
     seqlen, offsets = seqlen_offsets(rows)
-    results["cuDNN packed"] = both(cudnn_packed, (q, k, v, seqlen, offsets))
+    add("cuDNN packed", cudnn_packed, (q, k, v, seqlen, offsets))
+
+  errors = []
+  seconds = time_calls(calls, warmup_s, errors)
+  notes += [f"{name}: {e}" for e in dict.fromkeys(errors)]
+  results = {}
+  for impl in dict.fromkeys(key[0] for key in calls):
+    times = []
+    for i in range(2):
+      parts = [t for key, t in seconds.items() if key[0] == impl and key[2] == i]
+      times.append(None if any(t is None for t in parts) else sum(parts))
+    results[impl] = tuple(times)
   return results, memory, notes
 
 
