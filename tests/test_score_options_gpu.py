@@ -51,9 +51,15 @@ FWD_CASES = [
     ("both", 3, 700, 900, 24, 8, 128, False, (-1, -1), 1.0, 50.0, True, jnp.float16),
     ("softcap", 4, 777, 700, 8, 8, 200, False, (-1, -1), 1.0, 30.0, False, jnp.bfloat16),
     # Gemma 2's cap at D 64, scores of tens: the forward's constant max
-    # (caps up to about 54); a cap of 100 keeps the running max.
+    # (bf16, caps up to about 54); a cap of 100 keeps the running max.
     ("softcap", 2, 1100, 1300, 16, 2, 64, False, (-1, -1), 1.0, 50.0, False, jnp.bfloat16),
     ("softcap", 2, 1000, 1000, 16, 4, 64, True, (-1, -1), 1.0, 100.0, False, jnp.float16),
+    # Logits of a few units under a cap of 50 or 30: against the constant max
+    # every term is tiny (2^-40 and below), which bf16 holds and fp16 would
+    # flush (fp16 keeps the running max).
+    ("softcap", 2, 1000, 1000, 16, 4, 128, False, (-1, -1), None, 50.0, False, jnp.bfloat16),
+    ("softcap", 2, 1000, 1000, 16, 4, 64, False, (-1, -1), None, 50.0, False, jnp.float16),
+    ("softcap", 2, 1100, 1000, 16, 16, 128, True, (-1, -1), None, 30.0, False, jnp.float16),
 ]
 
 

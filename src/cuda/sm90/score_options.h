@@ -40,7 +40,10 @@ struct Sm90ScoreUnits {
 // 1) keeps a visible key's term in [2^-125, 2^32] (a normal float, so l > 0
 // for every row that sees a key; O at most 2^32 times the plain path's
 // bound), which holds up to log2 = 78.5 (caps up to about 54). Larger caps
-// and ALiBi (unbounded below) keep the running max.
+// and ALiBi (unbounded below) keep the running max, and so does fp16: P goes
+// to the PV product as the input type, and fp16's range (2^-24 .. 65504)
+// would flush a row whose largest term is far below 1 (logits well under
+// the cap) and overflow above; bf16 has float's exponent range.
 inline constexpr float kFixedMaxLog2Limit = 78.5f;
 
 inline Sm90ScoreUnits MakeSm90ScoreUnits(const FlashParams& p) {
@@ -54,8 +57,8 @@ inline Sm90ScoreUnits MakeSm90ScoreUnits(const FlashParams& p) {
     u.log2 = p.softmax_scale_log2;
   }
   u.inv_natural = 1.f / u.natural;
-  if (p.softcap > 0.f && p.alibi_slopes == nullptr && u.log2 <= kFixedMaxLog2Limit &&
-      GetTestSwitches().softcap_fixed_max) {
+  if (p.softcap > 0.f && p.alibi_slopes == nullptr && p.dtype == DType::kBFloat16 &&
+      u.log2 <= kFixedMaxLog2Limit && GetTestSwitches().softcap_fixed_max) {
     u.fixed_max = std::min(1.f, 125.f / u.log2 - 1.f);
   }
   return u;
