@@ -887,20 +887,17 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
         max_scaled = row_max[h] * scale_log2;
         correction[h] = 1.f;
       } else {
-        float mx = row_max[h];
+        // One chain, or four (part[j % 4], merged after).
+        float part[kFourChains ? 4 : 1] = {row_max[h]};
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) {
+          const float pair = fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
+          float& m = part[kFourChains ? j % 4 : 0];
+          m = kFourChains && j < 4 ? pair : fmaxf(m, pair);
+        }
+        float mx = part[0];
         if constexpr (kFourChains) {
-          float part[4];
-#pragma unroll
-          for (int j = 0; j < kBlockN / 8; ++j) {
-            const float pair = fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
-            part[j % 4] = j < 4 ? pair : fmaxf(part[j % 4], pair);
-          }
-          mx = fmaxf(fmaxf(mx, fmaxf(part[0], part[1])), fmaxf(part[2], part[3]));
-        } else {
-#pragma unroll
-          for (int j = 0; j < kBlockN / 8; ++j) {
-            mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
-          }
+          mx = fmaxf(fmaxf(row_max[h], fmaxf(part[0], part[1])), fmaxf(part[2], part[3]));
         }
         mx = QuadMax(mx);
         max_scaled = ExpOffset(mx, scale_log2);
@@ -908,29 +905,18 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
         row_max[h] = mx;
         row_sum[h] *= correction[h];
       }
-      if constexpr (kFourChains) {
-        float sum[4] = {0.f, 0.f, 0.f, 0.f};
+      // Summed into row_sum (one chain) or into sum[] and added after.
+      float sum[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
+      for (int j = 0; j < kBlockN / 8; ++j) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pv = FastExp2(fmaf(s[4 * j + 2 * h + e], scale_log2, -max_scaled));
-            s[4 * j + 2 * h + e] = pv;
-            sum[(2 * j + e) % 4] += pv;
-          }
-        }
-        row_sum[h] += (sum[0] + sum[1]) + (sum[2] + sum[3]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pv = FastExp2(fmaf(s[4 * j + 2 * h + e], scale_log2, -max_scaled));
-            s[4 * j + 2 * h + e] = pv;
-            row_sum[h] += pv;
-          }
+        for (int e = 0; e < 2; ++e) {
+          const float pv = FastExp2(fmaf(s[4 * j + 2 * h + e], scale_log2, -max_scaled));
+          s[4 * j + 2 * h + e] = pv;
+          (kFourChains ? sum[(2 * j + e) % 4] : row_sum[h]) += pv;
         }
       }
+      if constexpr (kFourChains) row_sum[h] += (sum[0] + sum[1]) + (sum[2] + sum[3]);
     }
   };
 
