@@ -109,8 +109,9 @@ def kernel_head_dim(head_dim: int) -> int:
   return -(-head_dim // 8) * 8
 
 
-def shape_error(name: str, value: Any, expected: str) -> ValueError:
-  return ValueError(f"flash_attention: {name} {expected}; got {value}")
+def shape_error(name: str, value: Any, expected: str,
+                function: str = "flash_attention") -> ValueError:
+  return ValueError(f"{function}: {name} {expected}; got {value}")
 
 
 def _check_arrays(q, k, v, dtypes) -> None:

@@ -211,7 +211,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                             ("v", v, "[total_k, K, D]")):
     if not hasattr(x, "ndim") or x.ndim != 3:
       raise shape_error(f"{name}.shape", getattr(x, "shape", type(x).__name__),
-                         f"must be rank 3 {expected}")
+                        f"must be rank 3 {expected}", "flash_attention_varlen")
   for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
       raise ValueError(f"flash_attention_varlen: {name} must be a static int >= 1; got {value!r}")
@@ -219,7 +219,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
   _varlen.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
   if cu_seqlens_q.shape != cu_seqlens_k.shape:
     raise shape_error("cu_seqlens_q and cu_seqlens_k shapes",
-                       (cu_seqlens_q.shape, cu_seqlens_k.shape), "must be equal [n + 1]")
+                      (cu_seqlens_q.shape, cu_seqlens_k.shape), "must be equal [n + 1]",
+                      "flash_attention_varlen")
   if seqused_k is not None:
     _varlen.check_seqused_k(seqused_k, cu_seqlens_k)
 

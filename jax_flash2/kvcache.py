@@ -160,8 +160,8 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, block_table, k_scale, v_sca
     shapes = [(num_kv_heads,)] + ([(num_pages, num_kv_heads)] if block_table is not None else [])
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
       if scale is None:
-        raise _err(ValueError, f"a {k_cache.dtype} cache needs {name} (float32 [K], or "
-                               "[num_pages, K] for a paged cache)")
+        raise _err(ValueError, f"k_cache of dtype {k_cache.dtype} needs {name} (float32 [K], "
+                               "or [num_pages, K] for a paged cache)")
       if not _is_array(scale) or scale.dtype != jnp.float32:
         raise _err(TypeError, f"{name} must be a float32 array; got "
                               f"{getattr(scale, 'dtype', type(scale).__name__)}")

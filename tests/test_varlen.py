@@ -73,11 +73,11 @@ def test_varlen_bad_arguments():
     f(q, k, k, cu_q, cu_k, 5, 8)
   with pytest.raises(TypeError, match="cu_seqlens_q must be an integer array"):
     f(q, k, k, cu_q.astype(jnp.float32), cu_k, 8, 8)
-  with pytest.raises(ValueError, match="rank 3"):
+  with pytest.raises(ValueError, match="flash_attention_varlen: q.shape must be rank 3"):
     f(q[None], k, k, cu_q, cu_k, 8, 8)
   with pytest.raises(ValueError, match="max_seqlen_k must be a static int"):
     f(q, k, k, cu_q, cu_k, 8, 0)
-  with pytest.raises(ValueError, match="shapes"):
+  with pytest.raises(ValueError, match="flash_attention_varlen: cu_seqlens_q and cu_seqlens_k shapes"):
     f(q, k, k, cu_q, jnp.asarray([0, 12], jnp.int32), 8, 12)
 
 
