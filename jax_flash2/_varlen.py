@@ -2,7 +2,7 @@
 flash_attention with segment ids.
 
 The tokens of n sequences are packed along one axis and delimited by
-cu_seqlens (cumulative lengths, [n + 1], starting at 0). Two paths:
+cu_seqlens (cumulative lengths, [n + 1], starting at 0). Three paths:
 
 - Packed (the default): the packed tensors run as one row [1, total, ...]
   with segment ids derived on the device from cu_seqlens (token t of q gets
@@ -13,25 +13,34 @@ cu_seqlens (cumulative lengths, [n + 1], starting at 0). Two paths:
   queries as keys at the same offsets (cu_seqlens_q == cu_seqlens_k); without
   causal or window no mask is positional and any offsets work
   (cross-attention packing).
-- Padded: for causal or window with offsets that differ (or that are traced
-  and not the same array, so cannot be compared), each sequence is gathered
-  into one row of a padded [n, max_seqlen, ...] batch, *right-aligned*
-  (padding first): the padded problem's bottom-right diagonal is then every
-  sequence's own, as in FlashAttention-2's varlen kernels. O(n * max_seqlen)
-  memory.
+- Aligned: for causal or window with offsets that differ (or that are
+  traced and not the same array, so cannot be compared), the sequences are
+  copied into one row in slots of max(q length, k length) tokens, the
+  queries and the keys of each slot ending at its end: the row's diagonal
+  (T == S) is then every sequence's bottom-right one, so the row's causal
+  and window masks are the sequences' own. O(total) memory: the row holds
+  at most total_q + total_k slots.
+- Padded: each sequence gathered into one row of a padded [n, max_seqlen,
+  ...] batch, right-aligned (padding first), as in FlashAttention-2's
+  varlen kernels: O(n * max_seqlen) memory, chosen instead of the aligned
+  row only where it holds fewer elements (few queries per sequence against
+  many keys, as in chunked prefill, where the aligned row gives every slot
+  as many query slots as keys).
 
 seqused_k ([n], optional) limits sequence b to the first seqused_k[b] keys
 of its range, FlashAttention's convention, causal and window aligned
-bottom-right to that used length. Both paths take it through what they
-already have: the packed path gives the unused keys a segment id no query
-has, the padded path gathers only the used keys (its key lengths). Either
-way the unused keys never enter a product: the packed path replaces them
-by zeros, the padded path never gathers them, since a masked key in a block
-that is computed still meets its zero probability in P V and dS K, and
-0 * NaN is NaN.
+bottom-right to that used length. Every path takes it through what it
+already has: the packed path gives the unused keys a segment id no query
+has, the aligned and padded paths copy only the used keys (their key
+lengths). Either way the unused keys never enter a product: the packed path
+replaces them by zeros, the others never copy them, since a masked key in a
+block that is computed still meets its zero probability in P V and dS K,
+and 0 * NaN is NaN.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -96,16 +105,52 @@ def same_offsets(cu_seqlens_q, cu_seqlens_k) -> bool:
           and bool(np.array_equal(np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k))))
 
 
-def choose_path(cu_seqlens_q, cu_seqlens_k, positional: bool, seqused_k=None) -> str:
-  """"packed" where one row with segment ids is exact, else "padded".
+class Sizes(NamedTuple):
+  """The static sizes the choice between the aligned row and the padded
+  batch weighs."""
+  total_q: int
+  total_k: int
+  max_seqlen_q: int
+  max_seqlen_k: int
+  heads_q: int
+  heads_kv: int
+
+
+def aligned_length(cu_seqlens_q, cu_seqlens_k, sizes: Sizes) -> int:
+  """The aligned row's static length: the sum of the slots (max(q length, k
+  length) each) when the offsets are concrete, else a bound on it
+  (total_q + total_k, or n slots of the larger max_seqlen); one more slot,
+  a query that sees no key, where queries past cu_seqlens_q[-1] may exist."""
+  traced = any(isinstance(x, jax.core.Tracer) for x in (cu_seqlens_q, cu_seqlens_k))
+  if not traced:
+    cu_q, cu_k = np.asarray(cu_seqlens_q, np.int64), np.asarray(cu_seqlens_k, np.int64)
+    slots = int(np.maximum(np.diff(cu_q), np.diff(cu_k)).sum())
+    return slots + (0 if int(cu_q[-1]) == sizes.total_q else 1)
+  n = cu_seqlens_q.shape[0] - 1
+  return min(sizes.total_q + sizes.total_k,
+             n * max(sizes.max_seqlen_q, sizes.max_seqlen_k)) + 1
+
+
+def choose_path(cu_seqlens_q, cu_seqlens_k, positional: bool, seqused_k=None,
+                sizes: Sizes | None = None) -> str:
+  """"packed" where one row with segment ids is exact, else "aligned", or
+  "padded" where the padded batch holds fewer elements than the aligned row.
 
   positional: causal or a window, masks that depend on the positions. With
   seqused_k they align to the used keys' end, not to the row's diagonal, so
-  positional calls with seqused_k take the padded path.
+  positional calls with seqused_k are not packed. sizes: None weighs
+  nothing (aligned).
   """
   if not positional:
     return "packed"
-  return "packed" if seqused_k is None and same_offsets(cu_seqlens_q, cu_seqlens_k) else "padded"
+  if seqused_k is None and same_offsets(cu_seqlens_q, cu_seqlens_k):
+    return "packed"
+  if sizes is None:
+    return "aligned"
+  n = cu_seqlens_q.shape[0] - 1
+  aligned = aligned_length(cu_seqlens_q, cu_seqlens_k, sizes) * (sizes.heads_q + 2 * sizes.heads_kv)
+  padded = n * ((sizes.max_seqlen_q + 1) * sizes.heads_q + 2 * sizes.max_seqlen_k * sizes.heads_kv)
+  return "aligned" if aligned <= padded else "padded"
 
 
 # Up to this many (token, offset) comparisons the search compares each token
@@ -178,6 +223,50 @@ def _packed(attention, q, k, v, cu_q, cu_k, used, positional: bool):
   return out[0, :total_q], lse[0, :, :total_q]
 
 
+def _aligned(attention, q, k, v, cu_q, cu_k, used, length: int):
+  """out [total_q, H, D], lse [H, total_q] on one row of `length` slots.
+
+  Sequence b takes a slot of w_b = max(q length, k length) positions (k
+  length: used[b] with seqused_k); its queries fill the slot's last q
+  length positions on the query row, its keys the last k length ones on
+  the key row. With T == S the row's diagonal i == j is then each slot's
+  end on both rows, every sequence's bottom-right diagonal. Segment ids 3 b
+  for the tokens of sequence b, 3 b - 1 (queries) and 3 b - 2 (keys) for
+  the free positions of slot b and 3 n - 1 / 3 n - 2 past the last slot:
+  free positions never share an id, and the ids never decrease along the
+  rows (tight per-block ranges for the kernels). Free key positions hold
+  zeros (a masked key in a computed block still meets P V and dS K).
+  Queries past cu_q[-1] take the output of the row's last position, a free
+  query (aligned_length leaves one), which sees no key.
+  """
+  n = cu_q.shape[0] - 1
+  q_len = cu_q[1:] - cu_q[:-1]
+  k_len = cu_k[1:] - cu_k[:-1] if used is None else used
+  slot_end = jnp.cumsum(jnp.maximum(q_len, k_len))
+  pos = jnp.arange(length, dtype=jnp.int32)
+  slot = _sequence_of(slot_end, pos)  # the slot holding pos; n past the last
+  end = jnp.take(slot_end, slot, mode="clip")
+
+  def row(x, cu, lengths, free_id):
+    offset = pos - (end - jnp.take(lengths, slot, mode="clip"))  # within the sequence
+    real = (slot < n) & (offset >= 0)
+    token = jnp.clip(jnp.take(cu, slot, mode="clip") + offset, 0, x.shape[0] - 1)
+    x_row = jnp.where(real[:, None, None], jnp.take(x, token, axis=0), jnp.zeros((), x.dtype))
+    return x_row, jnp.where(real, 3 * slot, 3 * slot + free_id).astype(jnp.int32)
+
+  q_row, q_ids = row(q, cu_q, q_len, -1)
+  k_row, kv_ids = row(k, cu_k, k_len, -2)
+  v_row, _ = row(v, cu_k, k_len, -2)
+  out, lse = attention(q_row[None], k_row[None], v_row[None],
+                       segment_ids=(q_ids[None], kv_ids[None]), return_lse=True)
+  token = jnp.arange(q.shape[0], dtype=jnp.int32)
+  seq = _sequence_of(cu_q[1:], token)
+  where = (jnp.take(slot_end, seq, mode="clip") - jnp.take(q_len, seq, mode="clip")
+           + token - jnp.take(cu_q, seq, mode="clip"))
+  where = jnp.clip(jnp.where(token < cu_q[-1], where, length - 1), 0, length - 1)
+  return jnp.take(out[0], where, axis=0), jnp.take(lse[0], where, axis=1)
+
+
 def _padded_index(cu_seqlens, max_seqlen: int, lengths=None):
   """[n, P] token index of each padded slot (unclipped) and whether it is
   real: the first lengths[b] tokens of sequence b (all of them by default),
@@ -241,8 +330,9 @@ def varlen_attention(attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
 
   positional: the call has causal or a window. seqused_k: None or [n]
   integer, checked by check_seqused_k. path: None chooses (see choose_path);
-  "packed" or "padded" forces one (tests compare them; "packed" with causal
-  or window and seqused_k is not the convention).
+  "packed", "aligned" or "padded" forces one (tests compare them; "packed"
+  with causal or window and seqused_k, or with offsets that differ, is not
+  the convention).
   """
   if q.shape[0] == 0 or k.shape[0] == 0:
     # No query, or no key for any query: nothing to attend (jnp.take of an
@@ -251,8 +341,9 @@ def varlen_attention(attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     out = jnp.zeros(q.shape, q.dtype)
     lse = jnp.full((q.shape[1], q.shape[0]), -jnp.inf, jnp.float32)
     return (out, lse) if return_lse else out
+  sizes = Sizes(q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1])
   if path is None:
-    path = choose_path(cu_seqlens_q, cu_seqlens_k, positional, seqused_k)
+    path = choose_path(cu_seqlens_q, cu_seqlens_k, positional, seqused_k, sizes)
   cu_q, cu_k = cu_seqlens_q.astype(jnp.int32), cu_seqlens_k.astype(jnp.int32)
   used = None
   if seqused_k is not None:
@@ -261,11 +352,15 @@ def varlen_attention(attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     used = jnp.clip(seqused_k.astype(jnp.int32), 0, cu_k[1:] - cu_k[:-1])
   if path == "packed":
     out, lse = _packed(attention, q, k, v, cu_q, cu_k, used, positional)
+  elif path == "aligned":
+    out, lse = _aligned(attention, q, k, v, cu_q, cu_k, used,
+                        aligned_length(cu_seqlens_q, cu_seqlens_k, sizes))
   elif path == "padded":
     all_real = (not isinstance(cu_seqlens_q, jax.core.Tracer)
                 and int(np.asarray(cu_seqlens_q)[-1]) == q.shape[0])
     out, lse = _padded(attention, q, k, v, cu_q, cu_k, used, max_seqlen_q, max_seqlen_k,
                        all_real)
   else:
-    raise ValueError(f"varlen_attention: path must be None, 'packed' or 'padded'; got {path!r}")
+    raise ValueError("varlen_attention: path must be None, 'packed', 'aligned' or 'padded'; got "
+                     f"{path!r}")
   return (out, lse) if return_lse else out

@@ -198,13 +198,16 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
   kernels skip the blocks of different sequences. Exact whenever neither
   causal nor window_size is set, or when the offsets are equal: concrete
   cu_seqlens_q, cu_seqlens_k with equal values, or the same array passed
-  twice (also traced). Causal or window with offsets that differ, or that
-  are traced distinct arrays, gathers the sequences into a right-aligned
-  padded [n, max_seqlen] batch instead (O(n * max_seqlen) memory), since
-  one row's diagonal cannot follow every sequence's bottom-right one; so
-  does causal or window with seqused_k (the padded batch holds only the
-  used keys). Without causal or window, seqused_k stays on the packed row
-  (the unused keys get a segment id no query has, and zeros).
+  twice (also traced). One row's diagonal cannot follow every sequence's
+  bottom-right one otherwise, so causal or window with offsets that differ,
+  that are traced distinct arrays, or with seqused_k copy the sequences
+  into one row of slots of max(q length, k length) tokens each, queries and
+  (used) keys ending at the slot's end (O(total_q + total_k) memory); where
+  a right-aligned padded [n, max_seqlen] batch holds fewer elements (few
+  queries against many keys per sequence, as in chunked prefill) they are
+  gathered into that instead. Without causal or window, seqused_k stays on
+  the packed row (the unused keys get a segment id no query has, and
+  zeros).
   """
   check_bool("return_lse", return_lse)
   for name, x, expected in (("q", q, "[total_q, H, D]"), ("k", k, "[total_k, K, D]"),

@@ -256,13 +256,23 @@ def test_packed_path_matches_oracle(backend, case, dtype, rng):
 
 
 def test_choose_path():
-  """Packed wherever one row is exact; padded only for causal or window with
-  offsets that differ or cannot be compared (distinct traced arrays)."""
+  """Packed wherever one row is exact; for causal or window with offsets that
+  differ or cannot be compared (distinct traced arrays) the aligned row, or
+  the padded batch where that holds fewer elements."""
   choose = jax_flash2._varlen.choose_path
+  sizes = jax_flash2._varlen.Sizes
   a, b = _cu([3, 5]), _cu([4, 4])
   assert choose(a, b, positional=False) == "packed"
-  assert choose(a, b, positional=True) == "padded"
+  assert choose(a, b, positional=True) == "aligned"
   assert choose(a, _cu([3, 5]), positional=True) == "packed"  # equal values
+  # 1,000 short sequences and one of 4,096: the padded batch is 1,001 x 4,096.
+  lens = np.concatenate([np.full(1000, 5), [4096]])
+  cu_q, cu_k = _cu(lens), _cu(lens + 1)
+  assert choose(cu_q, cu_k, True, None, sizes(9096, 10097, 4096, 4097, 8, 8)) == "aligned"
+  # Chunked prefill, 16 new queries against 4,096 keys per sequence: the
+  # aligned row would give each sequence 4,096 query slots.
+  cu_q, cu_k = _cu([16] * 8), _cu([4096] * 8)
+  assert choose(cu_q, cu_k, True, None, sizes(128, 32768, 16, 4096, 32, 8)) == "padded"
   seen = {}
 
   def probe(x, y):
@@ -272,13 +282,13 @@ def test_choose_path():
     return x
 
   jax.jit(probe)(a, a)
-  assert seen == {"same": "packed", "distinct": "padded", "distinct, no mask": "packed"}
+  assert seen == {"same": "packed", "distinct": "aligned", "distinct, no mask": "packed"}
 
 
 def test_traced_offsets_under_jit(backend, rng):
   """cu_seqlens as jit arguments: the same traced array for q and k (causal,
   packed), distinct traced arrays without a mask (packed, T != S) and with
-  causal (padded), all equal to the oracle."""
+  causal (the aligned row), all equal to the oracle."""
   q_lens, k_lens = [7, 0, 40, 13], [20, 3, 9, 0]
   h, hk, d = 2, 1, 16
   q = jnp.asarray(rng.standard_normal((sum(q_lens), h, d)), jnp.float32)
@@ -317,11 +327,11 @@ def test_traced_offsets_under_jit(backend, rng):
 
 
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
-def test_packed_and_padded_paths_agree(rng, with_sinks):
-  """The two paths forced on the same causal call (equal offsets, padding rows
-  past cu_seqlens[-1] on both sides): the same out, LSE and gradients; the
-  padding rows give out 0 and the LSE of a row that sees no key (-inf, or
-  the sink)."""
+def test_packed_aligned_and_padded_paths_agree(rng, with_sinks):
+  """The three paths forced on the same causal call (equal offsets, padding
+  rows past cu_seqlens[-1] on both sides): the same out, LSE and gradients;
+  the padding rows give out 0 and the LSE of a row that sees no key (-inf,
+  or the sink)."""
   lens = [9, 0, 31, 2, 17]
   h, d = 2, 16
   q = jnp.asarray(rng.standard_normal((sum(lens) + 3, h, d)), jnp.float32)
@@ -342,9 +352,10 @@ def test_packed_and_padded_paths_agree(rng, with_sinks):
 
   packed = run("packed", traced=True)
   # Offsets traced (jit arguments) or concrete (closed over).
-  for padded in (run("padded", traced=True), run("padded", traced=False)):
-    for a, b in zip(jax.tree.leaves(packed), jax.tree.leaves(padded)):
-      assert max_err(a, b) <= 2e-5
+  for path in ("aligned", "padded"):
+    for other in (run(path, traced=True), run(path, traced=False)):
+      for a, b in zip(jax.tree.leaves(packed), jax.tree.leaves(other)):
+        assert max_err(a, b) <= 2e-5
   assert np.all(np.asarray(packed[0])[sum(lens):] == 0)
   pad_lse = np.asarray(packed[1])[:, sum(lens):]
   if with_sinks:
@@ -410,6 +421,59 @@ def test_packed_memory_linear_in_tokens(rng):
   assert padded >= n * 4096 * h * d * 4
 
 
+def test_aligned_memory_linear_in_tokens(rng):
+  """1,000 short sequences and one of 4,096 tokens, causal, with one key more
+  than queries per sequence (offsets that differ: no single packed row): the
+  aligned row's forward+backward needs temporary memory of a few times the
+  packed tensors and no [n, max_seqlen, ...] buffer, where the padded batch
+  pads every sequence to 4,097. Compiled, not run (CPU)."""
+  short = rng.integers(1, 9, size=1000)
+  q_lens = np.concatenate([short, [4096]])
+  k_lens = q_lens + 1
+  n, h, d = len(q_lens), 1, 8
+  cu_q, cu_k = _cu(q_lens), _cu(k_lens)
+  total_q, total_k = int(q_lens.sum()), int(k_lens.sum())
+  cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+  q_spec = jax.ShapeDtypeStruct((total_q, h, d), jnp.float32, sharding=cpu)
+  k_spec = jax.ShapeDtypeStruct((total_k, h, d), jnp.float32, sharding=cpu)
+  sizes = jax_flash2._varlen.Sizes(total_q, total_k, 4096, 4097, h, h)
+  assert jax_flash2._varlen.choose_path(cu_q, cu_k, True, None, sizes) == "aligned"
+
+  def loss(q, k, v):
+    out = jax_flash2.flash_attention_varlen(q, k, v, cu_q, cu_k, 4096, 4097, causal=True)
+    return jnp.sum(out * out)
+
+  temp, hlo = _compiled_memory(jax.value_and_grad(loss, argnums=(0, 1, 2)), q_spec, k_spec, k_spec)
+  tensor = total_k * h * d * 4
+  print(f"temp bytes: aligned {temp:,} ({total_q} + {total_k} tokens, {tensor:,} B per tensor)")
+  assert f"[{n},4096" not in hlo and f"[{n},4097" not in hlo
+  assert temp <= 24 * tensor, (temp, tensor)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] != c[1] and c[5].get("causal")],
+                         ids=lambda c: f"q{c[0]}-k{c[1]}")
+def test_aligned_and_padded_paths_agree(case, rng):
+  """Causal with offsets that differ, queries past cu_seqlens_q[-1], a
+  seqused_k: the aligned row and the padded batch forced on the same calls
+  give the same out, LSE and gradients."""
+  q_lens, k_lens, h, hk, d, options = case
+  q = jnp.asarray(rng.standard_normal((sum(q_lens) + 2, h, d)), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal((sum(k_lens), hk, d)), jnp.float32) for _ in "kv")
+  d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  cu_q, cu_k = _cu(q_lens), _cu(k_lens)
+  for used in (None, jnp.asarray([max(s - 2, 0) for s in k_lens], jnp.int32)):
+    def run(path):
+      def f(q, k, v):
+        return jax_flash2._varlen.varlen_attention(
+            functools.partial(jax_flash2.flash_attention, **options), q, k, v, cu_q, cu_k,
+            max(q_lens), max(k_lens), True, positional=True, seqused_k=used, path=path)
+      (out, lse), vjp = jax.vjp(jax.jit(f), q, k, v)
+      return out, lse, vjp((d_out, jnp.zeros_like(lse)))
+    aligned, padded = run("aligned"), run("padded")
+    for a, b in zip(jax.tree.leaves(aligned), jax.tree.leaves(padded)):
+      assert max_err(a, b) <= 2e-5
+
+
 # seqused_k: sequence b uses the first seqused_k[b] keys of its range; causal
 # and window align bottom-right to that used length (FlashAttention's).
 
@@ -419,7 +483,7 @@ SEQUSED_CASES = [
     ("cross", [5, 17, 1, 30, 0, 8], [7, 17, 3, 30, 4, 0], [0, 9, 3, 30, 2, 0], 4, 2, 32, {}),
     ("cross-causal", [5, 17, 1, 30, 0, 8], [7, 17, 3, 30, 4, 0], [0, 9, 3, 30, 2, 0], 4, 2, 32,
      {"causal": True}),
-    # Same offsets: the used keys' diagonal is not the row's, so padded.
+    # Same offsets: the used keys' diagonal is not the row's, so not packed.
     ("self-causal-mqa", [20, 33, 1, 9, 0], None, [20, 10, 0, 4, 0], 4, 1, 16, {"causal": True}),
     ("window-causal", [12, 40, 3], [30, 41, 70], [25, 17, 70], 2, 2, 16,
      {"causal": True, "window_size": (5, -1)}),
@@ -486,7 +550,7 @@ def test_seqused_k_matches_oracle(backend, case, dtype, rng):
   cu_k = cu_q if same else _cu(k_lens)
   seqused = jnp.asarray(used, jnp.int32)
   positional = options.get("causal", False) or "window_size" in options
-  expected_path = "padded" if positional else "packed"
+  expected_path = "aligned" if positional else "packed"
   assert jax_flash2._varlen.choose_path(cu_q, cu_k, positional, seqused) == expected_path
 
   def f(q, k, v):
@@ -522,7 +586,7 @@ def test_seqused_k_matches_oracle(backend, case, dtype, rng):
 
 def test_seqused_k_full_is_no_seqused_k(rng):
   """seqused_k equal to every key length gives what no seqused_k gives, on
-  both paths (cross without mask: packed; causal: padded)."""
+  both paths (cross without mask: packed; causal: aligned)."""
   q_lens, k_lens = [9, 30, 0, 4], [12, 30, 5, 4]
   q, k, v, _ = _seqused_inputs(rng, q_lens, k_lens, k_lens, 2, 1, 16, jnp.float32)
   cu_q, cu_k = _cu(q_lens), _cu(k_lens)
@@ -535,7 +599,7 @@ def test_seqused_k_full_is_no_seqused_k(rng):
 
 def test_seqused_k_traced_under_jit(backend, rng):
   """seqused_k as a jit argument: new values run without retracing and match
-  the oracle, on the packed (no mask) and the padded (causal) path."""
+  the oracle, on the packed (no mask) and the aligned (causal) path."""
   q_lens, k_lens = [6, 0, 21, 13], [20, 3, 9, 17]
   h, hk, d = 2, 1, 16
   cu_q, cu_k = _cu(q_lens), _cu(k_lens)
@@ -571,7 +635,7 @@ def _spec(x):
 
 def test_seqused_k_keeps_the_kernel_plan():
   """seqused_k changes only the segment ids' values (packed) or what is
-  gathered (padded): the flash_attention call underneath has the same shapes
+  copied (aligned): the flash_attention call underneath has the same shapes
   and options as without it, so plan names the same kernels (sm90 on Hopper
   for these shapes)."""
   q_lens, k_lens, used = [2000, 3000, 1500], [2100, 3000, 1600], [700, 3000, 0]
