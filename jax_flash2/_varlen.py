@@ -223,6 +223,25 @@ def _packed(attention, q, k, v, cu_q, cu_k, used, positional: bool):
   return out[0, :total_q], lse[0, :, :total_q]
 
 
+def _take_rows(x, index, real):
+  """x's rows at index (clipped into range) where real, zeros elsewhere."""
+  rows = jnp.take(x, jnp.clip(index, 0, x.shape[0] - 1), axis=0)
+  return jnp.where(real[..., None, None], rows, jnp.zeros((), x.dtype))
+
+
+def _token_positions(cu_seqlens, slot_end, total: int, past_end: int):
+  """[total] position of each packed token in a layout of right-aligned
+  slots, sequence b's tokens ending just before slot_end[b] (the aligned
+  row's slots, or the padded batch's rows flattened); tokens past cu[-1] get
+  past_end."""
+  token = jnp.arange(total, dtype=jnp.int32)
+  seq = _sequence_of(cu_seqlens[1:], token)
+  lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+  pos = (jnp.take(slot_end, seq, mode="clip") - jnp.take(lengths, seq, mode="clip")
+         + token - jnp.take(cu_seqlens, seq, mode="clip"))
+  return jnp.where(token < cu_seqlens[-1], pos, past_end)
+
+
 def _aligned(attention, q, k, v, cu_q, cu_k, used, length: int):
   """out [total_q, H, D], lse [H, total_q] on one row of `length` slots.
 
@@ -247,23 +266,20 @@ def _aligned(attention, q, k, v, cu_q, cu_k, used, length: int):
   slot = _sequence_of(slot_end, pos)  # the slot holding pos; n past the last
   end = jnp.take(slot_end, slot, mode="clip")
 
-  def row(x, cu, lengths, free_id):
+  def row_index(cu, lengths, free_id):
+    """Token index, whether real, and segment id of each row position."""
     offset = pos - (end - jnp.take(lengths, slot, mode="clip"))  # within the sequence
     real = (slot < n) & (offset >= 0)
-    token = jnp.clip(jnp.take(cu, slot, mode="clip") + offset, 0, x.shape[0] - 1)
-    x_row = jnp.where(real[:, None, None], jnp.take(x, token, axis=0), jnp.zeros((), x.dtype))
-    return x_row, jnp.where(real, 3 * slot, 3 * slot + free_id).astype(jnp.int32)
+    ids = jnp.where(real, 3 * slot, 3 * slot + free_id).astype(jnp.int32)
+    return jnp.take(cu, slot, mode="clip") + offset, real, ids
 
-  q_row, q_ids = row(q, cu_q, q_len, -1)
-  k_row, kv_ids = row(k, cu_k, k_len, -2)
-  v_row, _ = row(v, cu_k, k_len, -2)
+  q_index, q_real, q_ids = row_index(cu_q, q_len, -1)
+  k_index, k_real, kv_ids = row_index(cu_k, k_len, -2)
+  q_row = _take_rows(q, q_index, q_real)
+  k_row, v_row = (_take_rows(x, k_index, k_real) for x in (k, v))
   out, lse = attention(q_row[None], k_row[None], v_row[None],
                        segment_ids=(q_ids[None], kv_ids[None]), return_lse=True)
-  token = jnp.arange(q.shape[0], dtype=jnp.int32)
-  seq = _sequence_of(cu_q[1:], token)
-  where = (jnp.take(slot_end, seq, mode="clip") - jnp.take(q_len, seq, mode="clip")
-           + token - jnp.take(cu_q, seq, mode="clip"))
-  where = jnp.clip(jnp.where(token < cu_q[-1], where, length - 1), 0, length - 1)
+  where = jnp.clip(_token_positions(cu_q, slot_end, q.shape[0], length - 1), 0, length - 1)
   return jnp.take(out[0], where, axis=0), jnp.take(lse[0], where, axis=1)
 
 
@@ -277,16 +293,6 @@ def _padded_index(cu_seqlens, max_seqlen: int, lengths=None):
   first_real = max_seqlen - lengths[:, None]  # right-aligned: padding first
   index = cu_seqlens[:-1, None] + slot - first_real
   return index, slot >= first_real
-
-
-def _slot_of_token(cu_seqlens, max_seqlen: int, total: int):
-  """Flat index into [n * P] of each packed token; tokens past cu[-1] get
-  slot 0, a padding slot when P exceeds every length."""
-  token = jnp.arange(total)
-  seq = _sequence_of(cu_seqlens[1:], token)
-  lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-  slot = seq * max_seqlen + (max_seqlen - lengths[seq]) + (token - cu_seqlens[seq])
-  return jnp.where(token < cu_seqlens[-1], slot, 0)
 
 
 def _padded(attention, q, k, v, cu_q, cu_k, used, max_seqlen_q: int, max_seqlen_k: int,
@@ -310,14 +316,15 @@ def _padded(attention, q, k, v, cu_q, cu_k, used, max_seqlen_q: int, max_seqlen_
   q_pad = jnp.take(q, jnp.clip(q_index, 0, q.shape[0] - 1), axis=0)   # [n, P, H, D]
   # Padding key slots hold zeros, not the clipped token they index (with
   # seqused_k an unused key, which may hold anything; see _packed).
-  k_pad, v_pad = (jnp.where(k_real[:, :, None, None],
-                            jnp.take(x, jnp.clip(k_index, 0, x.shape[0] - 1), axis=0),
-                            jnp.zeros((), x.dtype)) for x in (k, v))
+  k_pad, v_pad = (_take_rows(x, k_index, k_real) for x in (k, v))
   q_ids = jnp.where(q_real, 0, _Q_PAD_ID).astype(jnp.int32)
   kv_ids = jnp.where(k_real, 0, _KV_PAD_ID).astype(jnp.int32)
   out, lse = attention(q_pad, k_pad, v_pad, segment_ids=(q_ids, kv_ids), return_lse=True)
-  slots = _slot_of_token(cu_q, max_seqlen_q, q.shape[0])
   n = cu_q.shape[0] - 1
+  # Row b of the batch is the right-aligned slot ending at (b + 1) P; tokens
+  # past cu_q[-1] take slot 0, a padding slot when P exceeds every length.
+  row_end = (jnp.arange(n, dtype=jnp.int32) + 1) * max_seqlen_q
+  slots = _token_positions(cu_q, row_end, q.shape[0], 0)
   out = jnp.take(out.reshape((n * max_seqlen_q,) + out.shape[2:]), slots, axis=0)
   lse = jnp.take(lse.transpose(1, 0, 2).reshape(lse.shape[1], n * max_seqlen_q), slots, axis=1)
   return out, lse
