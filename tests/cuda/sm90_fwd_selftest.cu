@@ -746,6 +746,11 @@ int main(int argc, char** argv) {
         {"packed 64x256 H16 D64 bf16 causal batch", bf, 64, 256, 256, 16, 16, 64, -1, 0},
         {"packed 8x2048 H16 D128 bf16 causal", bf, 1, 16384, 16384, 16, 16, 128, -1, 0, false, SegKind::kEqual, 8},
         {"packed 8x2048 H16 D128 bf16 causal batch", bf, 8, 2048, 2048, 16, 16, 128, -1, 0},
+        {"packed 8x2048 H16 D64 bf16 causal", bf, 1, 16384, 16384, 16, 16, 64, -1, 0, false, SegKind::kEqual, 8},
+        {"packed 8x2048 H16 D64 bf16 causal batch", bf, 8, 2048, 2048, 16, 16, 64, -1, 0},
+        // Rows of documents of random lengths (uniform cuts; some empty).
+        {"packed random 12 docs B4 T16k H16 D128 bf16 causal", bf, 4, 16384, 16384, 16, 16, 128, -1, 0, false, SegKind::kPacked, 12},
+        {"packed random 12 docs B4 T16k H16 D64 bf16 causal", bf, 4, 16384, 16384, 16, 16, 64, -1, 0, false, SegKind::kPacked, 12},
     };
     if (grid) {
       for (int64_t d : {64, 128, 256}) {
