@@ -2,6 +2,10 @@
 // both grid forms of the package's tiles, plus tiles the package does not
 // build (rejected variants kept for comparison), through the package's own
 // host side (PrepareForwardSm90). Included by sm90_fwd_selftest.cu only.
+// The kernels are instantiated in the self-test's own object: an A/B build
+// of a kernel change compiles the self-test from the changed sources too
+// (linked beside an unchanged self-test object, a changed
+// fwd_sm90_launch.o is not what its timings run).
 #pragma once
 
 #include <cuda_bf16.h>
