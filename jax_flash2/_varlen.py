@@ -116,19 +116,27 @@ class Sizes(NamedTuple):
   heads_kv: int
 
 
+def all_queries_real(cu_seqlens_q, total_q: int) -> bool:
+  """Whether every query token is known to lie in a sequence (concrete
+  cu_seqlens_q[-1] == total_q). Otherwise the aligned row and the padded
+  batch hold one more query slot that sees no key, whose out (0) and LSE
+  the tokens past cu_seqlens_q[-1] take."""
+  return (not isinstance(cu_seqlens_q, jax.core.Tracer)
+          and int(np.asarray(cu_seqlens_q)[-1]) == total_q)
+
+
 def aligned_length(cu_seqlens_q, cu_seqlens_k, sizes: Sizes) -> int:
   """The aligned row's static length: the sum of the slots (max(q length, k
   length) each) when the offsets are concrete, else a bound on it
-  (total_q + total_k, or n slots of the larger max_seqlen); one more slot,
-  a query that sees no key, where queries past cu_seqlens_q[-1] may exist."""
-  traced = any(isinstance(x, jax.core.Tracer) for x in (cu_seqlens_q, cu_seqlens_k))
-  if not traced:
+  (total_q + total_k, or n slots of the larger max_seqlen); plus the free
+  query slot unless all_queries_real."""
+  extra = 0 if all_queries_real(cu_seqlens_q, sizes.total_q) else 1
+  if not any(isinstance(x, jax.core.Tracer) for x in (cu_seqlens_q, cu_seqlens_k)):
     cu_q, cu_k = np.asarray(cu_seqlens_q, np.int64), np.asarray(cu_seqlens_k, np.int64)
-    slots = int(np.maximum(np.diff(cu_q), np.diff(cu_k)).sum())
-    return slots + (0 if int(cu_q[-1]) == sizes.total_q else 1)
+    return int(np.maximum(np.diff(cu_q), np.diff(cu_k)).sum()) + extra
   n = cu_seqlens_q.shape[0] - 1
   return min(sizes.total_q + sizes.total_k,
-             n * max(sizes.max_seqlen_q, sizes.max_seqlen_k)) + 1
+             n * max(sizes.max_seqlen_q, sizes.max_seqlen_k)) + extra
 
 
 def choose_path(cu_seqlens_q, cu_seqlens_k, positional: bool, seqused_k=None,
@@ -229,6 +237,17 @@ def _take_rows(x, index, real):
   return jnp.where(real[..., None, None], rows, jnp.zeros((), x.dtype))
 
 
+def _slot_tokens(cu_seqlens, lengths, slot, to_end):
+  """Token index at each position of a layout of right-aligned slots (the
+  aligned row's, or the padded batch's rows), and whether a token is there:
+  the position to_end places before the end of the slot of sequence `slot`
+  (to_end 1: its last) holds token lengths[slot] - to_end of the sequence,
+  if that is >= 0. slot n (past the last sequence) holds none."""
+  offset = jnp.take(lengths, slot, mode="clip") - to_end  # within the sequence
+  real = (slot < lengths.shape[0]) & (offset >= 0)
+  return jnp.take(cu_seqlens, slot, mode="clip") + offset, real
+
+
 def _token_positions(cu_seqlens, slot_end, total: int, past_end: int):
   """[total] position of each packed token in a layout of right-aligned
   slots, sequence b's tokens ending just before slot_end[b] (the aligned
@@ -258,41 +277,22 @@ def _aligned(attention, q, k, v, cu_q, cu_k, used, length: int):
   Queries past cu_q[-1] take the output of the row's last position, a free
   query (aligned_length leaves one), which sees no key.
   """
-  n = cu_q.shape[0] - 1
   q_len = cu_q[1:] - cu_q[:-1]
   k_len = cu_k[1:] - cu_k[:-1] if used is None else used
   slot_end = jnp.cumsum(jnp.maximum(q_len, k_len))
   pos = jnp.arange(length, dtype=jnp.int32)
   slot = _sequence_of(slot_end, pos)  # the slot holding pos; n past the last
-  end = jnp.take(slot_end, slot, mode="clip")
-
-  def row_index(cu, lengths, free_id):
-    """Token index, whether real, and segment id of each row position."""
-    offset = pos - (end - jnp.take(lengths, slot, mode="clip"))  # within the sequence
-    real = (slot < n) & (offset >= 0)
-    ids = jnp.where(real, 3 * slot, 3 * slot + free_id).astype(jnp.int32)
-    return jnp.take(cu, slot, mode="clip") + offset, real, ids
-
-  q_index, q_real, q_ids = row_index(cu_q, q_len, -1)
-  k_index, k_real, kv_ids = row_index(cu_k, k_len, -2)
+  to_end = jnp.take(slot_end, slot, mode="clip") - pos
+  q_index, q_real = _slot_tokens(cu_q, q_len, slot, to_end)
+  k_index, k_real = _slot_tokens(cu_k, k_len, slot, to_end)
+  q_ids = jnp.where(q_real, 3 * slot, 3 * slot - 1).astype(jnp.int32)
+  kv_ids = jnp.where(k_real, 3 * slot, 3 * slot - 2).astype(jnp.int32)
   q_row = _take_rows(q, q_index, q_real)
   k_row, v_row = (_take_rows(x, k_index, k_real) for x in (k, v))
   out, lse = attention(q_row[None], k_row[None], v_row[None],
                        segment_ids=(q_ids[None], kv_ids[None]), return_lse=True)
   where = jnp.clip(_token_positions(cu_q, slot_end, q.shape[0], length - 1), 0, length - 1)
   return jnp.take(out[0], where, axis=0), jnp.take(lse[0], where, axis=1)
-
-
-def _padded_index(cu_seqlens, max_seqlen: int, lengths=None):
-  """[n, P] token index of each padded slot (unclipped) and whether it is
-  real: the first lengths[b] tokens of sequence b (all of them by default),
-  right-aligned."""
-  if lengths is None:
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-  slot = jnp.arange(max_seqlen)[None, :]
-  first_real = max_seqlen - lengths[:, None]  # right-aligned: padding first
-  index = cu_seqlens[:-1, None] + slot - first_real
-  return index, slot >= first_real
 
 
 def _padded(attention, q, k, v, cu_q, cu_k, used, max_seqlen_q: int, max_seqlen_k: int,
@@ -303,24 +303,27 @@ def _padded(attention, q, k, v, cu_q, cu_k, used, max_seqlen_q: int, max_seqlen_
   those are gathered, right-aligned, so the batch's bottom-right diagonal is
   the used keys' end.
 
-  all_real: every query token is known to be inside a sequence (concrete
-  cu_q[-1] == total_q). Otherwise the rows get one more slot, so slot 0 of
-  row 0 is padding: a query that sees no key, from which the tokens past
-  cu_q[-1] take their out 0 and LSE (-inf, or the sink with sinks) and get
-  no gradient. (Right alignment keeps every sequence's diagonal whatever P.)
+  all_real: all_queries_real. Otherwise the rows get one more slot, so slot
+  0 of row 0 is padding: a query that sees no key, from which the tokens
+  past cu_q[-1] take their out 0 and LSE (-inf, or the sink with sinks) and
+  get no gradient. (Right alignment keeps every sequence's diagonal whatever
+  P.)
   """
   if not all_real:
     max_seqlen_q += 1
-  q_index, q_real = _padded_index(cu_q, max_seqlen_q)
-  k_index, k_real = _padded_index(cu_k, max_seqlen_k, used)
-  q_pad = jnp.take(q, jnp.clip(q_index, 0, q.shape[0] - 1), axis=0)   # [n, P, H, D]
-  # Padding key slots hold zeros, not the clipped token they index (with
-  # seqused_k an unused key, which may hold anything; see _packed).
+  n = cu_q.shape[0] - 1
+  row = jnp.arange(n, dtype=jnp.int32)[:, None]
+  q_index, q_real = _slot_tokens(cu_q, cu_q[1:] - cu_q[:-1], row,
+                                 max_seqlen_q - jnp.arange(max_seqlen_q, dtype=jnp.int32))
+  k_index, k_real = _slot_tokens(cu_k, cu_k[1:] - cu_k[:-1] if used is None else used, row,
+                                 max_seqlen_k - jnp.arange(max_seqlen_k, dtype=jnp.int32))
+  # [n, P, H, D]. Padding key slots hold zeros, not the clipped token they
+  # index (with seqused_k an unused key, which may hold anything; see _packed).
+  q_pad = _take_rows(q, q_index, q_real)
   k_pad, v_pad = (_take_rows(x, k_index, k_real) for x in (k, v))
   q_ids = jnp.where(q_real, 0, _Q_PAD_ID).astype(jnp.int32)
   kv_ids = jnp.where(k_real, 0, _KV_PAD_ID).astype(jnp.int32)
   out, lse = attention(q_pad, k_pad, v_pad, segment_ids=(q_ids, kv_ids), return_lse=True)
-  n = cu_q.shape[0] - 1
   # Row b of the batch is the right-aligned slot ending at (b + 1) P; tokens
   # past cu_q[-1] take slot 0, a padding slot when P exceeds every length.
   row_end = (jnp.arange(n, dtype=jnp.int32) + 1) * max_seqlen_q
@@ -363,10 +366,8 @@ def varlen_attention(attention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     out, lse = _aligned(attention, q, k, v, cu_q, cu_k, used,
                         aligned_length(cu_seqlens_q, cu_seqlens_k, sizes))
   elif path == "padded":
-    all_real = (not isinstance(cu_seqlens_q, jax.core.Tracer)
-                and int(np.asarray(cu_seqlens_q)[-1]) == q.shape[0])
     out, lse = _padded(attention, q, k, v, cu_q, cu_k, used, max_seqlen_q, max_seqlen_k,
-                       all_real)
+                       all_queries_real(cu_seqlens_q, q.shape[0]))
   else:
     raise ValueError("varlen_attention: path must be None, 'packed', 'aligned' or 'padded'; got "
                      f"{path!r}")
