@@ -224,8 +224,8 @@ def _packed(attention, q, k, v, cu_q, cu_k, used, positional: bool):
     extra_q, extra_k = max(total_k - total_q, 0), max(total_q - total_k, 0)
     q = jnp.pad(q, ((0, extra_q), (0, 0), (0, 0)))
     k, v = (jnp.pad(x, ((0, extra_k), (0, 0), (0, 0))) for x in (k, v))
-    q_ids = jnp.pad(q_ids, (0, extra_q), constant_values=n)
-    kv_ids = jnp.pad(kv_ids, (0, extra_k), constant_values=n + 1)
+    q_ids = jnp.pad(q_ids, (0, extra_q), constant_values=2 * n)
+    kv_ids = jnp.pad(kv_ids, (0, extra_k), constant_values=2 * n + 1)
   out, lse = attention(q[None], k[None], v[None], segment_ids=(q_ids[None], kv_ids[None]),
                        return_lse=True)
   return out[0, :total_q], lse[0, :, :total_q]

@@ -191,6 +191,12 @@ PACKED_CASES = [
     ("cross-softcap", [33, 1, 12], [3, 50, 12], 2, 2, 16, {"softcap": 2.0}, 0, 0),
     ("padding-rows-causal", [12, 30, 0, 7], None, 2, 2, 16, {"causal": True}, 5, 9),
     ("padding-rows-q-longer", [12, 30], None, 2, 1, 16, {"causal": True}, 11, 2),
+    # The rows padded to equal lengths lie right of the last sequence, which
+    # a two-sided window reaches.
+    ("padding-rows-window-q-longer", [12, 30, 9], None, 2, 1, 16, {"window_size": (6, 4)},
+     11, 2),
+    ("padding-rows-window-k-longer", [12, 30, 9], None, 2, 2, 16, {"window_size": (6, 4)},
+     2, 11),
 ]
 
 
