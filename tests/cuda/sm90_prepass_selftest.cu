@@ -2,7 +2,8 @@
 // model of its summaries: for every case, every summary the Hopper kernels
 // read (spans, padded ids, key runs, tiles, the zeroed tile counter) must
 // match byte for byte. The kernels' self-tests check the summaries' effect
-// end to end. Then the pre-pass is timed on rows of 16k tokens.
+// end to end. Then the pre-pass is timed on rows of 16k tokens and on long
+// rows of many documents (varlen's one row).
 //   nvcc -std=c++17 -O3 -I. -gencode=arch=compute_90a,code=sm_90a \
 //     tests/cuda/sm90_prepass_selftest.cu -o build/sm90_prepass_selftest
 //   build/sm90_prepass_selftest [--no-time]
@@ -309,14 +310,30 @@ int main(int argc, char** argv) {
       {"missing kv docs T3000 fwd", SegKind::kMissing, 9, 1, 3000, 3000, 64, 128, 2, 1},
       {"70000 rows T37 S21 fwd", SegKind::kPacked, 3, 70000, 37, 21, 64, 128, 2, 1},
       {"2 docs T200000 S150000 bwd", SegKind::kPacked, 2, 1, 200000, 150000, 64, 64, 1, 2},
+      // Many groups of chunks (the group search above 1024 chunks): unsorted
+      // ids meet every group, short sorted documents a few.
+      {"unsorted T5000 S9001 fwd", SegKind::kRandom, 0, 1, 5000, 9001, 64, 176, 2, 1},
+      {"unsorted T9001 S5000 B2 bwd", SegKind::kRandom, 0, 2, 9001, 5000, 128, 64, 1, 2},
+      {"short docs T70001 bwd", SegKind::kShort, 0, 1, 70001, 70001, 64, 64, 1, 2},
+      {"unsorted T70001 S66000 fwd", SegKind::kRandom, 0, 1, 70001, 66000, 64, 128, 2, 1},
+  };
+  // varlen's one row of many sequences: checked, then timed beside the rows of 16k.
+  const std::vector<PrepassCase> long_rows = {
+      {"1000 docs T300000 fwd D64", SegKind::kPacked, 1000, 1, 300000, 300000, 64, 128, 3, 1},
+      {"4096 docs T1048576 fwd D128", SegKind::kPacked, 4096, 1, 1 << 20, 1 << 20, 64, 128, 2,
+       1},
+      {"4096 docs T1048576 bwd D128", SegKind::kPacked, 4096, 1, 1 << 20, 1 << 20, 64, 64, 1,
+       2},
   };
   int failures = 0;
   uint64_t seed = 1;
   for (const PrepassCase& c : cases) failures += Compare(c, seed++) ? 0 : 1;
+  for (const PrepassCase& c : long_rows) failures += Compare(c, seed++) ? 0 : 1;
   std::printf("%s: %d failure(s) of %zu cases\n", failures ? "FAILED" : "ALL PASSED", failures,
-              cases.size());
+              cases.size() + long_rows.size());
   if (time) {
     for (int i = 0; i < 5; ++i) Time(cases[i]);
+    for (const PrepassCase& c : long_rows) Time(c);
   }
   return failures ? 1 : 0;
 }

@@ -5,8 +5,9 @@
 // per-element id test only to the pairs whose ids are not all one and the
 // same. Two kernels:
 //   chunk kernel: the [min, max] id of every query chunk (q_chunk rows) and
-//     key chunk (kv_chunk keys), and copies of both id rows padded to whole
-//     chunks (so the kernels load id pairs as aligned int2, never past a row);
+//     key chunk (kv_chunk keys) and of every group of kSegmentGroupChunks
+//     chunks, and copies of both id rows padded to whole chunks (so the
+//     kernels load id pairs as aligned int2, never past a row);
 //   span-tile kernel: for every chunk, the chunks of the other side whose id
 //     ranges intersect its own ([first, end): disjoint ranges cannot match;
 //     for sorted ids that is exactly the documents it touches), and within
@@ -20,7 +21,8 @@
 //     document shorter than a few blocks takes as many blocks as it would
 //     alone in a batch).
 // Scanning the other side's ids inside the kernels instead costs every tile
-// an O(S) pass over L2 at the start; the summaries are O(chunks) per chunk.
+// an O(S) pass over L2 at the start; the spans read O(groups + chunks of the
+// groups that meet) summaries per chunk.
 // The tiles ride in the span kernel because each dependent launch costs
 // about 3 us (three kernels took 10.5-12.9 us), and the span kernel and the
 // attention kernel after it launch as programmatic dependents: at T = S =
@@ -43,9 +45,39 @@ namespace jax_flash2::cuda::sm90 {
 
 namespace segments_detail {
 
-// One warp per chunk, query chunks first: its [min, max] id into mm, and its
-// padded copy (INT32_MIN past the row: those rows / keys are outside the
-// window anyway).
+// Chunk c of row b of one side (a warp): its padded id copy (INT32_MIN past
+// the row: those rows / keys are outside the window anyway) and its [min,
+// max] id into mm; every lane gets the [min, max].
+__device__ __forceinline__ int2 SummarizeChunk(const FlashParams& p, const SegmentBlocks& s,
+                                               bool q_side, int64_t b, int c, int lane,
+                                               int2* q_mm, int2* kv_mm) {
+  const int per_row = q_side ? s.num_q_chunks : s.num_kv_chunks;
+  const int chunk = q_side ? s.q_chunk : s.kv_chunk;
+  const int64_t len = q_side ? p.seqlen_q : p.seqlen_k;
+  const int64_t x0 = int64_t{c} * chunk;
+  const int32_t* ids = (q_side ? p.q_segment_ids : p.kv_segment_ids) + b * len;
+  int32_t* pad = const_cast<int32_t*>(q_side ? s.q_ids : s.kv_ids) + b * per_row * chunk;
+  int32_t lo = INT32_MAX, hi = INT32_MIN;
+  for (int x = lane; x < chunk; x += 32) {
+    const int64_t pos = x0 + x;
+    const int32_t id = pos < len ? ids[pos] : INT32_MIN;
+    if (pos < len) {
+      lo = min(lo, id);
+      hi = max(hi, id);
+    }
+    pad[pos] = id;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) {
+    lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, off));
+    hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, off));
+  }
+  if (lane == 0) (q_side ? q_mm : kv_mm)[b * per_row + c] = make_int2(lo, hi);
+  return make_int2(lo, hi);
+}
+
+// Rows of at most kSegmentFlatScanChunks chunks: a warp per chunk, query
+// chunks first, no group summaries.
 static __global__ void __launch_bounds__(256) SegmentChunkKernel(const FlashParams p, SegmentBlocks s,
                                                           int2* q_mm, int2* kv_mm) {
   AllowDependentLaunch();
@@ -57,28 +89,45 @@ static __global__ void __launch_bounds__(256) SegmentChunkKernel(const FlashPara
     const bool q_side = w < nq;
     const int64_t c = q_side ? w : w - nq;
     const int per_row = q_side ? s.num_q_chunks : s.num_kv_chunks;
-    const int chunk = q_side ? s.q_chunk : s.kv_chunk;
-    const int64_t len = q_side ? p.seqlen_q : p.seqlen_k;
-    const int64_t b = c / per_row;
-    const int64_t x0 = (c % per_row) * chunk;
-    const int32_t* ids = (q_side ? p.q_segment_ids : p.kv_segment_ids) + b * len;
-    int32_t* pad = const_cast<int32_t*>(q_side ? s.q_ids : s.kv_ids) + b * per_row * chunk;
-    int32_t lo = INT32_MAX, hi = INT32_MIN;
-    for (int x = lane; x < chunk; x += 32) {
-      const int64_t pos = x0 + x;
-      const int32_t id = pos < len ? ids[pos] : INT32_MIN;
-      if (pos < len) {
-        lo = min(lo, id);
-        hi = max(hi, id);
-      }
-      pad[pos] = id;
-    }
+    SummarizeChunk(p, s, q_side, c / per_row, static_cast<int>(c % per_row), lane, q_mm, kv_mm);
+  }
+}
+
+// Longer rows: a block per group of kSegmentGroupChunks chunks, a warp per
+// chunk, query groups first; also each group's [min, max] into group_mm.
+inline constexpr int kGroupKernelThreads = 32 * kSegmentGroupChunks;
+
+static __global__ void __launch_bounds__(kGroupKernelThreads)
+    SegmentGroupKernel(const FlashParams p, SegmentBlocks s, int2* q_mm, int2* kv_mm,
+                       int2* q_group_mm, int2* kv_group_mm) {
+  AllowDependentLaunch();
+  __shared__ int2 warp_mm[kSegmentGroupChunks];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int q_groups = static_cast<int>(SegmentGroups(s.num_q_chunks));
+  const int kv_groups = static_cast<int>(SegmentGroups(s.num_kv_chunks));
+  const int64_t nq = int64_t{q_groups} * p.batch;
+  const int64_t total = nq + int64_t{kv_groups} * p.batch;
+  for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
+    const bool q_side = g < nq;
+    const int64_t row_group = q_side ? g : g - nq;
+    const int groups = q_side ? q_groups : kv_groups;
+    const int per_row = q_side ? s.num_q_chunks : s.num_kv_chunks;
+    const int64_t b = row_group / groups;
+    const int c = static_cast<int>(row_group % groups) * kSegmentGroupChunks + warp;
+    int2 m = make_int2(INT32_MAX, INT32_MIN);
+    if (c < per_row) m = SummarizeChunk(p, s, q_side, b, c, lane, q_mm, kv_mm);
+    if (lane == 0) warp_mm[warp] = m;
+    __syncthreads();
+    if (warp == 0) {
+      m = lane < kSegmentGroupChunks ? warp_mm[lane] : make_int2(INT32_MAX, INT32_MIN);
 #pragma unroll
-    for (int off = 16; off > 0; off /= 2) {
-      lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, off));
-      hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, off));
+      for (int off = 16; off > 0; off /= 2) {
+        m.x = min(m.x, __shfl_xor_sync(0xffffffffu, m.x, off));
+        m.y = max(m.y, __shfl_xor_sync(0xffffffffu, m.y, off));
+      }
+      if (lane == 0) (q_side ? q_group_mm : kv_group_mm)[row_group] = m;
     }
-    if (lane == 0) (q_side ? q_mm : kv_mm)[c] = make_int2(lo, hi);
+    __syncthreads();  // warp_mm is rewritten by the next group
   }
 }
 
@@ -130,15 +179,17 @@ __device__ __forceinline__ int2 KeyRunOf(const int2* kv_mm_row, const int32_t* k
 // Chunk c of a row (a warp): its span over the other side's chunks (see the
 // top) into span_row[c], and for a uniform query chunk its id's key run into
 // q_keys_row[c] (q_keys_row null on the key side; kv_ids_row: the padded key
-// ids of the row).
+// ids of the row). Only the chunks of the other side's groups whose ids meet
+// its own are read: a chunk outside them meets none of its ids, and a chunk
+// of its uniform id lies in one of them.
 __device__ __forceinline__ void SpanOfChunk(const int2* own_mm_row, const int2* other_mm_row,
-                                            int other_n, const int32_t* kv_ids_row,
-                                            int kv_chunk, int c, int lane, int4* span_row,
-                                            int2* q_keys_row) {
+                                            const int2* other_group_mm_row, int other_n,
+                                            const int32_t* kv_ids_row, int kv_chunk, int c,
+                                            int lane, int4* span_row, int2* q_keys_row) {
   const int2 own = own_mm_row[c];
   const bool uniform = own.x == own.y;
   int first = INT_MAX, last = -1, full_first = INT_MAX, full_last = -1, full_count = 0;
-  for (int j = lane; j < other_n; j += 32) {
+  auto visit = [&](int j) {
     const int2 o = other_mm_row[j];
     if (o.x <= own.y && own.x <= o.y) {
       first = min(first, j);
@@ -148,6 +199,31 @@ __device__ __forceinline__ void SpanOfChunk(const int2* own_mm_row, const int2* 
       full_first = min(full_first, j);
       full_last = max(full_last, j);
       ++full_count;
+    }
+  };
+  if (other_n <= kSegmentFlatScanChunks) {
+    for (int j = lane; j < other_n; j += 32) visit(j);
+  } else {
+    static_assert(32 % kSegmentGroupChunks == 0, "a pass reads whole groups, a chunk a lane");
+    constexpr int kGroupsPerPass = 32 / kSegmentGroupChunks;
+    const int other_groups = static_cast<int>(SegmentGroups(other_n));
+    for (int g0 = 0; g0 < other_groups; g0 += 32) {
+      bool meets = false;
+      if (g0 + lane < other_groups) {
+        const int2 o = other_group_mm_row[g0 + lane];
+        meets = o.x <= own.y && own.x <= o.y;
+      }
+      unsigned hits = __ballot_sync(0xffffffffu, meets);
+      while (hits != 0) {
+        int bit = -1;
+#pragma unroll
+        for (int t = 0; t < kGroupsPerPass; ++t) {
+          if (hits != 0 && t == lane / kSegmentGroupChunks) bit = __ffs(hits) - 1;
+          hits &= hits - 1;
+        }
+        const int j = (g0 + bit) * kSegmentGroupChunks + lane % kSegmentGroupChunks;
+        if (bit >= 0 && j < other_n) visit(j);
+      }
     }
   }
 #pragma unroll
@@ -230,7 +306,8 @@ __host__ __device__ inline SpanTileItems SpanTileItemsOf(const SegmentBlocks& s)
 // launch of their own.
 static __global__ void __launch_bounds__(32 * kSpanTileWarps)
     SegmentSpanTileKernel(const FlashParams p, SegmentBlocks s, const int2* q_mm,
-                          const int2* kv_mm, int2* q_keys) {
+                          const int2* kv_mm, const int2* q_group_mm, const int2* kv_group_mm,
+                          int2* q_keys) {
   WaitForPrimaryGrid();  // the chunk kernel's summaries
   AllowDependentLaunch();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -250,14 +327,17 @@ static __global__ void __launch_bounds__(32 * kSpanTileWarps)
     const int c1 = min(chunks, t1 * tile_chunks);
     const int2* q_mm_row = q_mm + b * nq;
     const int2* kv_mm_row = kv_mm + b * nk;
+    const int2* q_group_row = q_group_mm + b * SegmentGroups(nq);
+    const int2* kv_group_row = kv_group_mm + b * SegmentGroups(nk);
     int4* span_row = const_cast<int4*>(q_side ? s.q_span + b * nq : s.kv_span + b * nk);
     int2* q_keys_row = q_keys + b * nq;
     for (int c = t0 * tile_chunks + warp; c < c1; c += kSpanTileWarps) {
       if (q_side) {
-        SpanOfChunk(q_mm_row, kv_mm_row, nk, s.kv_ids + b * nk * s.kv_chunk, s.kv_chunk, c,
-                    lane, span_row, q_keys_row);
+        SpanOfChunk(q_mm_row, kv_mm_row, kv_group_row, nk, s.kv_ids + b * nk * s.kv_chunk,
+                    s.kv_chunk, c, lane, span_row, q_keys_row);
       } else {
-        SpanOfChunk(kv_mm_row, q_mm_row, nq, nullptr, 0, c, lane, span_row, nullptr);
+        SpanOfChunk(kv_mm_row, q_mm_row, q_group_row, nq, nullptr, 0, c, lane, span_row,
+                    nullptr);
       }
     }
     __syncthreads();  // the spans and key runs above (global) are read back below
@@ -308,19 +388,32 @@ static inline cudaError_t RunSegmentPrepass(const FlashParams& p, int q_chunk, i
   int2* q_mm = reinterpret_cast<int2*>(base + lay.q_mm);
   int2* kv_mm = reinterpret_cast<int2*>(base + lay.kv_mm);
   int2* q_keys = reinterpret_cast<int2*>(base + lay.q_keys);
-  const int64_t warps = (static_cast<int64_t>(s.num_q_chunks) + s.num_kv_chunks) * p.batch;
-  if (warps > 0) {
+  int2* q_group_mm = reinterpret_cast<int2*>(base + lay.q_group_mm);
+  int2* kv_group_mm = reinterpret_cast<int2*>(base + lay.kv_group_mm);
+  const int64_t chunks = (static_cast<int64_t>(s.num_q_chunks) + s.num_kv_chunks) * p.batch;
+  if (chunks > 0) {
     using namespace segments_detail;
     const int64_t cap = static_cast<int64_t>(sm_count > 0 ? sm_count : 132) * 16;
-    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((warps + 7) / 8, cap));
-    SegmentChunkKernel<<<blocks, 256, 0, stream>>>(p, s, q_mm, kv_mm);
+    if (std::max(s.num_q_chunks, s.num_kv_chunks) > kSegmentFlatScanChunks) {
+      const int64_t groups =
+          (SegmentGroups(s.num_q_chunks) + SegmentGroups(s.num_kv_chunks)) * p.batch;
+      const unsigned blocks =
+          static_cast<unsigned>(std::min<int64_t>(groups, cap * 8 / kSegmentGroupChunks));
+      SegmentGroupKernel<<<blocks, kGroupKernelThreads, 0, stream>>>(p, s, q_mm, kv_mm,
+                                                                     q_group_mm, kv_group_mm);
+    } else {
+      const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((chunks + 7) / 8, cap));
+      SegmentChunkKernel<<<blocks, 256, 0, stream>>>(p, s, q_mm, kv_mm);
+    }
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     const SpanTileItems per_row = SpanTileItemsOf(s);
     const int64_t items = static_cast<int64_t>(per_row.q_items + per_row.kv_items) * p.batch;
     err = LaunchKernel(SegmentSpanTileKernel, dim3(static_cast<unsigned>(std::min(items, cap))),
                        dim3(32 * kSpanTileWarps), 0, stream, /*after_previous=*/true, p, s,
-                       static_cast<const int2*>(q_mm), static_cast<const int2*>(kv_mm), q_keys);
+                       static_cast<const int2*>(q_mm), static_cast<const int2*>(kv_mm),
+                       static_cast<const int2*>(q_group_mm),
+                       static_cast<const int2*>(kv_group_mm), q_keys);
     if (err != cudaSuccess) return err;
   }
   *out = s;

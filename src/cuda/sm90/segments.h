@@ -40,9 +40,27 @@ inline bool HasSegmentIds(const FlashParams& p) { return p.q_segment_ids != null
 
 // Scratch of the pre-pass, laid out from `base` (256-byte aligned parts).
 struct SegmentScratch {
-  size_t q_mm = 0, kv_mm = 0, q_span = 0, kv_span = 0, q_ids = 0, kv_ids = 0, q_keys = 0;
-  size_t q_tiles = 0, kv_tiles = 0, tile_counter = 0, bytes = 0;
+  size_t q_mm = 0, kv_mm = 0, q_group_mm = 0, kv_group_mm = 0, q_span = 0, kv_span = 0;
+  size_t q_ids = 0, kv_ids = 0, q_keys = 0, q_tiles = 0, kv_tiles = 0, tile_counter = 0;
+  size_t bytes = 0;
 };
+
+// Where a row has more than kSegmentFlatScanChunks chunks on either side,
+// the pre-pass also takes the [min, max] id of each group of
+// kSegmentGroupChunks chunks, and a chunk looks for the chunks whose ids can
+// meet its own among the other side's groups first, reading only the chunks
+// of the groups that meet: for sorted ids (varlen's one row of many
+// sequences) O(chunks / 32 + chunks that meet) per chunk instead of
+// O(chunks), so the pre-pass stops growing with the square of the row (1M
+// tokens, 4,096 documents, H100: forward 210 -> 41 us, backward 398 -> 55
+// us). Shorter rows keep the flat scan and no group summaries: computed
+// there too, the groups cost rows of 16k 0.6-0.8 us of their 7.3-8.8 us.
+inline constexpr int kSegmentGroupChunks = 32;
+inline constexpr int kSegmentFlatScanChunks = 1024;
+
+__host__ __device__ inline int64_t SegmentGroups(int64_t chunks) {
+  return (chunks + kSegmentGroupChunks - 1) / kSegmentGroupChunks;
+}
 
 // Chunks of q_chunk query rows / kv_chunk keys; kernel tiles of
 // q_tile_chunks / kv_tile_chunks chunks.
@@ -58,7 +76,9 @@ inline SegmentScratch SegmentScratchLayout(const FlashParams& p, int q_chunk, in
   auto align = [](size_t x) { return (x + 255) / 256 * 256; };
   s.q_mm = 0;
   s.kv_mm = s.q_mm + align(nq * 8);
-  s.q_span = s.kv_mm + align(nk * 8);
+  s.q_group_mm = s.kv_mm + align(nk * 8);
+  s.kv_group_mm = s.q_group_mm + align(SegmentGroups(per_q) * p.batch * 8);
+  s.q_span = s.kv_group_mm + align(SegmentGroups(per_kv) * p.batch * 8);
   s.kv_span = s.q_span + align(nq * 16);
   s.q_ids = s.kv_span + align(nk * 16);
   s.kv_ids = s.q_ids + align(nq * q_chunk * 4);
