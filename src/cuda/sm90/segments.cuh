@@ -5,9 +5,9 @@
 // per-element id test only to the pairs whose ids are not all one and the
 // same. Two kernels:
 //   chunk kernel: the [min, max] id of every query chunk (q_chunk rows) and
-//     key chunk (kv_chunk keys) and of every group of kSegmentGroupChunks
-//     chunks, and copies of both id rows padded to whole chunks (so the
-//     kernels load id pairs as aligned int2, never past a row);
+//     key chunk (kv_chunk keys), on long rows also of every group of
+//     kSegmentGroupChunks chunks, and copies of both id rows padded to whole
+//     chunks (so the kernels load id pairs as aligned int2, never past a row);
 //   span-tile kernel: for every chunk, the chunks of the other side whose id
 //     ranges intersect its own ([first, end): disjoint ranges cannot match;
 //     for sorted ids that is exactly the documents it touches), and within
@@ -179,9 +179,9 @@ __device__ __forceinline__ int2 KeyRunOf(const int2* kv_mm_row, const int32_t* k
 // Chunk c of a row (a warp): its span over the other side's chunks (see the
 // top) into span_row[c], and for a uniform query chunk its id's key run into
 // q_keys_row[c] (q_keys_row null on the key side; kv_ids_row: the padded key
-// ids of the row). Only the chunks of the other side's groups whose ids meet
-// its own are read: a chunk outside them meets none of its ids, and a chunk
-// of its uniform id lies in one of them.
+// ids of the row). Past kSegmentFlatScanChunks chunks, only the chunks of
+// the other side's groups whose ids meet its own are read: a chunk outside
+// them meets none of its ids, and a chunk of its uniform id lies in one.
 __device__ __forceinline__ void SpanOfChunk(const int2* own_mm_row, const int2* other_mm_row,
                                             const int2* other_group_mm_row, int other_n,
                                             const int32_t* kv_ids_row, int kv_chunk, int c,
