@@ -202,12 +202,20 @@ def _packed(attention, q, k, v, cu_q, cu_k, used, positional: bool):
   """out [total_q, H, D], lse [H, total_q] on one row [1, total, ...]."""
   total_q, total_k = q.shape[0], k.shape[0]
   n = cu_q.shape[0] - 1
+  if positional and total_q != total_k:
+    # Equal offsets but different padding rows: the row's bottom-right
+    # diagonal is shifted by total_k - total_q from the sequences' own.
+    # Padding the shorter side to the longer (O(total) more padding rows)
+    # puts it back on i == j.
+    extra_q, extra_k = max(total_k - total_q, 0), max(total_q - total_k, 0)
+    q = jnp.pad(q, ((0, extra_q), (0, 0), (0, 0)))
+    k, v = (jnp.pad(x, ((0, extra_k), (0, 0), (0, 0))) for x in (k, v))
   # Tokens past cu[-1] (padding rows) get ids that nothing on the other side
   # has: 2 n for queries, 2 n + 1 for keys. Both are above every real id, so
   # the ids stay non-decreasing along the row and the kernels' per-block id
   # ranges stay tight.
-  q_ids = segment_ids_from_offsets(cu_q, total_q, 2 * n)
-  kv_ids = segment_ids_from_offsets(cu_k, total_k, 2 * n + 1, used)
+  q_ids = segment_ids_from_offsets(cu_q, q.shape[0], 2 * n)
+  kv_ids = segment_ids_from_offsets(cu_k, k.shape[0], 2 * n + 1, used)
   if used is not None:
     # Keys with odd ids (unused, padding) are masked, but a computed block
     # that mixes them with used keys still multiplies their zero
@@ -215,17 +223,6 @@ def _packed(attention, q, k, v, cu_q, cu_k, used, positional: bool):
     # hold out, and the where gives them dk = dv = 0.
     seen = (kv_ids % 2 == 0)[:, None, None]
     k, v = (jnp.where(seen, x, jnp.zeros((), x.dtype)) for x in (k, v))
-  extra_q = extra_k = 0
-  if positional and total_q != total_k:
-    # Equal offsets but different padding rows: the row's bottom-right
-    # diagonal is shifted by total_k - total_q from the sequences' own.
-    # Padding the shorter side to the longer (O(total), padding ids) puts it
-    # back on i == j.
-    extra_q, extra_k = max(total_k - total_q, 0), max(total_q - total_k, 0)
-    q = jnp.pad(q, ((0, extra_q), (0, 0), (0, 0)))
-    k, v = (jnp.pad(x, ((0, extra_k), (0, 0), (0, 0))) for x in (k, v))
-    q_ids = jnp.pad(q_ids, (0, extra_q), constant_values=2 * n)
-    kv_ids = jnp.pad(kv_ids, (0, extra_k), constant_values=2 * n + 1)
   out, lse = attention(q[None], k[None], v[None], segment_ids=(q_ids[None], kv_ids[None]),
                        return_lse=True)
   return out[0, :total_q], lse[0, :, :total_q]
