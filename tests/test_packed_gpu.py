@@ -146,3 +146,61 @@ def test_nan_propagates_with_segments(rng):
   assert np.isnan(out[0, 700, 3]).all() and np.isnan(lse[0, 3, 700])
   assert np.isfinite(np.delete(out[0, :, 3], 700, axis=0)).all()
   assert (out[0, : seqlen // 4] == 0).all() and (lse[0, :, : seqlen // 4] == -np.inf).all()
+
+
+def test_varlen_long_row(rng):
+  """flash_attention_varlen over ~260k tokens of short sequences: one row of
+  more than 1,024 chunks a side in both directions, where the segment
+  pre-pass searches its group summaries. Every sequence against the float64
+  oracle, on the same sequences as a padded batch."""
+  max_len, heads, kv_heads, dim, dtype = 160, 2, 1, 64, jnp.bfloat16
+  lengths = rng.integers(1, max_len + 1, 3400)
+  lengths[rng.choice(lengths.size, 25, replace=False)] = 0
+  lengths = lengths[: np.searchsorted(np.cumsum(lengths), 260_000) + 1]
+  total, n = int(lengths.sum()), lengths.size
+  starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+  q = jnp.asarray(rng.standard_normal((total, heads, dim)), dtype)
+  k = jnp.asarray(rng.standard_normal((total, kv_heads, dim)), dtype)
+  v = jnp.asarray(rng.standard_normal((total, kv_heads, dim)), dtype)
+  d_out = jnp.asarray(rng.standard_normal((total, heads, dim)), dtype)
+  if is_hopper():
+    row_ids = jax.ShapeDtypeStruct((1, total), jnp.int32)
+    plan = device_plan(q[None], k[None], v[None], causal=True, segment_ids=(row_ids, row_ids))
+    assert plan["forward"].kernel == "sm90" and plan["backward"].kernel == "sm90", plan
+
+  def varlen(q, k, v):
+    return jax_flash2.flash_attention_varlen(q, k, v, cu, cu, max_len, max_len, causal=True,
+                                             return_lse=True)
+
+  (out, lse), vjp = jax.vjp(jax.jit(varlen), q, k, v)
+  grads = vjp((d_out, jnp.zeros_like(lse)))
+
+  # The same sequences as a [n, max_len] batch: padding queries and keys get
+  # ids of their own, so they see nothing and are seen by nothing.
+  pos = np.arange(max_len)
+  valid = pos[None, :] < lengths[:, None]
+  index = np.where(valid, starts[:, None] + pos[None, :], 0)
+  q_ids, kv_ids = np.where(valid, 0, 1).astype(np.int32), np.where(valid, 0, 2).astype(np.int32)
+
+  def as_batch(x):  # [total, ...] -> [n, max_len, ...], 0 at padding
+    x = np.asarray(x, np.float64)[index]
+    return np.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x, 0)
+
+  ours = [as_batch(out), np.where(valid[:, None], np.asarray(lse)[:, index].transpose(1, 0, 2),
+                                  -np.inf)] + [as_batch(g) for g in grads]
+  qb, kb, vb, dob = (jnp.asarray(as_batch(x), dtype) for x in (q, k, v, d_out))
+  ids = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
+  (base_out, base_lse), naive_vjp = jax.vjp(
+      lambda q, k, v: naive_same_dtype(q, k, v, causal=True, segment_ids=ids), qb, kb, vb)
+  base = [base_out, base_lse] + list(naive_vjp((dob, jnp.zeros_like(base_lse))))
+  refs = [[] for _ in base]
+  for s in range(0, n, 256):  # the float64 oracle in slices of sequences, to bound memory
+    part = slice(s, s + 256)
+    (o, l), g = oracle(qb[part], kb[part], vb[part], dob[part],
+                       np.zeros((min(256, n - s), heads, max_len)), causal=True,
+                       segment_ids=(q_ids[part], kv_ids[part]))
+    for r, x in zip(refs, [o, l, *g]):
+      r.append(x)
+  for name, o, r, b in zip(("out", "lse", "dq", "dk", "dv"), ours, refs, base):
+    assert_close_to_oracle(name, o, np.concatenate(r), b, dtype)

@@ -201,11 +201,12 @@ __device__ __forceinline__ void SpanOfChunk(const int2* own_mm_row, const int2* 
       ++full_count;
     }
   };
-  if (other_n <= kSegmentFlatScanChunks) {
+  if (!SearchesSegmentGroups(other_n)) {
     for (int j = lane; j < other_n; j += 32) visit(j);
   } else {
-    static_assert(32 % kSegmentGroupChunks == 0, "a pass reads whole groups, a chunk a lane");
-    constexpr int kGroupsPerPass = 32 / kSegmentGroupChunks;
+    // A warp tests 32 groups at once, then reads each group that meets
+    // this chunk's ids: one group of 32 chunks, a chunk a lane.
+    static_assert(kSegmentGroupChunks == 32, "a group is read in one warp pass");
     const int other_groups = static_cast<int>(SegmentGroups(other_n));
     for (int g0 = 0; g0 < other_groups; g0 += 32) {
       bool meets = false;
@@ -213,16 +214,9 @@ __device__ __forceinline__ void SpanOfChunk(const int2* own_mm_row, const int2* 
         const int2 o = other_group_mm_row[g0 + lane];
         meets = o.x <= own.y && own.x <= o.y;
       }
-      unsigned hits = __ballot_sync(0xffffffffu, meets);
-      while (hits != 0) {
-        int bit = -1;
-#pragma unroll
-        for (int t = 0; t < kGroupsPerPass; ++t) {
-          if (hits != 0 && t == lane / kSegmentGroupChunks) bit = __ffs(hits) - 1;
-          hits &= hits - 1;
-        }
-        const int j = (g0 + bit) * kSegmentGroupChunks + lane % kSegmentGroupChunks;
-        if (bit >= 0 && j < other_n) visit(j);
+      for (unsigned hits = __ballot_sync(0xffffffffu, meets); hits != 0; hits &= hits - 1) {
+        const int j = (g0 + __ffs(hits) - 1) * kSegmentGroupChunks + lane;
+        if (j < other_n) visit(j);
       }
     }
   }
@@ -394,7 +388,7 @@ static inline cudaError_t RunSegmentPrepass(const FlashParams& p, int q_chunk, i
   if (chunks > 0) {
     using namespace segments_detail;
     const int64_t cap = static_cast<int64_t>(sm_count > 0 ? sm_count : 132) * 16;
-    if (std::max(s.num_q_chunks, s.num_kv_chunks) > kSegmentFlatScanChunks) {
+    if (SearchesSegmentGroups(std::max(s.num_q_chunks, s.num_kv_chunks))) {
       const int64_t groups =
           (SegmentGroups(s.num_q_chunks) + SegmentGroups(s.num_kv_chunks)) * p.batch;
       const unsigned blocks =

@@ -58,6 +58,12 @@ struct SegmentScratch {
 inline constexpr int kSegmentGroupChunks = 32;
 inline constexpr int kSegmentFlatScanChunks = 1024;
 
+// Whether a side of `chunks` chunks is searched through its group summaries
+// (the host then computes them; the device reads them).
+__host__ __device__ inline bool SearchesSegmentGroups(int64_t chunks) {
+  return chunks > kSegmentFlatScanChunks;
+}
+
 __host__ __device__ inline int64_t SegmentGroups(int64_t chunks) {
   return (chunks + kSegmentGroupChunks - 1) / kSegmentGroupChunks;
 }
