@@ -164,6 +164,7 @@ def test_varlen_long_row(rng):
   k = jnp.asarray(rng.standard_normal((total, kv_heads, dim)), dtype)
   v = jnp.asarray(rng.standard_normal((total, kv_heads, dim)), dtype)
   d_out = jnp.asarray(rng.standard_normal((total, heads, dim)), dtype)
+  assert jax_flash2._varlen.choose_path(cu, cu, True) == "packed"
   if is_hopper():
     row_ids = jax.ShapeDtypeStruct((1, total), jnp.int32)
     plan = device_plan(q[None], k[None], v[None], causal=True, segment_ids=(row_ids, row_ids))
