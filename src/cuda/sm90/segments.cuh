@@ -391,6 +391,8 @@ static inline cudaError_t RunSegmentPrepass(const FlashParams& p, int q_chunk, i
     if (SearchesSegmentGroups(std::max(s.num_q_chunks, s.num_kv_chunks))) {
       const int64_t groups =
           (SegmentGroups(s.num_q_chunks) + SegmentGroups(s.num_kv_chunks)) * p.batch;
+      // At most the chunk kernel's cap in warps (8 a block there, a warp a
+      // chunk of the group here).
       const unsigned blocks =
           static_cast<unsigned>(std::min<int64_t>(groups, cap * 8 / kSegmentGroupChunks));
       SegmentGroupKernel<<<blocks, kGroupKernelThreads, 0, stream>>>(p, s, q_mm, kv_mm,
