@@ -18,6 +18,7 @@ and outputs are the same for both), which for varlen shows that no padded
   python3 benchmarks/packed_bench.py                 # 8x2048, 64x256, mixed; D 64, 128
   python3 benchmarks/packed_bench.py --cases 8x2048 --head-dims 128
   python3 benchmarks/packed_bench.py --row 1024 --heads 2 --head-dims 64 --warmup-s 0  # smoke
+  python3 benchmarks/packed_bench.py --out results/packed.md   # also writes the tables
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import statistics
-import sys
 import time
 
 import jax
@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash2
+import _report
 
 ROW = 16384  # tokens per packed row; --row changes it (the uniform cases keep 8 and 64
 #              documents per row, so 8x2048 means 8 documents of ROW / 8)
@@ -286,6 +287,7 @@ def main(argv=None):
   ap.add_argument("--heads", type=int, default=16)
   ap.add_argument("--warmup-s", type=float, default=0.5)
   ap.add_argument("--row", type=int, default=ROW, help="tokens per packed row (a multiple of 64)")
+  ap.add_argument("--out", default=None, help="also write the tables to this markdown file")
   args = ap.parse_args(argv)
   if args.row < 64 or args.row % 64:
     ap.error(f"--row must be a positive multiple of 64; got {args.row}")
@@ -338,21 +340,16 @@ def main(argv=None):
       memory_lines.append(f"| {case} | {d} | " + " | ".join(mib(i) for i in MEMORY_IMPLS)
                           + f" | {qkv / 2**20:,.1f} |")
       print(memory_lines[-1], flush=True)
-  print()
-  print(f"`{' '.join([sys.executable.split('/')[-1]] + sys.argv)}`, bf16, H {args.heads}, causal, "
-        "TFLOP/s of useful work (visible pairs only):")
-  print()
-  print("\n".join(lines))
-  print()
-  print("Temporary memory of the compiled calls (memory_analysis().temp_size_in_bytes):")
-  print()
-  print("\n".join(memory_lines))
+  report = [*_report.header(_report.command(), f"bf16, H {args.heads}, causal"), "",
+            "TFLOP/s of useful work (visible pairs only):", "", *lines, "",
+            "Temporary memory of the compiled calls (memory_analysis().temp_size_in_bytes):", "",
+            *memory_lines]
   peak = peak_bytes_in_use()
   if peak is not None:
-    print(f"\ndevice peak_bytes_in_use over the whole run: {peak / 2**30:.2f} GiB")
-  for n in all_notes:
-    print(f"- {n}")
-
+    report += ["", f"device peak_bytes_in_use over the whole run: {peak / 2**30:.2f} GiB"]
+  report += [f"- {n}" for n in all_notes]
+  print()
+  _report.emit("\n".join(report) + "\n", args.out)
 
 if __name__ == "__main__":
   main()
