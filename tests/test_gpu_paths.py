@@ -41,6 +41,8 @@ PATH_CASES = [
     (4, 1000, 1111, 8, 2, 256, True, "sm90"),  # D = 256: its own tile (128 x 80)
     (4, 777, 700, 8, 8, 200, False, "sm90"),  # D = 200 by the D = 256 tile
     (8, 1000, 1000, 16, 4, 40, True, "sm90"),  # D = 40 by the D = 64 tile
+    (8, 200, 200, 16, 4, 64, True, "sm90"),  # D 64 at <= 256 keys: the 128-row tile
+    (64, 256, 256, 16, 16, 48, False, "sm90"),  # and D = 48 by it
     (2, 1024, 9000, 16, 16, 128, True, "sm90"),  # masked above 8192 keys: its own tile row
     (3, 700, 900, 24, 8, 128, False, "sm90"),  # 432 tiles: 2 whole rounds, then stream-K pieces
     (2, 300, 300, 4, 4, 128, False, "sm80"),  # a small grid: split-KV

@@ -728,6 +728,8 @@ int main(int argc, char** argv) {
         {"short B32 T=S=384 H16 D64 bf16 causal", bf, 32, 384, 384, 16, 16, 64, -1, 0},
         {"short B32 T=S=512 H32 D64 bf16 causal", bf, 32, 512, 512, 32, 32, 64, -1, 0},
         {"short B32 T=S=512 H32 D64 bf16 unmasked", bf, 32, 512, 512, 32, 32, 64, -1, -1},
+        {"short B64 T=S=256 H16 D64 bf16 causal softcap50", bf, 64, 256, 256, 16, 16, 64, -1, 0, false, SegKind::kNone, 0, 50.f},
+        {"short B64 T=S=256 H16 D64 bf16 causal dropout0.1", bf, 64, 256, 256, 16, 16, 64, -1, 0, false, SegKind::kNone, 0, 0.f, false, 0.f, 0.1f},
         {"B2 T=S=8192 H8 D256 bf16", bf, 2, 8192, 8192, 8, 8, 256, -1, -1},
         {"B2 T=S=8192 H8 D256 bf16 causal", bf, 2, 8192, 8192, 8, 8, 256, -1, 0},
         {"B8 T=S=2048 H8 D256 bf16", bf, 8, 2048, 2048, 8, 8, 256, -1, -1},

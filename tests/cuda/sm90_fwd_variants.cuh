@@ -22,24 +22,18 @@ using cuda::sm90::FwdSm90Launch;
 using cuda::sm90::FwdSm90Tile;
 using cuda::sm90::Sm90Schedule;
 
-// The D 64 tile used before the three-warpgroup one (two consumer warpgroups).
-struct D64TwoConsumerTile {
-  static constexpr FwdSm90Tile kTile{
-      64, 128, 128, 3, false, false, 0, cuda::sm90::kAnyKeys, Sm90Schedule::kOverlap, 2048, 1024};
-};
 // D 256 with 64-key blocks (fewer registers, more blocks).
 struct D256Keys64Tile {
   static constexpr FwdSm90Tile kTile{
       256, 128, 64, 2, false, false, 0, cuda::sm90::kAnyKeys, Sm90Schedule::kPingpong, 0, 0};
 };
 
-// --tile N: rows 0 .. kFwdSm90NumTiles - 1 are the package's table, then the two above.
-inline constexpr int kNumSelftestTiles = cuda::sm90::kFwdSm90NumTiles + 2;
+// --tile N: rows 0 .. kFwdSm90NumTiles - 1 are the package's table, then the one above.
+inline constexpr int kNumSelftestTiles = cuda::sm90::kFwdSm90NumTiles + 1;
 
 inline FwdSm90Tile SelftestTile(int index) {
   if (index < cuda::sm90::kFwdSm90NumTiles) return cuda::sm90::kFwdSm90TileTable[index];
-  return index == cuda::sm90::kFwdSm90NumTiles ? D64TwoConsumerTile::kTile
-                                               : D256Keys64Tile::kTile;
+  return D256Keys64Tile::kTile;
 }
 
 template <typename Elem, class TileRow, Sm90Schedule kSchedule>
@@ -74,7 +68,7 @@ cudaError_t LaunchVariantTile(const FwdSm90Launch& launch, int tile, Sm90Schedul
     case 2: return LaunchVariant<Elem, FwdSm90TableTile<2>>(launch, schedule, stream);
     case 3: return LaunchVariant<Elem, FwdSm90TableTile<3>>(launch, schedule, stream);
     case 4: return LaunchVariant<Elem, FwdSm90TableTile<4>>(launch, schedule, stream);
-    case 5: return LaunchVariant<Elem, D64TwoConsumerTile>(launch, schedule, stream);
+    case 5: return LaunchVariant<Elem, FwdSm90TableTile<5>>(launch, schedule, stream);
     case 6: return LaunchVariant<Elem, D256Keys64Tile>(launch, schedule, stream);
     default: return cudaErrorInvalidValue;
   }

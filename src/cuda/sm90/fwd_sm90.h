@@ -74,6 +74,7 @@ struct FwdSm90Choice {
 // the first row that serves a call. Shared memory: Q (block_m x D) plus
 // `stages` x (K + V) (block_n x D each), 2-byte elements:
 //   D 64,  192 x 128: 24 KB + 3 x 32 KB = 120 KB
+//   D 64,  128 x 128: 16 KB + 3 x 32 KB = 112 KB (S <= kFwdSm90ShortKeys)
 //   D 128, 128 x 176: 32 KB + 2 x 88 KB = 208 KB (a third stage does not fit)
 //   D 128, 128 x 128: 32 KB + 2 x 64 KB = 160 KB
 //   D 256, 128 x 80:  64 KB + 2 x 80 KB = 224 KB
@@ -83,7 +84,10 @@ struct FwdSm90Choice {
 // 20 at D 256 x 80.
 // Why these (docs/design.md has the timings): at D 64 the softmax per key
 // costs as much as the products, and a third consumer warpgroup gives the
-// scheduler more independent work to hide it; at D 128 a longer key block
+// scheduler more independent work to hide it, except on sequences of at
+// most 256 keys, whose one or two tiles a sequence leave a 192-row tile's
+// last warpgroups idle (T = S = 197: two tiles, the second with 5 rows), so
+// 128-row tiles there run 10-30% faster; at D 128 a longer key block
 // spreads each block's fixed costs (barrier waits, the row max and sum
 // reductions, the O rescale) over more keys, but only from S > 4096: below,
 // the last, partial 176-key block wastes about as much as that saves (128
@@ -109,6 +113,9 @@ struct FwdSm90Choice {
 //   one tile per block (O staged in Q), masked or not: T 2048 689 TFLOP/s
 //   against 636 overlap and 620 with 64-key blocks.
 inline constexpr int64_t kAnyKeys = INT64_MAX;
+// D 64 calls of at most this many keys (self-attention on short sequences)
+// run 128-row tiles on two consumer warpgroups instead of 192 rows on three.
+inline constexpr int64_t kFwdSm90ShortKeys = 256;
 
 struct FwdSm90Tile {
   int head_dim;
@@ -127,11 +134,14 @@ struct FwdSm90Tile {
 inline constexpr FwdSm90Tile kFwdSm90TileTable[] = {
     // D, block_m x block_n, stages; masked, unmasked, S range; schedule;
     // persistent up to S (masked, unmasked).
-    {64, 192, 128, 3, true, true, 0, kAnyKeys, Sm90Schedule::kPingpong, 2048, 1024},
+    {64, 192, 128, 3, true, true, kFwdSm90ShortKeys + 1, kAnyKeys, Sm90Schedule::kPingpong, 2048,
+     1024},
     {128, 128, 176, 2, false, true, 4096 + 1, kAnyKeys, Sm90Schedule::kPingpong, 0, 0},
     {128, 128, 128, 2, true, false, 8192 + 1, kAnyKeys, Sm90Schedule::kOverlap, 0, 0},
     {128, 128, 128, 2, true, true, 0, kAnyKeys, Sm90Schedule::kPingpong, 8192, 4096},
     {256, 128, 80, 2, true, true, 0, kAnyKeys, Sm90Schedule::kPingpong, 0, 0},
+    {64, 128, 128, 3, true, true, 0, kFwdSm90ShortKeys, Sm90Schedule::kPingpong,
+     kFwdSm90ShortKeys, kFwdSm90ShortKeys},
 };
 inline constexpr int kFwdSm90NumTiles = sizeof(kFwdSm90TileTable) / sizeof(FwdSm90Tile);
 
@@ -169,6 +179,8 @@ constexpr int FwdSm90TileIndex(int64_t head_dim, bool masked, int64_t seqlen_k) 
   return -1;
 }
 static_assert(FwdSm90TileIndex(64, false, 512) == 0 && FwdSm90TileIndex(64, true, 16384) == 0);
+static_assert(FwdSm90TileIndex(64, true, 256) == 5 && FwdSm90TileIndex(40, false, 1) == 5 &&
+              FwdSm90TileIndex(64, false, 257) == 0);
 static_assert(FwdSm90TileIndex(128, false, 4096) == 3 && FwdSm90TileIndex(128, false, 4097) == 1);
 static_assert(FwdSm90TileIndex(128, true, 8192) == 3 && FwdSm90TileIndex(128, true, 8193) == 2);
 static_assert(FwdSm90TileIndex(96, false, 4097) == 1 && FwdSm90TileIndex(40, true, 512) == 0);
@@ -180,7 +192,8 @@ static_assert(FwdSm90Persistent(kFwdSm90TileTable[3], true, 8192) &&
               !FwdSm90Persistent(kFwdSm90TileTable[0], false, 2048) &&
               !FwdSm90EverPersistent(kFwdSm90TileTable[1]) &&
               !FwdSm90EverPersistent(kFwdSm90TileTable[2]) &&
-              !FwdSm90AlwaysPersistent(kFwdSm90TileTable[0]));
+              !FwdSm90AlwaysPersistent(kFwdSm90TileTable[0]) &&
+              FwdSm90AlwaysPersistent(kFwdSm90TileTable[5]));
 
 // Warp roles: warpgroup 0 produces (one thread issues every TMA copy), the
 // block_m / 64 others consume (wgmma + softmax), 64 query rows each.

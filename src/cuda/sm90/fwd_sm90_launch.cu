@@ -54,10 +54,11 @@ cudaError_t LaunchPackage(const FwdSm90Launch& launch, int tile_index, cudaStrea
     case 2: return LaunchPackageTile<Elem, 2>(launch, stream);
     case 3: return LaunchPackageTile<Elem, 3>(launch, stream);
     case 4: return LaunchPackageTile<Elem, 4>(launch, stream);
+    case 5: return LaunchPackageTile<Elem, 5>(launch, stream);
     default: return cudaErrorInvalidValue;
   }
 }
-static_assert(sm90::kFwdSm90NumTiles == 5, "LaunchPackage dispatches every tile");
+static_assert(sm90::kFwdSm90NumTiles == 6, "LaunchPackage dispatches every tile");
 
 // Whether p counts as masked for the tile and grid choice. Segment ids do:
 // their tiles differ in length, and their diagonal-like blocks (document
