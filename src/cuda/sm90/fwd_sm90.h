@@ -85,9 +85,9 @@ struct FwdSm90Choice {
 // Why these (docs/design.md has the timings): at D 64 the softmax per key
 // costs as much as the products, and a third consumer warpgroup gives the
 // scheduler more independent work to hide it, except on sequences of at
-// most 256 keys, whose one or two tiles a sequence leave a 192-row tile's
-// last warpgroups idle (T = S = 197: two tiles, the second with 5 rows), so
-// 128-row tiles there run 10-30% faster; at D 128 a longer key block
+// most 256 keys: there a sequence's last 192-row tile is mostly empty (T =
+// S = 197: a second tile of 5 rows) and its idle warpgroups take their turns
+// for nothing, so 128-row tiles run 10-30% faster; at D 128 a longer key block
 // spreads each block's fixed costs (barrier waits, the row max and sum
 // reductions, the O rescale) over more keys, but only from S > 4096: below,
 // the last, partial 176-key block wastes about as much as that saves (128
@@ -108,7 +108,8 @@ struct FwdSm90Choice {
 //   tile per block under a causal mask (25-30% at 16k), so masked calls
 //   above S = 8192 run overlap in one tile per block (T 16k causal 645 vs
 //   615 TFLOP/s pingpong), and unmasked ones the 176-key tile, pingpong.
-// - D 64: pingpong (+1-5% over overlap from S = 1024).
+// - D 64: pingpong (+1-5% over overlap from S = 1024). At S <= 256 the
+//   two-warpgroup tile, pingpong, always persistent (`--filter short`).
 // - D 256: 80-key blocks (the most that fit two stages beside Q), pingpong,
 //   one tile per block (O staged in Q), masked or not: T 2048 689 TFLOP/s
 //   against 636 overlap and 620 with 64-key blocks.
