@@ -806,17 +806,37 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
   // Softcap and ALiBi (score_options.h) of key block n of tile tl, whose
   // warpgroup rows start at wg_row0: element i of this thread is query
   // wg_row0 + 16 warp + g + 8 ((i / 2) % 2), key n kBlockN + 8 (i / 4) + 2 t4
-  // + i % 2. Indices through Opaque: hoisted out of the key loop, the slope
-  // and the row terms would hold registers in the plain path too.
-  auto transform_scores = [&](float (&s)[Tr::kSAcc], int n, const FwdSm90TileSpan& tl, int wg_row0) {
+  // + i % 2. A block whose keys all lie on one side of every row's diagonal
+  // (all but the diagonal band) takes ALiBi as one term per score and one
+  // per thread, row_shift, which the softmax adds to its maxima (units of u;
+  // 0 for the other blocks). Not at D 256, whose options consumers it
+  // spilled (160 bytes against 32). Indices through Opaque: hoisted out of
+  // the key loop, the slope and the row terms would hold registers in the
+  // plain path too.
+  constexpr bool kAlibiRowShift = Tr::kHeadDim <= 128;
+  auto transform_scores = [&](float (&s)[Tr::kSAcc], int n, const FwdSm90TileSpan& tl,
+                              int wg_row0, float& row_shift) {
+    if (p.softcap > 0.f) SoftcapScores(s, args.units.tanh_in);
+    if (p.alibi_slopes == nullptr) return;
     const int bh = Opaque(tl.b) * static_cast<int>(p.num_heads_q) + Opaque(tl.head);
     const float slope_u = AlibiSlopeUnits(p, args.units, bh);
+    // The warpgroup's first row minus the block's first key, both on the
+    // diagonal's scale: distances in the block lie in [diag - kBlockN + 1,
+    // diag + 63].
+    const int diag = Opaque(wg_row0) + static_cast<int>(p.seqlen_k - p.seqlen_q) - tl.key_base -
+                     n * kBlockN;
     // |t + S - T - key| = |base[row] - column|
-    const int row_base = Opaque(wg_row0) + 16 * warp + g +
-                         static_cast<int>(p.seqlen_k - p.seqlen_q) - tl.key_base -
-                         n * kBlockN - 2 * t4;
+    const int row_base = diag + 16 * warp + g - 2 * t4;
     const float base[2] = {static_cast<float>(row_base), static_cast<float>(row_base + 8)};
-    TransformScores<Tr::kSAcc, -1>(s, p, args.units, slope_u, base);
+    if (kAlibiRowShift && diag - (kBlockN - 1) >= 0) {  // keys at or before the diagonal
+      AlibiColumnScores(s, slope_u);
+      row_shift = -slope_u * base[0];
+    } else if (kAlibiRowShift && diag + 63 <= 0) {  // keys at or after it
+      AlibiColumnScores(s, -slope_u);
+      row_shift = slope_u * base[0];
+    } else {
+      AlibiScores<Tr::kSAcc, -1>(s, slope_u, base);
+    }
   };
 
   // Dropout's keep bits of key block n (../dropout_bits.cuh): this thread's rows
@@ -860,7 +880,8 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
                      int n, float (&correction)[2], auto&& seg_chunk, const FwdSm90TileSpan& tl,
                      int wg_row0) {
     // Before the mask: its -inf must stay -inf (tanh would make it -1).
-    if constexpr (kScoreOptions) transform_scores(s, n, tl, wg_row0);
+    float row_shift = 0.f;
+    if constexpr (kScoreOptions) transform_scores(s, n, tl, wg_row0, row_shift);
     // Per-element mask only where some (row, key) pair of the warpgroup's
     // block is hidden: the diagonal band, window edges, the ragged last block.
     const int key0 = tl.key_base + n * kBlockN;
@@ -887,8 +908,12 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
         max_scaled = row_max[h] * scale_log2;
         correction[h] = 1.f;
       } else {
-        // One chain, or four (part[j % 4], merged after).
-        float part[kFourChains ? 4 : 1] = {row_max[h]};
+        // One chain, or four (part[j % 4], merged after), in this thread's
+        // frame (the row's max less row_shift, which differs between the
+        // quad's threads: it holds their key offset 2 t4), then back to the
+        // row's for the quad's max.
+        const float prev_max = kScoreOptions ? row_max[h] - row_shift : row_max[h];
+        float part[kFourChains ? 4 : 1] = {prev_max};
 #pragma unroll
         for (int j = 0; j < kBlockN / 8; ++j) {
           const float pair = fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
@@ -897,10 +922,15 @@ __global__ void __launch_bounds__(FwdSm90Threads(TileRow::kTile), 1)
         }
         float mx = part[0];
         if constexpr (kFourChains) {
-          mx = fmaxf(fmaxf(row_max[h], fmaxf(part[0], part[1])), fmaxf(part[2], part[3]));
+          mx = fmaxf(fmaxf(prev_max, fmaxf(part[0], part[1])), fmaxf(part[2], part[3]));
         }
-        mx = QuadMax(mx);
-        max_scaled = ExpOffset(mx, scale_log2);
+        if constexpr (kScoreOptions) {
+          mx = QuadMax(mx + row_shift);
+          max_scaled = ExpOffset(mx - row_shift, scale_log2);
+        } else {
+          mx = QuadMax(mx);
+          max_scaled = ExpOffset(mx, scale_log2);
+        }
         correction[h] = RescaleFactor(row_max[h], mx, scale_log2, FastExp2);
         row_max[h] = mx;
         row_sum[h] *= correction[h];

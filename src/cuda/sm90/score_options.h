@@ -99,7 +99,8 @@ __device__ __forceinline__ void SoftcapScores(float (&s)[kAcc], float tanh_in) {
 // (8 (i / 4) + i % 2)|, with the thread's t4 and the tile's origin in base
 // (the forward's rows are queries and columns keys: sign -1; the backward's
 // transposed tiles the other way round: +1). The column offsets are
-// compile-time constants, so a score costs an add, a multiply and an add.
+// compile-time constants, so a score costs two instructions (an FADD, an
+// FFMA with |x|).
 template <int kAcc, int kColumnSign>
 __device__ __forceinline__ void AlibiScores(float (&s)[kAcc], float slope_u,
                                             const float (&base)[2]) {
@@ -110,13 +111,23 @@ __device__ __forceinline__ void AlibiScores(float (&s)[kAcc], float slope_u,
   }
 }
 
-// Both options over a fragment (each only when the call has it).
-template <int kAcc, int kColumnSign>
-__device__ __forceinline__ void TransformScores(float (&s)[kAcc], const FlashParams& p,
-                                                const Sm90ScoreUnits& units, float slope_u,
-                                                const float (&base)[2]) {
-  if (p.softcap > 0.f) SoftcapScores(s, units.tanh_in);
-  if (p.alibi_slopes != nullptr) AlibiScores<kAcc, kColumnSign>(s, slope_u, base);
+// ALiBi over a forward fragment (AlibiScores' layout, kColumnSign -1) whose
+// distances base[0] + 8 row - column all have one sign (the block lies on
+// one side of the diagonal). |distance| is then linear, and slope_u *
+// |distance| splits into a term of row and column that is a compile-time
+// constant per element, added here by one FFMA a score (column_slope =
+// slope_u * sign), and -slope_u * sign * base[0], the same for both rows,
+// which the caller adds to its row maxima instead (a row's softmax is
+// invariant to a shift; base[0] holds the thread's key offset, so the
+// maxima go back to the row's frame before the quad reduces them).
+// AlibiScores takes two instructions a score.
+template <int kAcc>
+__device__ __forceinline__ void AlibiColumnScores(float (&s)[kAcc], float column_slope) {
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) {
+    const float column = static_cast<float>(8 * (i / 4) + (i & 1) - 8 * ((i / 2) % 2));
+    s[i] = fmaf(column_slope, column, s[i]);
+  }
 }
 
 // slope[b, h] per unit of u (0 without ALiBi). The index goes through an
