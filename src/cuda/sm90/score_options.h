@@ -120,7 +120,6 @@ __device__ __forceinline__ void AlibiScores(float (&s)[kAcc], float slope_u,
 // which the caller adds to its row maxima instead (a row's softmax is
 // invariant to a shift; base[0] holds the thread's key offset, so the
 // maxima go back to the row's frame before the quad reduces them).
-// AlibiScores takes two instructions a score.
 template <int kAcc>
 __device__ __forceinline__ void AlibiColumnScores(float (&s)[kAcc], float column_slope) {
 #pragma unroll
