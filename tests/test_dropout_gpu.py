@@ -26,8 +26,8 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
 # (T, S, H, K, D, rate, options, dtype); B = 2. Grids of 200+ sm80 blocks, so
 # that on cc 9.0 the Hopper forward serves them. Every Hopper forward tile
-# (D 64 at most 256 keys and above that, D 128 at 128 and 176 keys and
-# masked above 8192 keys, D 256) and both D <= 128 backward tiles, persistent and
+# (D 64 up to 256 keys and beyond, D 128 at 128 and 176 keys and masked
+# above 8192 keys, D 256) and both D <= 128 backward tiles, persistent and
 # stream-K grids among them.
 CASES = [
     (1000, 1000, 16, 4, 128, 0.1, {"causal": True}, jnp.bfloat16),
