@@ -1,8 +1,10 @@
-"""tools/test_part.py: its N parts are disjoint and together the whole collection."""
+"""tools/test_part.py: its N parts are disjoint and together the whole collection.
+tools/ext_stamp.sh: the digest that matches prebuilt extensions to a tree."""
 
 from __future__ import annotations
 
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -40,3 +42,25 @@ def test_left_lists_the_ids_without_a_result(tmp_path):
                         str(tmp_path / "one.log"), str(tmp_path / "two.log")],
                        cwd=ROOT, capture_output=True, text=True, check=True)
   assert out.stdout.splitlines() == ["b.py::v"]
+
+
+def test_ext_stamp_follows_the_sources(tmp_path):
+  """The digest changes with a source file and with nothing outside src/ and
+  CMakeLists.txt."""
+  shutil.copytree(ROOT / "src", tmp_path / "src")
+  shutil.copy(ROOT / "CMakeLists.txt", tmp_path)
+  (tmp_path / "tools").mkdir()
+  shutil.copy(ROOT / "tools" / "ext_stamp.sh", tmp_path / "tools")
+
+  def stamp() -> str:
+    out = subprocess.run(["bash", str(tmp_path / "tools" / "ext_stamp.sh")], capture_output=True,
+                         text=True, check=True)
+    return out.stdout.strip()
+
+  first = stamp()
+  assert len(first) == 16 and first == stamp()
+  (tmp_path / "README.md").write_text("not a source\n")
+  assert stamp() == first
+  with open(tmp_path / "src" / "plan.h", "a") as f:
+    f.write("// a change\n")
+  assert stamp() != first

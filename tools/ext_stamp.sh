@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# Prints a digest of what the compiled extensions are built from (src/ and
+# CMakeLists.txt), so that a prebuilt extension can be matched to a tree.
+cd "$(dirname "$0")/.."
+find src CMakeLists.txt -type f -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16
