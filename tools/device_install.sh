@@ -13,6 +13,7 @@ if [ "$(cat .carry/ext/STAMP 2>/dev/null)" = "$(tools/ext_stamp.sh)" ] &&
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   echo "== prebuilt extensions ($(cat .carry/ext/STAMP)) in place"
 else
+  rm -f jax_flash2/_c*_ext.*.so  # none left to shadow the installed package
   JAX_FLASH2_CUDA=on JAX_FLASH2_CUDA_ARCHS=${ARCHS:-90a} CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
     timeout 120 python3 -m pip install --no-build-isolation --no-deps . > "$OUT/pip.log" 2>&1 \
     || { echo "pip install failed"; tail -30 "$OUT/pip.log"; exit 1; }
