@@ -3,15 +3,14 @@
 # --no-build-isolation), logging to $OUT/pip.log; the tools/*_suite.sh scripts source it.
 # ARCHS sets the CUDA architectures (default 90a, the H200).
 # Extensions prebuilt for this tree and this Python (tools/prebuild_for_device.sh,
-# in .carry/ext) are used in place instead, the sources put on PYTHONPATH.
+# in .carry/ext/<stamp>) are used in place instead, the sources put on PYTHONPATH.
 SECONDS=0
 py_tag=$(python3 -c 'import sys; print(f"cpython-{sys.version_info[0]}{sys.version_info[1]}")')
-if [ "$(cat .carry/ext/STAMP 2>/dev/null)" = "$(tools/ext_stamp.sh)" ] &&
-   ls .carry/ext/_cuda_ext."$py_tag"-*.so >/dev/null 2>&1 &&
-   cp .carry/ext/*.so jax_flash2/ &&
+prebuilt=.carry/ext/$(tools/ext_stamp.sh)
+if ls "$prebuilt"/_cuda_ext."$py_tag"-*.so >/dev/null 2>&1 && cp "$prebuilt"/*.so jax_flash2/ &&
    (cd /tmp && PYTHONPATH="$OLDPWD" python3 -c "import jax_flash2._cuda_ext") 2>/dev/null; then
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-  echo "== prebuilt extensions ($(cat .carry/ext/STAMP)) in place"
+  echo "== prebuilt extensions ($prebuilt) in place"
 else
   rm -f jax_flash2/_c*_ext.*.so  # none left to shadow the installed package
   JAX_FLASH2_CUDA=on JAX_FLASH2_CUDA_ARCHS=${ARCHS:-90a} CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the extensions here for the GPU machine's Python (3.12) into
-# .carry/ext with the sources' stamp (tools/ext_stamp.sh), so that
+# .carry/ext/<the sources' stamp> (tools/ext_stamp.sh), so that
 # tools/device_install.sh copies them instead of building there (about 60 s
 # of device time a fresh machine). Needs a Python 3.12 with jax and
 # nanobind: PY312=/path/to/python3.12. The build is the one `pip install .`
@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 cmake -S . -B build/py312 -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$PY312" \
   -DJAX_FLASH2_CUDA=on -DJAX_FLASH2_CUDA_ARCHS="${ARCHS:-90a}" >/dev/null
 cmake --build build/py312
-rm -rf .carry/ext && mkdir -p .carry/ext
-cp build/py312/_cpu_ext*.so build/py312/_cuda_ext*.so .carry/ext/
-tools/ext_stamp.sh > .carry/ext/STAMP
-echo "prebuilt for stamp $(cat .carry/ext/STAMP): $(ls .carry/ext | tr '\n' ' ')"
+out=.carry/ext/$(tools/ext_stamp.sh)
+mkdir -p "$out"
+cp build/py312/_cpu_ext*.so build/py312/_cuda_ext*.so "$out"/
+echo "prebuilt into $out: $(ls "$out" | tr '\n' ' ')"
