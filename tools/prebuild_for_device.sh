@@ -9,10 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${PY312:?set PY312 to a Python 3.12 interpreter with jax and nanobind}"
-cmake -S . -B build/py312 -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$PY312" \
-  -DJAX_FLASH2_CUDA=on -DJAX_FLASH2_CUDA_ARCHS="${ARCHS:-90a}" >/dev/null
-cmake --build build/py312
-out=.carry/ext/$(tools/ext_stamp.sh)
-mkdir -p "$out"
-cp build/py312/_cpu_ext*.so build/py312/_cuda_ext*.so "$out"/
-echo "prebuilt into $out: $(ls "$out" | tr '\n' ' ')"
+dest=.carry/ext/$(tools/ext_stamp.sh)
+PYTHON="$PY312" BUILD_DIR=build/py312 DEST="$dest" JAX_FLASH2_CUDA=on \
+  JAX_FLASH2_CUDA_ARCHS="${ARCHS:-90a}" tools/build_inplace.sh
+echo "prebuilt into $dest: $(ls "$dest" | tr '\n' ' ')"
