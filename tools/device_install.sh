@@ -8,10 +8,11 @@ SECONDS=0
 py_tag=$(python3 -c 'import sys; print(f"cpython-{sys.version_info[0]}{sys.version_info[1]}")')
 prebuilt=.carry/ext/$(tools/ext_stamp.sh)
 if ls "$prebuilt"/_cuda_ext."$py_tag"-*.so >/dev/null 2>&1 && cp "$prebuilt"/*.so jax_flash2/ &&
-   (cd /tmp && PYTHONPATH="$OLDPWD" python3 -c "import jax_flash2._cuda_ext") 2>/dev/null; then
+   (cd /tmp && PYTHONPATH="$OLDPWD" python3 -c "import jax_flash2._cuda_ext") > "$OUT/prebuilt.log" 2>&1; then
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   echo "== prebuilt extensions ($prebuilt) in place"
 else
+  [ -s "$OUT/prebuilt.log" ] && { echo "== prebuilt extensions do not import:"; tail -3 "$OUT/prebuilt.log"; }
   rm -f jax_flash2/_c*_ext.*.so  # none left to shadow the installed package
   JAX_FLASH2_CUDA=on JAX_FLASH2_CUDA_ARCHS=${ARCHS:-90a} CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
     timeout 120 python3 -m pip install --no-build-isolation --no-deps . > "$OUT/pip.log" 2>&1 \
