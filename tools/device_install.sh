@@ -12,7 +12,11 @@ if ls "$prebuilt"/_cuda_ext."$py_tag"-*.so >/dev/null 2>&1 && cp "$prebuilt"/*.s
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   echo "== prebuilt extensions ($prebuilt) in place"
 else
-  [ -s "$OUT/prebuilt.log" ] && { echo "== prebuilt extensions do not import:"; tail -3 "$OUT/prebuilt.log"; }
+  if [ -s "$OUT/prebuilt.log" ]; then
+    echo "== prebuilt extensions do not import:"; tail -3 "$OUT/prebuilt.log"
+  elif [ -d .carry/ext ]; then
+    echo "== no prebuilt extensions for this tree ($prebuilt; carried: $(ls .carry/ext | tr '\n' ' '))"
+  fi
   rm -f jax_flash2/_c*_ext.*.so  # none left to shadow the installed package
   JAX_FLASH2_CUDA=on JAX_FLASH2_CUDA_ARCHS=${ARCHS:-90a} CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
     timeout 120 python3 -m pip install --no-build-isolation --no-deps . > "$OUT/pip.log" 2>&1 \
