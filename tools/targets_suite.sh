@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The tables the open speed targets are judged by, in one device call of at
-# most END seconds (default 570): the score options beside the plain path
+# The tables the open speed targets are judged by, in one run of at most
+# END seconds (default 570): the score options beside the plain path
 # (OPTIONS=1; default on an H200 only), packed documents beside the same
 # documents as a batch and beside cuDNN's packed layout, then the KV-cache
 # decode rows (bfloat16, float8_e4m3fn, int8) once per split size in
