@@ -27,7 +27,7 @@ fi
 if [ "$(left)" -gt 280 ]; then
   echo "== packed at ${SECONDS}s"
   timeout $(( $(left) - 180 )) python3 packed_bench.py --cases "${CASES:-8x2048,64x256,mixed}" \
-    --head-dims 128,64 --warmup-s 0.2 --out "$OUT/packed.md" 2>&1 | grep -v "^{" | tail -22
+    --head-dims 128,64 --warmup-s 0.2 --out "$OUT/packed.md" 2>&1 | grep "^| \|^- "
 fi
 rows="16:uniform:64 64:uniform:64 16:uniform:0 1:uniform:0"
 for split in ${KV_SPLITS:-0}; do
