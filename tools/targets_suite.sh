@@ -15,7 +15,7 @@ mkdir -p "$OUT"
 END=${END:-570}
 source tools/device_install.sh
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-echo "$gpu, jax $(python3 -c 'import jax; print(jax.__version__)'), commit $(git log --oneline -1 2>/dev/null | cut -c1-7)"
+echo "$gpu"  # each table names its jax, commit and device
 cd benchmarks
 left() { echo $(( END - SECONDS )); }
 options=${OPTIONS:-$([[ "$gpu" == *H200* ]] && echo 1 || echo 0)}
