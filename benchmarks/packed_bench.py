@@ -194,12 +194,17 @@ def bench_case(name, rows, heads, head_dim, warmup_s, rng):
     calls[(impl, part, 0)] = (fn, args)
     calls[(impl, part, 1)] = (fwd_bwd(fn), args)
 
+  # The longest document, which a packing loader knows: the packed call's
+  # max_segment_length (its tile hint) and varlen's max_seqlen.
+  longest = max(n for row in rows for n in row)
+
   def ours_packed(q, k, v, ids):
-    return jax_flash2.flash_attention(q, k, v, causal=True, segment_ids=(ids, ids))
+    return jax_flash2.flash_attention(q, k, v, causal=True, segment_ids=(ids, ids),
+                                      max_segment_length=longest)
   add("ours packed", ours_packed, (q, k, v, ids))
   memory = {"ours packed": tuple(temp_bytes(f, (q, k, v, ids))
                                  for f in (ours_packed, fwd_bwd(ours_packed)))}
-  plan = jax_flash2.plan(q, k, v, causal=True, segment_ids=(ids, ids),
+  plan = jax_flash2.plan(q, k, v, causal=True, segment_ids=(ids, ids), max_segment_length=longest,
                          compute_capability=(9, 0),
                          sm_count=getattr(jax.devices()[0], "core_count", 132))
   notes.append(f"{name}: packed plan forward {plan['forward'].kernel}, "
@@ -208,7 +213,6 @@ def bench_case(name, rows, heads, head_dim, warmup_s, rng):
   # varlen on the same tokens: [B * ROW, H, D] and the offsets of all
   # documents; one offsets array for q and k (equal offsets: the packed path).
   cu = cu_seqlens(rows)
-  longest = max(n for row in rows for n in row)
 
   def ours_varlen(q, k, v, cu):
     return jax_flash2.flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=True)

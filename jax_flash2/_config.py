@@ -49,6 +49,9 @@ class AttentionConfig:
   softcap: float = 0.0
   has_alibi: bool = False
   has_segment_ids: bool = False
+  # With segment ids: the caller's bound on any segment's key count (0:
+  # none), a hint the CUDA forward chooses its tile by.
+  max_segment_length: int = 0
   deterministic: bool = False
   dropout_rate: float = 0.0
   implementation: str = "kernel"
@@ -251,6 +254,23 @@ def check_dropout_rate(dropout_rate, caller: str = "flash_attention") -> float:
   return rate
 
 
+def _check_max_segment_length(max_segment_length, segment_ids) -> int:
+  """A static int >= 1 (0 in the config when None), only with segment ids."""
+  if max_segment_length is None:
+    return 0
+  if isinstance(max_segment_length, jax.core.Tracer) or not isinstance(
+      max_segment_length, (int, np.integer)) or isinstance(max_segment_length, (bool, np.bool_)):
+    raise TypeError("flash_attention: max_segment_length must be a static Python int or None; "
+                    f"got {max_segment_length!r}")
+  if max_segment_length < 1:
+    raise ValueError(f"flash_attention: max_segment_length must be >= 1 (or None); got "
+                     f"{max_segment_length!r}")
+  if segment_ids is None:
+    raise ValueError("flash_attention: max_segment_length bounds the segments' lengths, so it "
+                     "needs segment_ids; got segment_ids=None")
+  return int(max_segment_length)
+
+
 def _check_dropout(dropout_rate, dropout_rng) -> float:
   """The rate the kernels and the reference both apply: a multiple of 1/256
   (_scores.applied_dropout_rate), exact in float32."""
@@ -387,7 +407,7 @@ def extra_operands(q, k, alibi_slopes=None, segment_ids=None, dropout_rng=None,
 def make_config(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                 softcap=0.0, alibi_slopes=None, segment_ids=None, deterministic=False,
                 dropout_rate=0.0, dropout_rng=None, implementation=None, sinks=None,
-                dtypes=SUPPORTED_DTYPES) -> AttentionConfig:
+                max_segment_length=None, dtypes=SUPPORTED_DTYPES) -> AttentionConfig:
   """Checks the arguments of flash_attention and returns its static config.
 
   sinks is checked but not part of the config: the kernels never see it (it
@@ -412,6 +432,7 @@ def make_config(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -
       softcap=_check_softcap(softcap),
       has_alibi=alibi_slopes is not None,
       has_segment_ids=segment_ids is not None,
+      max_segment_length=_check_max_segment_length(max_segment_length, segment_ids),
       deterministic=bool(deterministic),
       dropout_rate=_check_dropout(dropout_rate, dropout_rng),
       implementation=implementation,

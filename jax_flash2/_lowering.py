@@ -139,10 +139,11 @@ def _cuda_rule(target: str, backward: bool):
     nbytes = _ext.cuda_ext.workspace_bytes(
         backward, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim,
         config.window_left, config.window_right, sm_count, deterministic, cc_major,
-        has_segment_ids=bool(config.has_segment_ids))
+        has_segment_ids=bool(config.has_segment_ids), segment_keys=config.max_segment_length)
     workspace = jax.core.ShapedArray((max(int(nbytes), 1),), np.uint8)
     ctx = ctx.replace(avals_out=[*ctx.avals_out, workspace])
-    extra = dict(deterministic=np.bool_(deterministic)) if backward else {}
+    extra = (dict(deterministic=np.bool_(deterministic)) if backward else
+             dict(segment_keys=np.int64(config.max_segment_length)))
     results = ffi_rule(ctx, *args, sm_count=np.int64(sm_count), **extra, **_attributes(config))
     return results[:-1]
 

@@ -30,6 +30,7 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
                     softcap: float = 0.0, alibi_slopes=None, segment_ids=None,
                     deterministic: bool = False, dropout_rate: float = 0.0,
                     dropout_rng: jax.Array | None = None, sinks=None,
+                    max_segment_length: int | None = None,
                     implementation: str | None = None):
   """FlashAttention-2: softmax(q k^T * scale [masked]) v without the T x S matrix.
 
@@ -74,6 +75,14 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
       causal within each segment). A query with no same-id key returns 0 and
       LSE -inf. K/V blocks with no same-id pair are skipped. Padding can be
       given its own id.
+    max_segment_length: None, or a static int >= 1 with segment_ids: a speed
+      hint, the most keys any segment id has in a row (the longest
+      document). The Hopper forward cannot read the ids on the host and
+      otherwise chooses its tile for documents of up to 2048 keys; with D <=
+      64 and documents of at most 256 keys, the bound lets it take the tile
+      such short sequences run as a batch. It is not checked against the
+      ids: a wrong bound changes the speed only, never the results.
+      flash_attention_varlen passes its max_seqlen_k.
     deterministic: a backward with a fixed summation order, bit-identical run
       to run. The CPU kernels always are (dQ partials are summed in a fixed
       order), so this costs nothing there. On Hopper (cc 9.0) the CUDA
@@ -133,7 +142,8 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: float | Non
                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                        segment_ids=segment_ids, deterministic=deterministic,
                        dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                       implementation=implementation, sinks=sinks)
+                       implementation=implementation, sinks=sinks,
+                       max_segment_length=max_segment_length)
   extras = extra_operands(q, k, alibi_slopes, segment_ids, dropout_rng, config.dropout_rate)
   if config.implementation == "reference":
     out, lse = reference.forward_from_config(q, k, v, extras, config, sinks=sinks)
@@ -232,7 +242,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                            window_size=window_size, softcap=softcap,
                            deterministic=deterministic, dropout_rate=dropout_rate,
                            dropout_rng=dropout_rng, sinks=sinks,
-                           implementation=implementation, **kwargs)
+                           implementation=implementation,
+                           max_segment_length=max(int(max_seqlen_k), 1), **kwargs)
 
   # Every argument is checked as flash_attention checks them, also when a side
   # has no token and no kernel runs (one row of at least one token stands in).

@@ -12,8 +12,8 @@ dropout_seeds [B, H, 2], and the KV cache's kv_seqlens [B], block_table
 [B, P] and kv_scales [B, 2, 1 or P, K]; an operand the call does not read is
 a zero-size constant) and attributes (softmax_scale, window_left,
 window_right, softcap, has_alibi, has_segment_ids, dropout_rate,
-has_kv_seqlens, page_size; on CUDA also sm_count, and deterministic on the
-backward). On CUDA, flash_attention_with_kvcache's append of k, v is a third
+has_kv_seqlens, page_size; on CUDA also sm_count, segment_keys on the
+forward and deterministic on the backward). On CUDA, flash_attention_with_kvcache's append of k, v is a third
 target, jax_flash2_kv_append (operands k_cache, v_cache, k, v,
 cache_seqlens, block_table, k_scale, v_scale, zero-size where absent;
 attribute page_size; its two results alias the caches). The process that

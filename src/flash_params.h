@@ -72,6 +72,10 @@ struct FlashParams {
   // window allows it).
   const int32_t* q_segment_ids = nullptr;
   const int32_t* kv_segment_ids = nullptr;
+  // The caller's bound on any segment's key count, 0 when unknown: the
+  // Hopper forward chooses its tile for it (the ids are on the device). A
+  // wrong bound costs speed, never correctness.
+  int64_t max_segment_keys = 0;
 
   // Backward only: dQ must be bit-identical run to run. The CPU backward
   // always is; the CUDA one then sums dQ in a fixed order (bwd_launch.cu).

@@ -593,6 +593,11 @@ def test_nnx_segment_ids_match_flax_mask(causal):
   # The ids change the result (the documents are really separated).
   assert not np.allclose(np.asarray(flash(x, segment_ids=ids), np.float32),
                          np.asarray(flash(x), np.float32), atol=1e-3)
+  # The length bound is a speed hint: a true one (these rows' documents are
+  # at most 21 tokens) and a wrong one leave the results as they are.
+  for bound in (21, 2):
+    agree(flash(x, segment_ids=ids, max_segment_length=bound), plain(x, mask=mask),
+          lambda: reference()(x, mask=mask))
 
   def grads(model, **call):
     return nnx.state(param_grads(

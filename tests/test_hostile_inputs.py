@@ -211,6 +211,24 @@ def test_bad_option_values(kwargs, error, match):
       jax_flash2.reference.attention(q, k, v, **options)
 
 
+@pytest.mark.parametrize("bound,ids,error,match", [
+    (0, True, ValueError, "max_segment_length must be >= 1"),
+    (2.0, True, TypeError, "max_segment_length must be a static Python int"),
+    (True, True, TypeError, "max_segment_length must be a static Python int"),
+    (4, False, ValueError, "max_segment_length .* needs segment_ids"),
+])
+def test_bad_max_segment_length(bound, ids, error, match):
+  q, k, v = _arrays()
+  segment_ids = (jnp.zeros((1, 8), jnp.int32),) * 2 if ids else None
+  for implementation in ("kernel", "reference"):
+    with pytest.raises(error, match=match):
+      jax_flash2.flash_attention(q, k, v, segment_ids=segment_ids, max_segment_length=bound,
+                                 implementation=implementation)
+  with pytest.raises(TypeError, match="max_segment_length must be a static Python int"):
+    jax.jit(lambda n: jax_flash2.flash_attention(
+        q, k, v, segment_ids=(jnp.zeros((1, 8), jnp.int32),) * 2, max_segment_length=n))(4)
+
+
 def test_abstract_options_pass_the_value_checks():
   """Slopes and segment ids given as jax.ShapeDtypeStruct (as jax_flash2.plan
   takes them) have no values to check: shapes and dtypes only."""

@@ -50,6 +50,9 @@ def _ids(rng, kind, batch, seqlen_q, seqlen_k, docs):
     q_ids = _packed_ids(rng, batch, seqlen_q, docs) + 1
     q_ids[:, seqlen_q * 9 // 10:] = 0
     kv_ids = q_ids
+  elif kind == "uniform":  # documents of `docs` tokens each
+    q_ids = np.broadcast_to(np.arange(seqlen_q, dtype=np.int32) // docs, (batch, seqlen_q))
+    kv_ids = np.broadcast_to(np.arange(seqlen_k, dtype=np.int32) // docs, (batch, seqlen_k))
   elif kind == "short":
     q_ids = _short_ids(rng, batch, seqlen_q)
     kv_ids = q_ids if seqlen_q == seqlen_k else _short_ids(rng, batch, seqlen_k)
@@ -92,10 +95,48 @@ def _case_id(c):
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_packed(rng, case):
+  _check_packed(rng, case)
+
+
+# max_segment_length, a tile hint: true bounds (the D 64 forward takes the
+# short-sequence tile at <= 256 keys) and wrong ones (documents longer than
+# the bound), which must change nothing but the speed.
+BOUND_CASES = [
+    ((1, 4096, 4096, 16, 4, 64, True, None, "uniform", 256, jnp.bfloat16), 256),
+    ((1, 2000, 2000, 16, 16, 64, True, None, "short", 0, jnp.float16), 40),
+    ((1, 2048, 2048, 16, 16, 64, True, None, "packed", 7, jnp.bfloat16), 100),
+    ((1, 1500, 3000, 16, 4, 64, False, None, "packed", 7, jnp.bfloat16), 64),  # T != S
+    ((1, 2048, 2048, 16, 16, 128, True, None, "packed", 7, jnp.bfloat16), 64),
+]
+
+
+@pytest.mark.parametrize("case,bound", BOUND_CASES,
+                         ids=[f"{_case_id(c)}-bound{b}" for c, b in BOUND_CASES])
+def test_packed_with_length_bound(rng, case, bound):
+  _check_packed(rng, case, max_segment_length=bound)
+
+
+@pytest.mark.skipif(jax_flash2._ext.cuda_ext is None, reason="needs the CUDA extension")
+def test_length_bound_reaches_the_forward_plan():
+  """The bound is lowered as the forward's segment_keys attribute, and it
+  picks the D 64 forward's tile (whose segment scratch differs in size)."""
+  ids = jnp.zeros((1, 16384), jnp.int32)
+  q = jnp.ones((1, 16384, 16, 64), jnp.bfloat16)
+  fn = jax.jit(lambda q: jax_flash2.flash_attention(q, q, q, causal=True, segment_ids=(ids, ids),
+                                                    max_segment_length=256))
+  ir = fn.trace(q).lower(lowering_platforms=("cuda",)).as_text()
+  assert "segment_keys = 256" in ir, ir[:2000]
+  sizes = [jax_flash2._ext.cuda_ext.workspace_bytes(
+      False, 1, 16384, 16384, 16, 16, 64, -1, 0, 132, False, 9, has_segment_ids=True,
+      segment_keys=bound) for bound in (0, 2048, 256)]
+  assert sizes[0] == sizes[1] != sizes[2], sizes
+
+
+def _check_packed(rng, case, **bound):
   batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, window, kind, docs, dtype = case
   q, k, v = random_inputs(rng, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype)
   segment_ids = _ids(rng, kind, batch, seqlen_q, seqlen_k, docs)
-  options = dict(causal=causal, segment_ids=segment_ids)
+  options = dict(causal=causal, segment_ids=segment_ids, **bound)
   if window is not None:
     options["window_size"] = window
   plan = device_plan(q, k, v, **options)

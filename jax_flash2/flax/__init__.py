@@ -123,14 +123,17 @@ class MultiHeadAttention(nnx.Module):
                   if use_sinks else None)
 
   def __call__(self, inputs_q, inputs_kv=None, *, segment_ids=None,
-               deterministic: bool | None = None, rngs: nnx.Rngs | None = None):
+               max_segment_length: int | None = None, deterministic: bool | None = None,
+               rngs: nnx.Rngs | None = None):
     """inputs_q [..., T, in_features] -> [..., T, out_features].
 
     Self-attention when inputs_kv is None, else cross-attention on inputs_kv
     [..., S, in_kv_features]. segment_ids: packed documents, integer ids
     [..., T] (self-attention) or a pair ([..., T], [..., S]): a query sees
     only the keys of its own id (causal stays positional, so with T == S it
-    is causal within each document). With dropout_rate > 0 and deterministic False,
+    is causal within each document). max_segment_length: the longest
+    document's key count, a speed hint (see flash_attention); ignored
+    without segment_ids. With dropout_rate > 0 and deterministic False,
     rngs (an nnx.Rngs with a `dropout` stream, or an nnx.RngStream) gives the
     dropout key.
     """
@@ -152,7 +155,8 @@ class MultiHeadAttention(nnx.Module):
         causal=self.causal, softmax_scale=self.softmax_scale, window_size=self.window_size,
         softcap=self.softcap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
         deterministic_backward=self.deterministic_backward,
-        sinks=None if self.sinks is None else self.sinks[...], segment_ids=segment_ids)
+        sinks=None if self.sinks is None else self.sinks[...], segment_ids=segment_ids,
+        max_segment_length=max_segment_length)
     return self.out(x)
 
 

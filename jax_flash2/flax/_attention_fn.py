@@ -16,7 +16,8 @@ from jax_flash2 import api
 def attend(query, key, value, *, causal: bool, softmax_scale=None, dtype=None,
            window_size=(-1, -1), softcap: float = 0.0, dropout_rate: float = 0.0,
            dropout_rng=None, deterministic_backward: bool = False,
-           causal_top_left: bool = False, sinks=None, segment_ids=None):
+           causal_top_left: bool = False, sinks=None, segment_ids=None,
+           max_segment_length: int | None = None):
   """flash_attention on Flax's layout: query [..., T, H, D], key, value [..., S, K, D].
 
   dtype, when given, is the computation dtype (as in Flax); otherwise the three
@@ -31,6 +32,8 @@ def attend(query, key, value, *, causal: bool, softmax_scale=None, dtype=None,
   when their ids are equal (flash_attention's segment_ids; the kernels skip
   the blocks of different documents). causal stays positional: on a row of
   packed documents (T == S) it is causal within each document.
+  max_segment_length: flash_attention's speed hint, the longest document's
+  key count; ignored without segment_ids.
 
   causal is bottom-right aligned (query i sees keys j <= i + S - T), unless
   causal_top_left: then query i sees keys j <= i, as Flax's and jax.nn's
@@ -71,6 +74,7 @@ def attend(query, key, value, *, causal: bool, softmax_scale=None, dtype=None,
       merged(query), merged(key), merged(value), causal=causal, softmax_scale=softmax_scale,
       window_size=window_size, softcap=softcap, dropout_rate=dropout_rate,
       dropout_rng=dropout_rng, deterministic=deterministic_backward, segment_ids=ids,
+      max_segment_length=None if ids is None else max_segment_length,
       sinks=None if sinks is None else jnp.asarray(sinks).astype(jnp.float32))
   return out.reshape(batch + out.shape[1:])
 

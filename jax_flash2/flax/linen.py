@@ -44,11 +44,11 @@ class MultiHeadAttention(nn.Module):
 
   @nn.compact
   def __call__(self, inputs_q, inputs_kv=None, deterministic: bool | None = None,
-               segment_ids=None):
+               segment_ids=None, max_segment_length: int | None = None):
     """inputs_q [..., T, F] -> [..., T, out_features]; cross-attention on
     inputs_kv [..., S, F_kv] when given. deterministic (here or as a field)
-    is needed when dropout_rate > 0. segment_ids: packed documents, as in
-    jax_flash2.flax.MultiHeadAttention."""
+    is needed when dropout_rate > 0. segment_ids and max_segment_length:
+    packed documents, as in jax_flash2.flax.MultiHeadAttention."""
     inputs_kv = inputs_q if inputs_kv is None else inputs_kv
     _check_dropout_rate(self.dropout_rate)
     dropout_rate, dropout_rng = 0.0, None
@@ -76,5 +76,5 @@ class MultiHeadAttention(nn.Module):
         causal=self.causal, softmax_scale=self.softmax_scale, window_size=self.window_size,
         softcap=self.softcap, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
         deterministic_backward=self.deterministic_backward, sinks=sinks,
-        segment_ids=segment_ids)
+        segment_ids=segment_ids, max_segment_length=max_segment_length)
     return dense(out_features, "out", axis=(-2, -1))(x)

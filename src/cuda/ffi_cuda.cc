@@ -50,13 +50,15 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                        ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> workspace,
                        float softmax_scale, int64_t window_left, int64_t window_right,
                        float softcap, bool has_alibi, bool has_segment_ids, float dropout_rate,
-                       bool has_kv_seqlens, int64_t page_size, int64_t sm_count) {
+                       bool has_kv_seqlens, int64_t page_size, int64_t sm_count,
+                       int64_t segment_keys) {
   FlashParams p;
   JF2_RETURN_IF_ERROR(ForwardParams(
       q, k, v, {alibi_slopes, q_segment_ids, kv_segment_ids, dropout_seeds, kv_seqlens,
                 block_table, kv_scales}, *out, *lse,
       {softmax_scale, window_left, window_right, softcap, has_alibi, has_segment_ids,
        dropout_rate, has_kv_seqlens, page_size}, &p));
+  p.max_segment_keys = segment_keys;
   DeviceInfo dev;
   if (ffi::Error err =
           Prepare(p, *workspace, sm_count, &ForwardUnsupported, &ForwardScratchBytes, &dev);
@@ -109,7 +111,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFlash2CudaForward, ForwardImpl,
     ScoreAttrs(ForwardOperands(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
                    .Ret<ffi::AnyBuffer>())  // workspace: uint8, split-KV partial O and LSE
-        .Attr<int64_t>("sm_count"));        // multiprocessors the workspace was sized for
+        .Attr<int64_t>("sm_count")          // multiprocessors the workspace was sized for
+        .Attr<int64_t>("segment_keys"));    // a bound on any segment's keys; 0: unknown
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFlash2CudaBackward, BackwardImpl,

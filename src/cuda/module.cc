@@ -18,7 +18,7 @@ nb::capsule Capsule(XLA_FFI_Error* (*handler)(XLA_FFI_CallFrame*)) {
 size_t WorkspaceBytes(bool backward, int64_t batch, int64_t seqlen_q, int64_t seqlen_k,
                       int64_t heads_q, int64_t heads_kv, int64_t head_dim, int64_t window_left,
                       int64_t window_right, int sm_count, bool deterministic, int cc_major,
-                      bool has_segment_ids) {
+                      bool has_segment_ids, int64_t segment_keys) {
   jax_flash2::FlashParams p;
   p.batch = batch;
   p.seqlen_q = seqlen_q;
@@ -30,10 +30,11 @@ size_t WorkspaceBytes(bool backward, int64_t batch, int64_t seqlen_q, int64_t se
   p.window_left = window_left;
   p.window_right = window_right;
   p.deterministic = deterministic;
-  // The Hopper kernels' segment-id summaries take scratch; only whether the
-  // ids are there matters for its size.
+  // The Hopper kernels' segment-id summaries take scratch; whether the ids
+  // are there and the segments' key bound (the tile) set its size.
   alignas(16) static const int32_t ids_stand_in[4] = {};
   if (has_segment_ids) p.q_segment_ids = p.kv_segment_ids = ids_stand_in;
+  p.max_segment_keys = segment_keys;  // picks the forward's tile, hence its scratch
   p.dtype = jax_flash2::DType::kBFloat16;
   jax_flash2::SetDenseStrides(p);
   jax_flash2::cuda::DeviceInfo dev;
@@ -62,5 +63,5 @@ NB_MODULE(_cuda_ext, m) {
         nb::arg("seqlen_q"), nb::arg("seqlen_k"), nb::arg("heads_q"), nb::arg("heads_kv"),
         nb::arg("head_dim"), nb::arg("window_left"), nb::arg("window_right"),
         nb::arg("sm_count"), nb::arg("deterministic") = false, nb::arg("cc_major") = 9,
-        nb::arg("has_segment_ids") = false);
+        nb::arg("has_segment_ids") = false, nb::arg("segment_keys") = 0);
 }

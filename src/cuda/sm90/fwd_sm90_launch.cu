@@ -68,12 +68,16 @@ bool Masked(const FlashParams& p) { return HasWindow(p) || sm90::HasSegmentIds(p
 
 // The key count the tile and the grid are chosen for. With segment ids a
 // tile sees its documents' keys only, which the host cannot read: plan as
-// for 2048 keys, where every head dim's masked row that has a persistent
-// form runs it, since the persistent grid draws segment calls' tiles as
-// they finish (fwd_sm90_kernel.cuh) and hides each tile's start under the
-// previous one's end.
+// for at most 2048 keys, where every head dim's masked row that has a
+// persistent form runs it, since the persistent grid draws segment calls'
+// tiles as they finish (fwd_sm90_kernel.cuh) and hides each tile's start
+// under the previous one's end; fewer where the caller bounds the segments'
+// key counts (max_segment_keys), so that rows of short documents take the
+// tile their documents would take as a batch.
 int64_t PlanKeys(const FlashParams& p) {
-  return sm90::HasSegmentIds(p) ? std::min<int64_t>(p.seqlen_k, 2048) : p.seqlen_k;
+  if (!sm90::HasSegmentIds(p)) return p.seqlen_k;
+  const int64_t keys = std::min<int64_t>(p.seqlen_k, 2048);
+  return p.max_segment_keys > 0 ? std::min(keys, p.max_segment_keys) : keys;
 }
 
 // The grid of a call, shared by the scratch size and the launch so that they
