@@ -105,7 +105,7 @@ BOUND_CASES = [
     ((1, 4096, 4096, 16, 4, 64, True, None, "uniform", 256, jnp.bfloat16), 256),
     ((1, 2000, 2000, 16, 16, 64, True, None, "short", 0, jnp.float16), 40),
     ((1, 2048, 2048, 16, 16, 64, True, None, "packed", 7, jnp.bfloat16), 100),
-    ((1, 1500, 3000, 16, 4, 64, False, None, "packed", 7, jnp.bfloat16), 64),  # T != S
+    ((2, 1500, 3000, 16, 4, 64, False, None, "packed", 7, jnp.bfloat16), 64),  # T != S
     ((1, 2048, 2048, 16, 16, 128, True, None, "packed", 7, jnp.bfloat16), 64),
 ]
 
