@@ -13,8 +13,9 @@ dropout_seeds [B, H, 2], and the KV cache's kv_seqlens [B], block_table
 a zero-size constant) and attributes (softmax_scale, window_left,
 window_right, softcap, has_alibi, has_segment_ids, dropout_rate,
 has_kv_seqlens, page_size; on CUDA also sm_count, segment_keys on the
-forward and deterministic on the backward). On CUDA, flash_attention_with_kvcache's append of k, v is a third
-target, jax_flash2_kv_append (operands k_cache, v_cache, k, v,
+forward and deterministic on the backward). On CUDA,
+flash_attention_with_kvcache's append of k, v is a third target,
+jax_flash2_kv_append (operands k_cache, v_cache, k, v,
 cache_seqlens, block_table, k_scale, v_scale, zero-size where absent;
 attribute page_size; its two results alias the caches). The process that
 deserializes and runs it must `import jax_flash2` (which registers the
