@@ -258,8 +258,7 @@ def _check_max_segment_length(max_segment_length, segment_ids) -> int:
   """A static int >= 1 (0 in the config when None), only with segment ids."""
   if max_segment_length is None:
     return 0
-  if isinstance(max_segment_length, jax.core.Tracer) or not isinstance(
-      max_segment_length, (int, np.integer)) or isinstance(max_segment_length, (bool, np.bool_)):
+  if not isinstance(max_segment_length, (int, np.integer)) or isinstance(max_segment_length, bool):
     raise TypeError("flash_attention: max_segment_length must be a static Python int or None; "
                     f"got {max_segment_length!r}")
   if max_segment_length < 1:

@@ -243,7 +243,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                            deterministic=deterministic, dropout_rate=dropout_rate,
                            dropout_rng=dropout_rng, sinks=sinks,
                            implementation=implementation,
-                           max_segment_length=max(int(max_seqlen_k), 1), **kwargs)
+                           max_segment_length=int(max_seqlen_k), **kwargs)
 
   # Every argument is checked as flash_attention checks them, also when a side
   # has no token and no kernel runs (one row of at least one token stands in).
