@@ -16,8 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash2
-
-ROW = 16384
+from packed_bench import ROW, fwd_bwd
 
 
 def profiler(start: bool) -> None:
@@ -25,9 +24,10 @@ def profiler(start: bool) -> None:
   jax's calls run in."""
   cuda = ctypes.CDLL("libcuda.so.1")
   ctx = ctypes.c_void_p()
-  assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
-  assert cuda.cuCtxSetCurrent(ctx) == 0
-  assert (cuda.cuProfilerStart() if start else cuda.cuProfilerStop()) == 0
+  status = (cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) or cuda.cuCtxSetCurrent(ctx) or
+            (cuda.cuProfilerStart() if start else cuda.cuProfilerStop()))
+  if status != 0:
+    raise RuntimeError(f"CUDA driver call failed with status {status}")
 
 
 def main() -> None:
@@ -51,9 +51,7 @@ def main() -> None:
     return jax_flash2.flash_attention(q, k, v, causal=True, segment_ids=(ids, ids),
                                       max_segment_length=n)
 
-  def loss(q, k, v):
-    return jnp.sum(attend(q, k, v).astype(jnp.float32))
-  fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)) if args.backward else attend)
+  fn = jax.jit(fwd_bwd(attend) if args.backward else attend)
   for _ in range(3):
     jax.block_until_ready(fn(q, k, v))
   profiler(True)
