@@ -27,7 +27,7 @@ cudaError_t RunBackwardTyped(const FlashParams& p, const BwdPlan& plan, const Bw
   if (err != cudaSuccess) return err;
   const int64_t rows = p.batch * p.num_heads_q * s.t_pad;
   if (rows > 0) {
-    BwdPreprocessKernel<Elem><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(p, s);
+    BwdPreprocessKernel<Elem><<<BwdPreprocessBlocks<Elem>(p, s, dev.sm_count), 256, 0, stream>>>(p, s);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
 

@@ -107,7 +107,7 @@ cudaError_t RunSm90Typed(const FlashParams& p, void* scratch, const DeviceInfo& 
   if (err != cudaSuccess) return err;
   const int64_t rows = p.batch * p.num_heads_q * s.t_pad;
   if (rows > 0) {
-    cuda::BwdPreprocessKernel<Elem><<<static_cast<unsigned>((rows + 7) / 8), 256>>>(p, s);
+    cuda::BwdPreprocessKernel<Elem><<<cuda::BwdPreprocessBlocks<Elem>(p, s, dev.sm_count), 256>>>(p, s);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if ((err = cuda::RunBackwardSm90(p, s, dev, 0)) != cudaSuccess) return err;
