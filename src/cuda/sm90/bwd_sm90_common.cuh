@@ -115,6 +115,18 @@ __device__ __forceinline__ void NarrowToUniformIds(const SegmentBlocks& seg, int
   window->full_hi = min(window->full_hi, hi);
 }
 
+// Whether the query block [m_begin, + block_m) lies in the uniform run of
+// the key chunk at key0 (NarrowToUniformIds): it holds only the keys' one
+// id, so the window's mask alone applies. A causal diagonal block of one
+// document is such a block (two in three blocks of 256-key documents at
+// block_m 128) and skips ZeroUnequalIds.
+__device__ __forceinline__ bool InUniformIdRun(const SegmentBlocks& seg, int b, int key0,
+                                               int m_begin, int block_m) {
+  if (key0 / 64 >= seg.num_kv_chunks) return false;
+  const int4 span = seg.kv_span[b * seg.num_kv_chunks + key0 / 64];
+  return m_begin >= span.z * block_m && m_begin + block_m <= span.w * block_m;
+}
+
 // Zeroes the elements of a P^T tile (the 64 keys from key0 of batch entry b
 // x the queries from m_begin, MaskUnequalIds' layout) whose key and query ids
 // differ. A key chunk past the last one holds keys past S only (masked,

@@ -456,7 +456,8 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       }
       if (!window.FullyVisible(m_begin, kBlockM)) {
         ZeroMaskedScores(acc, m_begin, t4, window);
-        if (args.seg.kv_span != nullptr) {
+        if (args.seg.kv_span != nullptr &&
+            !InUniformIdRun(args.seg, b, n_begin, m_begin, kBlockM)) {
           ZeroUnequalIds(acc, args.seg, b, n_begin, m_begin, warp, g, t4);
         }
       }

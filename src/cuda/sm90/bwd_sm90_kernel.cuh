@@ -788,6 +788,10 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       // 8 rh, query column 8 j + 2 t4 + e, with j = i / 4, rh = (i / 2) % 2,
       // e = i % 2.
       const bool full = window.FullyVisible(m_begin, kBlockM);
+      // Segment ids: the id test on the masked blocks outside the uniform
+      // run (its load under the products).
+      const bool test_ids = !full && args.seg.kv_span != nullptr &&
+                            !InUniformIdRun(args.seg, tile.b, key0, m_begin, kBlockM);
       WgmmaWaitFenced<1>(s);  // S^T done; dP^T may still run
       uint32_t pa[Tr::kSlices][4], dsa[Tr::kSlices][4];
       // dV += P^T dO (wgmma RS: P^T from registers, dO MN-major). At block_m =
@@ -916,9 +920,7 @@ __global__ void __launch_bounds__(kBwdSm90Threads, 1)
       }
       if (!full) {
         ZeroMaskedScores(s, m_begin, t4, window);
-        if (args.seg.kv_span != nullptr) {
-          ZeroUnequalIds(s, args.seg, tile.b, key0, m_begin, warp, g, t4);
-        }
+        if (test_ids) ZeroUnequalIds(s, args.seg, tile.b, key0, m_begin, warp, g, t4);
       }
       if constexpr (kDvUnderDs) issue_dv();
 
