@@ -18,23 +18,27 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash2
-from packed_bench import ROW, fwd_bwd, time_calls
+from packed_bench import CASES, ROW, fwd_bwd, segment_ids, time_calls
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("label")
-  parser.add_argument("--cases", default="64x256,8x2048", help="DOCSxLENGTH, comma-separated")
+  uniform = [case for case in CASES if case != "mixed"]
+  parser.add_argument("--cases", default=",".join(uniform),
+                      help=f"comma-separated, of {uniform} (packed_bench.CASES)")
   parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
   parser.add_argument("--heads", type=int, default=16)
   parser.add_argument("--warmup-s", type=float, default=0.2)
   args = parser.parse_args()
   rng = np.random.default_rng(0)
+  unknown = sorted(set(args.cases.split(",")) - set(uniform))
+  if unknown:
+    parser.error(f"unknown --cases {unknown}; known: {uniform}")
   for case in args.cases.split(","):
-    docs, n = (int(x) for x in case.split("x"))
-    if docs * n != ROW:
-      raise ValueError(f"--cases: {case} does not fill a row of {ROW} tokens")
-    ids = jnp.repeat(jnp.arange(docs, dtype=jnp.int32), n)[None]
+    rows = CASES[case](rng)  # one row of equal documents
+    docs, n = len(rows[0]), rows[0][0]
+    ids = segment_ids(rows)
     for d in args.head_dims:
       packed_qkv = tuple(jnp.asarray(rng.standard_normal((1, ROW, args.heads, d)), jnp.bfloat16)
                          for _ in range(3))

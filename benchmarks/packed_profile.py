@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash2
-from packed_bench import ROW, fwd_bwd
+from packed_bench import ROW, fwd_bwd, segment_ids
 
 
 def profiler(start: bool) -> None:
@@ -43,7 +43,7 @@ def main() -> None:
   shape = (1, ROW) if args.layout == "packed" else (args.docs, n)
   q, k, v = (jnp.asarray(rng.standard_normal(shape + (args.heads, args.head_dim)), jnp.bfloat16)
              for _ in range(3))
-  ids = jnp.repeat(jnp.arange(args.docs, dtype=jnp.int32), n)[None]
+  ids = segment_ids([[n] * args.docs])
 
   def attend(q, k, v):
     if args.layout == "batch":
