@@ -67,13 +67,15 @@ def timed_loop(attend, steps, carry_caches=False, unroll=True):
   are loop invariants, read in place; carry_caches: attend returns (out,
   k_cache, v_cache), carried to the next step, and the caches are donated so
   that the append updates them in place (the loop's init would otherwise copy
-  the whole cache once per call). unroll: straight-line steps; a rolled loop
-  adds its own per-step cost (--rolled). Returns fn(q, kc, vc, *args) ->
-  (q, kc, vc)."""
+  the whole cache once per call). Without it the loop returns q alone: a
+  cache handed back undonated would be copied into a new output buffer on
+  every call. unroll: straight-line steps; a rolled loop adds its own
+  per-step cost (--rolled). Returns fn(q, kc, vc, *args) -> q, or (q, kc,
+  vc) with carry_caches."""
   def run(q, kc, vc, *args):
     if not carry_caches:
       body = lambda _, q: q + (attend(q, kc, vc, *args)[..., :1] * 0).astype(q.dtype)
-      return jax.lax.fori_loop(0, steps, body, q, unroll=unroll), kc, vc
+      return jax.lax.fori_loop(0, steps, body, q, unroll=unroll)
 
     def body(_, state):
       q, kc, vc = state
@@ -84,13 +86,15 @@ def timed_loop(attend, steps, carry_caches=False, unroll=True):
 
 
 def time_it(fn, args, steps, warmup_s, reps=5) -> float:
-  """Seconds per step of fn(q, kc, vc, *rest) -> (q, kc, vc); the caches it
-  returns feed the next call (they may have been donated)."""
+  """Seconds per step of fn(q, kc, vc, *rest) (timed_loop's); where it
+  returns the caches (they may have been donated) they feed the next call."""
   q, kc, vc, *rest = args
 
   def call():
     nonlocal kc, vc
-    _, kc, vc = jax.block_until_ready(fn(q, kc, vc, *rest))
+    result = jax.block_until_ready(fn(q, kc, vc, *rest))
+    if isinstance(result, tuple):
+      _, kc, vc = result
 
   call()
   t0 = time.perf_counter()
