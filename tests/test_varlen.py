@@ -26,6 +26,13 @@ def _cu(lengths):
   return jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
 
 
+def _cpu_sharding():
+  """The first CPU device as a sharding (SingleDeviceSharding is deprecated
+  from jax 0.12)."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
 @pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"q{c[0]}-k{c[1]}-h{c[2]}k{c[3]}-d{c[4]}-{c[5]}")
 def test_varlen_matches_per_sequence_oracle(backend, case, dtype, rng):
@@ -404,7 +411,7 @@ def test_packed_memory_linear_in_tokens(rng):
   n, total, h, d = len(lens), int(lens.sum()), 1, 8
   cu = _cu(lens)
   # Compiled for the CPU on every machine (the GPU figures are packed_bench's).
-  cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+  cpu = _cpu_sharding()
   spec = jax.ShapeDtypeStruct((total, h, d), jnp.float32, sharding=cpu)
 
   def loss(path):
@@ -439,7 +446,7 @@ def test_aligned_memory_linear_in_tokens(rng):
   n, h, d = len(q_lens), 1, 8
   cu_q, cu_k = _cu(q_lens), _cu(k_lens)
   total_q, total_k = int(q_lens.sum()), int(k_lens.sum())
-  cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+  cpu = _cpu_sharding()
   q_spec = jax.ShapeDtypeStruct((total_q, h, d), jnp.float32, sharding=cpu)
   k_spec = jax.ShapeDtypeStruct((total_k, h, d), jnp.float32, sharding=cpu)
   sizes = jax_flash2._varlen.Sizes(total_q, total_k, 4096, 4097, h, h)
