@@ -67,10 +67,7 @@ cudaError_t RunForward(const FlashParams& p, void* scratch, const DeviceInfo& de
   args.kv_stages = decode ? 1 : plan.kv_stages;
   args.num_splits = plan.num_splits;
   args.n_blocks_per_split = plan.n_blocks_per_split;
-  // Not for a KV-cache call: its kernel reads the lengths and block table
-  // (which the grid before it may write, the append say) before it waits.
-  args.programmatic_launch = decode && dev.cc_major >= 9 && GetTestSwitches().decode_pdl &&
-                             p.kv_seqlens == nullptr;
+  args.programmatic_launch = decode && dev.cc_major >= 9 && GetTestSwitches().decode_pdl;
   const double kv_bytes = 2.0 * p.batch * p.seqlen_k * p.num_heads_kv * p.head_dim * 2;
   args.kv_read_once = decode && kv_bytes > 0.5 * static_cast<double>(dev.l2_bytes);
   if (plan.num_splits > 1) {

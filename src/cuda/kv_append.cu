@@ -24,8 +24,11 @@
 #include <type_traits>
 
 #include "../ffi_params.h"
+#include "../test_switches.h"
 #include "ffi_cuda.h"
-#include "sm80/primitives.cuh"  // ToFloat
+#include "flash_cuda.h"  // GetCurrentDeviceInfo
+#include "launch.h"
+#include "sm80/primitives.cuh"  // ToFloat, AllowDependentLaunch, WaitForPrimaryGrid
 
 namespace jax_flash2::cuda {
 namespace {
@@ -153,6 +156,11 @@ __device__ __forceinline__ void AppendChunk(const Src* src, Cache* dst, float sc
 
 template <typename Src, typename Cache>
 __global__ void __launch_bounds__(kThreads) KvAppendKernel(const KvAppendParams p) {
+  // Launched early (LaunchKvAppend), the grid waits for the one before it
+  // before it reads anything, and lets the attention after it (the decode
+  // kernel, which waits for this grid in turn) be scheduled at once.
+  AllowDependentLaunch();
+  WaitForPrimaryGrid();
   constexpr bool kQuantized = !std::is_same_v<Src, Cache>;
   const int64_t chunks_per_row = (p.head_dim + kChunk - 1) / kChunk;
   const int64_t items = p.batch * p.seqlen_new * p.num_kv_heads * chunks_per_row;
@@ -182,14 +190,19 @@ __global__ void __launch_bounds__(kThreads) KvAppendKernel(const KvAppendParams 
   }
 }
 
+// On cc 9.0 a programmatic dependent launch, as the decode kernel after it:
+// both launches then sit under the previous grid's tail instead of in line.
 template <typename Src, typename Cache>
 cudaError_t LaunchKvAppend(const KvAppendParams& p, cudaStream_t stream) {
   const int64_t chunks_per_row = (p.head_dim + kChunk - 1) / kChunk;
   const int64_t items = p.batch * p.seqlen_new * p.num_kv_heads * chunks_per_row;
   if (items == 0) return cudaSuccess;
   const int64_t blocks = std::min<int64_t>((items + kThreads - 1) / kThreads, kMaxBlocks);
-  KvAppendKernel<Src, Cache><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  DeviceInfo dev;
+  if (cudaError_t err = GetCurrentDeviceInfo(&dev); err != cudaSuccess) return err;
+  const bool early = dev.cc_major >= 9 && GetTestSwitches().decode_pdl;
+  return LaunchKernel(KvAppendKernel<Src, Cache>, dim3(static_cast<unsigned>(blocks)),
+                      dim3(kThreads), 0, stream, early, p);
 }
 
 // The kernel for a (k dtype, cache dtype) pair: a cache of k's dtype, or an

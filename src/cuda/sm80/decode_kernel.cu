@@ -362,6 +362,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 
   // The split combine (if any) may be scheduled now: it waits for this grid.
   AllowDependentLaunch();
+  // A KV-cache call reads its lengths, block table and scales, which the
+  // grid before it may write (the append writes the cache), only after it:
+  // launched early, it gains the launch but not the prefetch below.
+  if (args.p.kv_seqlens != nullptr) WaitForPrimaryGrid();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Q (kRows rows), then per warp a ring of kRing x (K tile, V tile).
   Elem* s_q = reinterpret_cast<Elem*>(smem_raw);
@@ -383,8 +387,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const int seqlen_q = static_cast<int>(p.seqlen_q);
   // A KV cache's sequence has its own key count (its keys past it are never
   // loaded) and its own diagonal; a split past its end loads nothing and
-  // writes an empty partial (LSE -inf) for the combine. (kv_seqlens is read
-  // before WaitForPrimaryGrid: the host never launches a KV-cache call early.)
+  // writes an empty partial (LSE -inf) for the combine.
   const int seqlen_k = static_cast<int>(KvLength(p, b));
   const int head_dim = static_cast<int>(p.head_dim);
   const int num_rows = seqlen_q * group;  // <= kRows (the host's choice)
