@@ -8,6 +8,7 @@
 
 #include "../plan.h"
 #include "flash_cuda.h"
+#include "launch.h"
 #include "sm80/fwd_launch.h"
 #if JF2_HAVE_SM90
 #include "sm90/fwd_sm90.h"
@@ -67,7 +68,7 @@ cudaError_t RunForward(const FlashParams& p, void* scratch, const DeviceInfo& de
   args.kv_stages = decode ? 1 : plan.kv_stages;
   args.num_splits = plan.num_splits;
   args.n_blocks_per_split = plan.n_blocks_per_split;
-  args.programmatic_launch = decode && dev.cc_major >= 9 && GetTestSwitches().decode_pdl;
+  args.programmatic_launch = decode && LaunchesDecodeEarly(dev);
   const double kv_bytes = 2.0 * p.batch * p.seqlen_k * p.num_heads_kv * p.head_dim * 2;
   args.kv_read_once = decode && kv_bytes > 0.5 * static_cast<double>(dev.l2_bytes);
   if (plan.num_splits > 1) {

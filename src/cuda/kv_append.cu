@@ -24,7 +24,6 @@
 #include <type_traits>
 
 #include "../ffi_params.h"
-#include "../test_switches.h"
 #include "ffi_cuda.h"
 #include "flash_cuda.h"  // GetCurrentDeviceInfo
 #include "launch.h"
@@ -200,9 +199,8 @@ cudaError_t LaunchKvAppend(const KvAppendParams& p, cudaStream_t stream) {
   const int64_t blocks = std::min<int64_t>((items + kThreads - 1) / kThreads, kMaxBlocks);
   DeviceInfo dev;
   if (cudaError_t err = GetCurrentDeviceInfo(&dev); err != cudaSuccess) return err;
-  const bool early = dev.cc_major >= 9 && GetTestSwitches().decode_pdl;
   return LaunchKernel(KvAppendKernel<Src, Cache>, dim3(static_cast<unsigned>(blocks)),
-                      dim3(kThreads), 0, stream, early, p);
+                      dim3(kThreads), 0, stream, LaunchesDecodeEarly(dev), p);
 }
 
 // The kernel for a (k dtype, cache dtype) pair: a cache of k's dtype, or an

@@ -6,6 +6,9 @@
 #include <cstddef>
 #include <utility>
 
+#include "../plan.h"  // DeviceInfo
+#include "../test_switches.h"
+
 namespace jax_flash2::cuda {
 
 // Launches kernel(args...) on `stream`. With after_previous, as a
@@ -29,6 +32,13 @@ cudaError_t LaunchKernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, s
   config.attrs = &early;
   config.numAttrs = after_previous ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+// Whether the decode kernel and the KV-cache append launch as programmatic
+// dependents: on cc 9.0 unless JAX_FLASH2_DECODE_PDL=0. One rule for both
+// (each waits for the grid before it), so that the switch turns off both.
+inline bool LaunchesDecodeEarly(const DeviceInfo& dev) {
+  return dev.cc_major >= 9 && GetTestSwitches().decode_pdl;
 }
 
 }  // namespace jax_flash2::cuda
