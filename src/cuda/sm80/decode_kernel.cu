@@ -230,6 +230,16 @@ __device__ __forceinline__ uint32_t BytesToHalf2(uint32_t word) {
   }
 }
 
+// The e4m3 bytes 0, 1 and 2, 3 of a word as two float16 pairs: the
+// conversion reads either half of the word in place (F2FP's .H1 operand),
+// where BytesToHalf2 first moves the bytes with a PRMT.
+__device__ __forceinline__ void E4m3HalvesToHalf2(uint32_t word, uint32_t* lo, uint32_t* hi) {
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n"
+      " cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(*lo), "=r"(*hi)
+      : "r"(word));
+}
+
 // Where ScaleQToHalf stores Q's column d: within each 16 columns, column
 // 4 t + e goes to 2 t + e % 2 + 8 (e / 2), the k index at which
 // ComputeSQuantized's K fragments hold key column 4 t + e (a permutation of
@@ -264,8 +274,13 @@ __device__ __forceinline__ void ComputeSQuantized(float (&s)[Tr::kMTiles][Tr::kN
       for (int mt = 0; mt < Tr::kMTiles; ++mt) fwd::LdMatrixX4At(a[mt], q_at(mt, 4 * sg + j));
 #pragma unroll
       for (int nt = 0; nt < Tr::kNTiles; ++nt) {
-        const uint32_t b[2] = {BytesToHalf2<Cache, 0, 1>(kf[nt][j]),
-                               BytesToHalf2<Cache, 2, 3>(kf[nt][j])};
+        uint32_t b[2];
+        if constexpr (std::is_same_v<Cache, int8_t>) {
+          b[0] = BytesToHalf2<Cache, 0, 1>(kf[nt][j]);
+          b[1] = BytesToHalf2<Cache, 2, 3>(kf[nt][j]);
+        } else {
+          E4m3HalvesToHalf2(kf[nt][j], &b[0], &b[1]);
+        }
 #pragma unroll
         for (int mt = 0; mt < Tr::kMTiles; ++mt) Mma16816<__half>(s[mt][nt], a[mt], b);
       }
