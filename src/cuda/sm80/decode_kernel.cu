@@ -212,13 +212,17 @@ struct PageDivider {
 };
 
 // Bytes kLo and kHi of a word of cache elements as a float16 pair, exactly.
+inline constexpr uint32_t kExponentBytes = 0x64646464u;  // float16 1024's high byte, four times
 template <typename Cache, int kLo, int kHi>
 __device__ __forceinline__ uint32_t BytesToHalf2(uint32_t word) {
   if constexpr (std::is_same_v<Cache, int8_t>) {
     // x + 128 into the low byte of float16 1024 (0x64 high byte): 1024 + 128
     // + x, exact (the spacing there is 1); subtracting 1152 leaves x.
-    const uint32_t biased =
-        __byte_perm(word ^ 0x80808080u, 0x64646464u, kLo | 0x40 | (kHi << 8) | 0x4000);
+    // 0x64 bytes from a register ptxas cannot fold into the instruction, so
+    // that the selector takes prmt's immediate: with the constant there,
+    // ptxas copied the selectors into registers before every use.
+    const uint32_t biased = __byte_perm(word ^ 0x80808080u, kExponentBytes | (threadIdx.x >> 31),
+                                        kLo | 0x40 | (kHi << 8) | 0x4000);
     const __half2 x = __hsub2(*reinterpret_cast<const __half2*>(&biased),
                               __half2half2(__ushort_as_half(0x6480)));
     return *reinterpret_cast<const uint32_t*>(&x);
