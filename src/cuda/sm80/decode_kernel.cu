@@ -389,6 +389,25 @@ __device__ __forceinline__ void ComputeSInt8(float (&s)[Tr::kMTiles][Tr::kNTiles
       for (int e = 0; e < 4; ++e) s[mt][nt][e] = static_cast<float>(hi[mt][nt][e] * 256 + lo[mt][nt][e]);
 }
 
+// A warp's read of one Q row (bfloat16 when q_is_bf16, else float16):
+// lane's columns lane + 32 j into x, and the row's largest |q| (a NaN
+// dropped: fmaxf ignores it) to every lane.
+template <int kHeadDim>
+__device__ __forceinline__ float ReadQRow(const uint16_t* row, bool q_is_bf16, int lane,
+                                          float (&x)[kHeadDim / 32]) {
+  float amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 32; ++j) {
+    const uint16_t bits = row[lane + 32 * j];
+    x[j] = q_is_bf16 ? __bfloat162float(__ushort_as_bfloat16(bits))
+                     : __half2float(__ushort_as_half(bits));
+    amax = fmaxf(amax, fabsf(x[j]));
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  return amax;
+}
+
 // Q rows [0, num_rows) of the padded Q tile for an int8 K cache, in place:
 // each row times 2^e so that its largest |q| lies in [2^13, 2^14), rounded
 // to an integer q = 256 hi + lo (hi in [-64, 64], lo in [-128, 127]: both
@@ -405,18 +424,10 @@ __device__ __forceinline__ void SplitQToInt8(uint16_t* s_q, int num_rows, bool q
   for (int r = warp; r < num_rows; r += kDecodeWarps) {
     uint16_t* row = s_q + r * kQStride;
     float x[kPerLane];
-    float amax = 0.f;
+    const float amax = ReadQRow<kHeadDim>(row, q_is_bf16, lane, x);
     bool finite = true;
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      const uint16_t bits = row[lane + 32 * j];
-      x[j] = q_is_bf16 ? __bfloat162float(__ushort_as_bfloat16(bits))
-                       : __half2float(__ushort_as_half(bits));
-      finite = finite && isfinite(x[j]);
-      amax = fmaxf(amax, fabsf(x[j]));
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    for (int j = 0; j < kPerLane; ++j) finite = finite && isfinite(x[j]);
     finite = __all_sync(0xffffffffu, finite);
     const int e = amax > 0.f && finite ? 13 - ilogbf(amax) : 0;
     __syncwarp();  // every lane has read its elements before any is rewritten
@@ -445,16 +456,7 @@ __device__ __forceinline__ void ScaleQToHalf(uint16_t* s_q, int num_rows, bool q
   for (int r = warp; r < num_rows; r += kDecodeWarps) {
     uint16_t* row = s_q + r * kQStride;
     float x[kPerLane];
-    float amax = 0.f;
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      const uint16_t bits = row[lane + 32 * j];
-      x[j] = q_is_bf16 ? __bfloat162float(__ushort_as_bfloat16(bits))
-                       : __half2float(__ushort_as_half(bits));
-      amax = fmaxf(amax, fabsf(x[j]));  // fmaxf drops a NaN: it stays NaN below
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const float amax = ReadQRow<kHeadDim>(row, q_is_bf16, lane, x);  // a NaN stays NaN below
     const int e = amax > 0.f && amax < INFINITY ? 14 - ilogbf(amax) : 0;
     __syncwarp();  // every lane has read its elements before any is rewritten
 #pragma unroll
