@@ -121,7 +121,9 @@ __device__ __forceinline__ void LoadSwizzledChunk(Elem* tile, const Elem* head_b
 // stay out of the tiles: k's multiply S, v's multiply P (as a ratio to the
 // block's first v scale, folded back in at the end). Q is float16 too, each
 // row scaled by a power of two that puts its largest |q| in [2^14, 2^15):
-// bfloat16's range fits, its 8-bit significands are exact.
+// bfloat16's range fits, its 8-bit significands are exact. An int8 K tile
+// skips the conversion: Q becomes integers split in two int8 halves and S
+// comes from integer mmas on the K bytes as they landed (ComputeSInt8).
 //
 // Byte tiles: rows of kHeadDim bytes, 16-byte chunk c of row r stored at
 // c ^ QuantSwizzle(r), so that the 8 rows an ldmatrix reads (8 consecutive
@@ -210,13 +212,17 @@ struct PageDivider {
 };
 
 // Bytes kLo and kHi of a word of cache elements as a float16 pair, exactly.
+inline constexpr uint32_t kExponentBytes = 0x64646464u;  // float16 1024's high byte, four times
 template <typename Cache, int kLo, int kHi>
 __device__ __forceinline__ uint32_t BytesToHalf2(uint32_t word) {
   if constexpr (std::is_same_v<Cache, int8_t>) {
     // x + 128 into the low byte of float16 1024 (0x64 high byte): 1024 + 128
     // + x, exact (the spacing there is 1); subtracting 1152 leaves x.
-    const uint32_t biased =
-        __byte_perm(word ^ 0x80808080u, 0x64646464u, kLo | 0x40 | (kHi << 8) | 0x4000);
+    // 0x64 bytes from a register ptxas cannot fold into the instruction, so
+    // that the selector takes prmt's immediate: with the constant there,
+    // ptxas copied the selectors into registers before every use.
+    const uint32_t biased = __byte_perm(word ^ 0x80808080u, kExponentBytes | (threadIdx.x >> 31),
+                                        kLo | 0x40 | (kHi << 8) | 0x4000);
     const __half2 x = __hsub2(*reinterpret_cast<const __half2*>(&biased),
                               __half2half2(__ushort_as_half(0x6480)));
     return *reinterpret_cast<const uint32_t*>(&x);
@@ -226,6 +232,16 @@ __device__ __forceinline__ uint32_t BytesToHalf2(uint32_t word) {
         static_cast<__nv_fp8x2_storage_t>(pair & 0xffffu), __NV_E4M3);
     return static_cast<uint32_t>(x.x) | (static_cast<uint32_t>(x.y) << 16);
   }
+}
+
+// The e4m3 bytes 0, 1 and 2, 3 of a word as two float16 pairs: the
+// conversion reads either half of the word in place (F2FP's .H1 operand),
+// where BytesToHalf2 first moves the bytes with a PRMT.
+__device__ __forceinline__ void E4m3HalvesToHalf2(uint32_t word, uint32_t* lo, uint32_t* hi) {
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n"
+      " cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(*lo), "=r"(*hi)
+      : "r"(word));
 }
 
 // Where ScaleQToHalf stores Q's column d: within each 16 columns, column
@@ -262,8 +278,13 @@ __device__ __forceinline__ void ComputeSQuantized(float (&s)[Tr::kMTiles][Tr::kN
       for (int mt = 0; mt < Tr::kMTiles; ++mt) fwd::LdMatrixX4At(a[mt], q_at(mt, 4 * sg + j));
 #pragma unroll
       for (int nt = 0; nt < Tr::kNTiles; ++nt) {
-        const uint32_t b[2] = {BytesToHalf2<Cache, 0, 1>(kf[nt][j]),
-                               BytesToHalf2<Cache, 2, 3>(kf[nt][j])};
+        uint32_t b[2];
+        if constexpr (std::is_same_v<Cache, int8_t>) {
+          b[0] = BytesToHalf2<Cache, 0, 1>(kf[nt][j]);
+          b[1] = BytesToHalf2<Cache, 2, 3>(kf[nt][j]);
+        } else {
+          E4m3HalvesToHalf2(kf[nt][j], &b[0], &b[1]);
+        }
 #pragma unroll
         for (int mt = 0; mt < Tr::kMTiles; ++mt) Mma16816<__half>(s[mt][nt], a[mt], b);
       }
@@ -308,6 +329,120 @@ __device__ __forceinline__ void AccumulatePVQuantized(
   }
 }
 
+// d += a b on int8 fragments (m16n8k32, exact int32 sums).
+__device__ __forceinline__ void MmaInt8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// S = Q K^T from an int8 K tile with Q as integers q = 256 hi + lo, hi and
+// lo int8 (SplitQToInt8; hi's bytes at Q step j, lo's at step j + kHeadDim /
+// 32, in 32-byte steps): two integer mmas per 32 columns, exact, and no
+// conversion of K. The ldmatrix of 8 keys x 16 bytes that gives lane (g, t4)
+// key g's bytes 4 t4 .. 4 t4 + 3 is the m16n8k32 B fragment as it is (two
+// such chunks per mma), and the same ldmatrix of Q's bytes its A fragment.
+// Replacing ComputeSQuantized's 32 byte-to-float16 pairs per lane and 16
+// keys, it takes the dequantization off the path from the landed tile to S.
+template <class Tr>
+__device__ __forceinline__ void ComputeSInt8(float (&s)[Tr::kMTiles][Tr::kNTiles][4],
+                                             fwd::PaddedTileAt<Tr::kQStride> q_at,
+                                             uint32_t k_lane, uint32_t k_y16, int head_dim) {
+  int hi[Tr::kMTiles][Tr::kNTiles][4] = {}, lo[Tr::kMTiles][Tr::kNTiles][4] = {};
+#pragma unroll
+  for (int sg = 0; sg < Tr::kHeadDim / 64; ++sg) {
+    if (sg * 64 >= head_dim) break;  // zero padding columns contribute nothing
+    uint32_t kf[Tr::kNTiles][4];  // [n8 tile][16-byte chunk of the 64 columns]
+#pragma unroll
+    for (int nt = 0; nt < Tr::kNTiles; ++nt) {
+      fwd::LdMatrixX4At(kf[nt], k_lane + nt * 8 * Tr::kHeadDim + ((64 * sg) ^ k_y16));
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int step = 2 * sg + half;
+      uint32_t a_hi[Tr::kMTiles][4], a_lo[Tr::kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+        fwd::LdMatrixX4At(a_hi[mt], q_at(mt, step));
+        fwd::LdMatrixX4At(a_lo[mt], q_at(mt, step + Tr::kHeadDim / 32));
+      }
+#pragma unroll
+      for (int nt = 0; nt < Tr::kNTiles; ++nt) {
+#pragma unroll
+        for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+          MmaInt8(hi[mt][nt], a_hi[mt], kf[nt][2 * half], kf[nt][2 * half + 1]);
+          MmaInt8(lo[mt][nt], a_lo[mt], kf[nt][2 * half], kf[nt][2 * half + 1]);
+        }
+      }
+    }
+  }
+  // |hi| <= 64, |lo| and |k| <= 128: 256 hi . k + lo . k stays within
+  // 2^31 up to 256 columns.
+#pragma unroll
+  for (int mt = 0; mt < Tr::kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < Tr::kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mt][nt][e] = static_cast<float>(hi[mt][nt][e] * 256 + lo[mt][nt][e]);
+}
+
+// A warp's read of one Q row (bfloat16 when q_is_bf16, else float16):
+// lane's columns lane + 32 j into x, and the row's largest |q| (a NaN
+// dropped: fmaxf ignores it) to every lane.
+template <int kHeadDim>
+__device__ __forceinline__ float ReadQRow(const uint16_t* row, bool q_is_bf16, int lane,
+                                          float (&x)[kHeadDim / 32]) {
+  float amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 32; ++j) {
+    const uint16_t bits = row[lane + 32 * j];
+    x[j] = q_is_bf16 ? __bfloat162float(__ushort_as_bfloat16(bits))
+                     : __half2float(__ushort_as_half(bits));
+    amax = fmaxf(amax, fabsf(x[j]));
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  return amax;
+}
+
+// Q rows [0, num_rows) of the padded Q tile for an int8 K cache, in place:
+// each row times 2^e so that its largest |q| lies in [2^13, 2^14), rounded
+// to an integer q = 256 hi + lo (hi in [-64, 64], lo in [-128, 127]: both
+// int8), hi's bytes in columns [0, kHeadDim) of the row and lo's in
+// [kHeadDim, 2 kHeadDim), in column order; 2^-e goes into the row's padding
+// as ScaleQToHalf's does, NaN for a row with a NaN or an infinity (which
+// integers cannot carry: S is NaN then, as in the float path). Rounding
+// moves each q by at most 2^-15 of the row's largest.
+template <int kHeadDim, int kQStride>
+__device__ __forceinline__ void SplitQToInt8(uint16_t* s_q, int num_rows, bool q_is_bf16,
+                                             int warp, int lane) {
+  constexpr int kPerLane = kHeadDim / 32;
+  static_assert(kHeadDim % 32 == 0 && kQStride - kHeadDim >= 2);
+  for (int r = warp; r < num_rows; r += kDecodeWarps) {
+    uint16_t* row = s_q + r * kQStride;
+    float x[kPerLane];
+    const float amax = ReadQRow<kHeadDim>(row, q_is_bf16, lane, x);
+    bool finite = true;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) finite = finite && isfinite(x[j]);
+    finite = __all_sync(0xffffffffu, finite);
+    const int e = amax > 0.f && finite ? 13 - ilogbf(amax) : 0;
+    __syncwarp();  // every lane has read its elements before any is rewritten
+    int8_t* bytes = reinterpret_cast<int8_t*>(row);
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int q = finite ? __float2int_rn(ldexpf(x[j], e)) : 0;
+      const int hi = (q + 128) >> 8;
+      bytes[lane + 32 * j] = static_cast<int8_t>(hi);
+      bytes[kHeadDim + lane + 32 * j] = static_cast<int8_t>(q - 256 * hi);
+    }
+    if (lane == 0) *reinterpret_cast<float*>(row + kHeadDim) = finite ? ldexpf(1.f, -e) : NAN;
+  }
+}
+
 // Q rows [0, num_rows) of the padded Q tile, bfloat16 (q_is_bf16) or
 // float16, rewritten in place as float16 times 2^e per row (max |q| in [2^14,
 // 2^15); e = 0 for a row of zeros or with an infinity), its columns in
@@ -321,16 +456,7 @@ __device__ __forceinline__ void ScaleQToHalf(uint16_t* s_q, int num_rows, bool q
   for (int r = warp; r < num_rows; r += kDecodeWarps) {
     uint16_t* row = s_q + r * kQStride;
     float x[kPerLane];
-    float amax = 0.f;
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      const uint16_t bits = row[lane + 32 * j];
-      x[j] = q_is_bf16 ? __bfloat162float(__ushort_as_bfloat16(bits))
-                       : __half2float(__ushort_as_half(bits));
-      amax = fmaxf(amax, fabsf(x[j]));  // fmaxf drops a NaN: it stays NaN below
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const float amax = ReadQRow<kHeadDim>(row, q_is_bf16, lane, x);  // a NaN stays NaN below
     const int e = amax > 0.f && amax < INFINITY ? 14 - ilogbf(amax) : 0;
     __syncwarp();  // every lane has read its elements before any is rewritten
 #pragma unroll
@@ -348,6 +474,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // Quantized: Elem is __half (the mma type), q and out are p.dtype.
   constexpr bool kQuantized = !std::is_same_v<Cache, Elem>;
   static_assert(!kQuantized || std::is_same_v<Elem, __half>);
+  // int8 K by integer mmas (ComputeSInt8); not on two m16 tiles, whose
+  // kernel it spilled (272 bytes against 68).
+  constexpr bool kInt8Mma = std::is_same_v<Cache, int8_t> && kMTiles == 1;
   constexpr int kRows = Tr::kRows;
   constexpr int kKeys = Tr::kBlockN;
   constexpr int kStages = Tr::kStages;
@@ -575,8 +704,13 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // Quantized: S from the mma times row_scale (Q's power of two back) is q . k.
   float row_scale[kMTiles][2];
   if constexpr (kQuantized) {
-    ScaleQToHalf<kHeadDim, kQStride>(reinterpret_cast<uint16_t*>(s_q), num_rows,
-                                     p.dtype == DType::kBFloat16, warp, lane);
+    if constexpr (kInt8Mma) {
+      SplitQToInt8<kHeadDim, kQStride>(reinterpret_cast<uint16_t*>(s_q), num_rows,
+                                       p.dtype == DType::kBFloat16, warp, lane);
+    } else {
+      ScaleQToHalf<kHeadDim, kQStride>(reinterpret_cast<uint16_t*>(s_q), num_rows,
+                                       p.dtype == DType::kBFloat16, warp, lane);
+    }
     __syncthreads();
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
@@ -650,8 +784,13 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     const int key0 = chunk_key0(i);
     float s[kMTiles][kNT][4];
     if constexpr (kQuantized) {
-      ComputeSQuantized<Tr, Cache>(s, fwd::PaddedTileAt<kQStride>{q_addr}, k_addr + stage_bytes,
-                                   k_y16, head_dim);
+      if constexpr (kInt8Mma) {
+        ComputeSInt8<Tr>(s, fwd::PaddedTileAt<kQStride>{q_addr}, k_addr + stage_bytes, k_y16,
+                         head_dim);
+      } else {
+        ComputeSQuantized<Tr, Cache>(s, fwd::PaddedTileAt<kQStride>{q_addr},
+                                     k_addr + stage_bytes, k_y16, head_dim);
+      }
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)  // n8 tile nt lies in 16-key half nt / 2
 #pragma unroll
