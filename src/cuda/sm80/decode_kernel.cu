@@ -244,7 +244,7 @@ __device__ __forceinline__ void E4m3HalvesToHalf2(uint32_t word, uint32_t* lo, u
       : "r"(word));
 }
 
-// Where ScaleQToHalf stores Q's column d: within each 16 columns, column
+// Where ScaleQRowToHalf stores Q's column d: within each 16 columns, column
 // 4 t + e goes to 2 t + e % 2 + 8 (e / 2), the k index at which
 // ComputeSQuantized's K fragments hold key column 4 t + e (a permutation of
 // the summed dimension: S is unchanged).
@@ -340,7 +340,7 @@ __device__ __forceinline__ void MmaInt8(int (&d)[4], const uint32_t (&a)[4], uin
 }
 
 // S = Q K^T from an int8 K tile with Q as integers q = 256 hi + lo, hi and
-// lo int8 (SplitQToInt8; hi's bytes at Q step j, lo's at step j + kHeadDim /
+// lo int8 (SplitQRowToInt8; hi's bytes at Q step j, lo's at step j + kHeadDim /
 // 32, in 32-byte steps): two integer mmas per 32 columns, exact, and no
 // conversion of K. The ldmatrix of 8 keys x 16 bytes that gives lane (g, t4)
 // key g's bytes 4 t4 .. 4 t4 + 3 is the m16n8k32 B fragment as it is (two
@@ -408,63 +408,51 @@ __device__ __forceinline__ float ReadQRow(const uint16_t* row, bool q_is_bf16, i
   return amax;
 }
 
-// Q rows [0, num_rows) of the padded Q tile for an int8 K cache, in place:
-// each row times 2^e so that its largest |q| lies in [2^13, 2^14), rounded
+// One Q row of the padded Q tile for an int8 K cache, in place, by a warp:
+// the row times 2^e so that its largest |q| lies in [2^13, 2^14), rounded
 // to an integer q = 256 hi + lo (hi in [-64, 64], lo in [-128, 127]: both
 // int8), hi's bytes in columns [0, kHeadDim) of the row and lo's in
 // [kHeadDim, 2 kHeadDim), in column order; 2^-e goes into the row's padding
-// as ScaleQToHalf's does, NaN for a row with a NaN or an infinity (which
+// as ScaleQRowToHalf's does, NaN for a row with a NaN or an infinity (which
 // integers cannot carry: S is NaN then, as in the float path). Rounding
-// moves each q by at most 2^-15 of the row's largest.
-template <int kHeadDim, int kQStride>
-__device__ __forceinline__ void SplitQToInt8(uint16_t* s_q, int num_rows, bool q_is_bf16,
-                                             int warp, int lane) {
-  constexpr int kPerLane = kHeadDim / 32;
-  static_assert(kHeadDim % 32 == 0 && kQStride - kHeadDim >= 2);
-  for (int r = warp; r < num_rows; r += kDecodeWarps) {
-    uint16_t* row = s_q + r * kQStride;
-    float x[kPerLane];
-    const float amax = ReadQRow<kHeadDim>(row, q_is_bf16, lane, x);
-    bool finite = true;
+// moves each q by at most 2^-14 of the row's largest.
+template <int kHeadDim>
+__device__ __forceinline__ void SplitQRowToInt8(uint16_t* row, bool q_is_bf16, int lane) {
+  float x[kHeadDim / 32];
+  const float amax = ReadQRow<kHeadDim>(row, q_is_bf16, lane, x);
+  bool finite = true;
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) finite = finite && isfinite(x[j]);
-    finite = __all_sync(0xffffffffu, finite);
-    const int e = amax > 0.f && finite ? 13 - ilogbf(amax) : 0;
-    __syncwarp();  // every lane has read its elements before any is rewritten
-    int8_t* bytes = reinterpret_cast<int8_t*>(row);
+  for (int j = 0; j < kHeadDim / 32; ++j) finite = finite && isfinite(x[j]);
+  finite = __all_sync(0xffffffffu, finite);
+  const int e = amax > 0.f && finite ? 13 - ilogbf(amax) : 0;
+  __syncwarp();  // every lane has read its elements before any is rewritten
+  int8_t* bytes = reinterpret_cast<int8_t*>(row);
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      const int q = finite ? __float2int_rn(ldexpf(x[j], e)) : 0;
-      const int hi = (q + 128) >> 8;
-      bytes[lane + 32 * j] = static_cast<int8_t>(hi);
-      bytes[kHeadDim + lane + 32 * j] = static_cast<int8_t>(q - 256 * hi);
-    }
-    if (lane == 0) *reinterpret_cast<float*>(row + kHeadDim) = finite ? ldexpf(1.f, -e) : NAN;
+  for (int j = 0; j < kHeadDim / 32; ++j) {
+    const int q = finite ? __float2int_rn(ldexpf(x[j], e)) : 0;
+    const int hi = (q + 128) >> 8;
+    bytes[lane + 32 * j] = static_cast<int8_t>(hi);
+    bytes[kHeadDim + lane + 32 * j] = static_cast<int8_t>(q - 256 * hi);
   }
+  if (lane == 0) *reinterpret_cast<float*>(row + kHeadDim) = finite ? ldexpf(1.f, -e) : NAN;
 }
 
-// Q rows [0, num_rows) of the padded Q tile, bfloat16 (q_is_bf16) or
-// float16, rewritten in place as float16 times 2^e per row (max |q| in [2^14,
+// One Q row of the padded Q tile, bfloat16 (q_is_bf16) or float16,
+// rewritten in place by a warp as float16 times 2^e (max |q| in [2^14,
 // 2^15); e = 0 for a row of zeros or with an infinity), its columns in
 // QuantizedQColumn's order; 2^-e, the factor that takes S back, goes into the
-// row's padding (kQStride - kHeadDim >= 2 elements), a warp per row.
-template <int kHeadDim, int kQStride>
-__device__ __forceinline__ void ScaleQToHalf(uint16_t* s_q, int num_rows, bool q_is_bf16,
-                                             int warp, int lane) {
-  constexpr int kPerLane = kHeadDim / 32;
-  static_assert(kHeadDim % 32 == 0 && kQStride - kHeadDim >= 2);
-  for (int r = warp; r < num_rows; r += kDecodeWarps) {
-    uint16_t* row = s_q + r * kQStride;
-    float x[kPerLane];
-    const float amax = ReadQRow<kHeadDim>(row, q_is_bf16, lane, x);  // a NaN stays NaN below
-    const int e = amax > 0.f && amax < INFINITY ? 14 - ilogbf(amax) : 0;
-    __syncwarp();  // every lane has read its elements before any is rewritten
+// row's padding (kQStride - kHeadDim >= 2 elements).
+template <int kHeadDim>
+__device__ __forceinline__ void ScaleQRowToHalf(uint16_t* row, bool q_is_bf16, int lane) {
+  float x[kHeadDim / 32];
+  const float amax = ReadQRow<kHeadDim>(row, q_is_bf16, lane, x);  // a NaN stays NaN below
+  const int e = amax > 0.f && amax < INFINITY ? 14 - ilogbf(amax) : 0;
+  __syncwarp();  // every lane has read its elements before any is rewritten
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      row[QuantizedQColumn(lane + 32 * j)] = __half_as_ushort(__float2half_rn(ldexpf(x[j], e)));
-    }
-    if (lane == 0) *reinterpret_cast<float*>(row + kHeadDim) = ldexpf(1.f, -e);
+  for (int j = 0; j < kHeadDim / 32; ++j) {
+    row[QuantizedQColumn(lane + 32 * j)] = __half_as_ushort(__float2half_rn(ldexpf(x[j], e)));
   }
+  if (lane == 0) *reinterpret_cast<float*>(row + kHeadDim) = ldexpf(1.f, -e);
 }
 
 template <typename Elem, int kHeadDim, int kMTiles, bool kSmallSmem, typename Cache = Elem>
@@ -704,12 +692,14 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   // Quantized: S from the mma times row_scale (Q's power of two back) is q . k.
   float row_scale[kMTiles][2];
   if constexpr (kQuantized) {
-    if constexpr (kInt8Mma) {
-      SplitQToInt8<kHeadDim, kQStride>(reinterpret_cast<uint16_t*>(s_q), num_rows,
-                                       p.dtype == DType::kBFloat16, warp, lane);
-    } else {
-      ScaleQToHalf<kHeadDim, kQStride>(reinterpret_cast<uint16_t*>(s_q), num_rows,
-                                       p.dtype == DType::kBFloat16, warp, lane);
+    static_assert(kHeadDim % 32 == 0 && kQStride - kHeadDim >= 2);  // the row's factor fits
+    for (int r = warp; r < num_rows; r += kDecodeWarps) {  // a warp per row
+      uint16_t* row = reinterpret_cast<uint16_t*>(s_q) + r * kQStride;
+      if constexpr (kInt8Mma) {
+        SplitQRowToInt8<kHeadDim>(row, p.dtype == DType::kBFloat16, lane);
+      } else {
+        ScaleQRowToHalf<kHeadDim>(row, p.dtype == DType::kBFloat16, lane);
+      }
     }
     __syncthreads();
 #pragma unroll
