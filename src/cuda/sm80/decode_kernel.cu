@@ -236,12 +236,18 @@ __device__ __forceinline__ uint32_t BytesToHalf2(uint32_t word) {
 
 // The e4m3 bytes 0, 1 and 2, 3 of a word as two float16 pairs: the
 // conversion reads either half of the word in place (F2FP's .H1 operand),
-// where BytesToHalf2 first moves the bytes with a PRMT.
+// where BytesToHalf2 first moves the bytes with a PRMT. The instruction is
+// cc 8.9+; the sm_80 build converts through BytesToHalf2.
 __device__ __forceinline__ void E4m3HalvesToHalf2(uint32_t word, uint32_t* lo, uint32_t* hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n"
       " cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
       : "=r"(*lo), "=r"(*hi)
       : "r"(word));
+#else
+  *lo = BytesToHalf2<__nv_fp8_e4m3, 0, 1>(word);
+  *hi = BytesToHalf2<__nv_fp8_e4m3, 2, 3>(word);
+#endif
 }
 
 // Where ScaleQRowToHalf stores Q's column d: within each 16 columns, column
