@@ -234,20 +234,22 @@ __device__ __forceinline__ uint32_t BytesToHalf2(uint32_t word) {
   }
 }
 
-// The e4m3 bytes 0, 1 and 2, 3 of a word as two float16 pairs: the
-// conversion reads either half of the word in place (F2FP's .H1 operand),
-// where BytesToHalf2 first moves the bytes with a PRMT. The instruction is
-// cc 8.9+; the sm_80 build converts through BytesToHalf2.
-__device__ __forceinline__ void E4m3HalvesToHalf2(uint32_t word, uint32_t* lo, uint32_t* hi) {
+// A K word's bytes 0, 1 and 2, 3 as two float16 pairs (the B fragment of
+// one m16n8k16). e4m3 on cc 8.9+ converts either half of the word in place
+// (F2FP's .H1 operand), where BytesToHalf2 first moves the bytes with a PRMT.
+template <typename Cache>
+__device__ __forceinline__ void KWordToHalf2Pairs(uint32_t word, uint32_t (&b)[2]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n"
-      " cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
-      : "=r"(*lo), "=r"(*hi)
-      : "r"(word));
-#else
-  *lo = BytesToHalf2<__nv_fp8_e4m3, 0, 1>(word);
-  *hi = BytesToHalf2<__nv_fp8_e4m3, 2, 3>(word);
+  if constexpr (!std::is_same_v<Cache, int8_t>) {
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n"
+        " cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+        : "=r"(b[0]), "=r"(b[1])
+        : "r"(word));
+    return;
+  }
 #endif
+  b[0] = BytesToHalf2<Cache, 0, 1>(word);
+  b[1] = BytesToHalf2<Cache, 2, 3>(word);
 }
 
 // Where ScaleQRowToHalf stores Q's column d: within each 16 columns, column
@@ -285,12 +287,7 @@ __device__ __forceinline__ void ComputeSQuantized(float (&s)[Tr::kMTiles][Tr::kN
 #pragma unroll
       for (int nt = 0; nt < Tr::kNTiles; ++nt) {
         uint32_t b[2];
-        if constexpr (std::is_same_v<Cache, int8_t>) {
-          b[0] = BytesToHalf2<Cache, 0, 1>(kf[nt][j]);
-          b[1] = BytesToHalf2<Cache, 2, 3>(kf[nt][j]);
-        } else {
-          E4m3HalvesToHalf2(kf[nt][j], &b[0], &b[1]);
-        }
+        KWordToHalf2Pairs<Cache>(kf[nt][j], b);
 #pragma unroll
         for (int mt = 0; mt < Tr::kMTiles; ++mt) Mma16816<__half>(s[mt][nt], a[mt], b);
       }
