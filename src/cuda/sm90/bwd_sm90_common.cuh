@@ -97,34 +97,36 @@ __device__ __forceinline__ void ZeroMaskedScores(float (&p)[kAcc], int m_begin, 
   }
 }
 
-// Segment ids: narrows the window's fully visible query blocks
-// ([full_lo, full_hi), in queries) to those whose ids all equal the one id
-// of the 64 keys from key0 (a multiple of 64, the pre-pass's key chunk) of
-// batch entry b; the blocks outside take ZeroUnequalIds after the window's
-// mask. block_m: the kernel's query block (the pre-pass's query chunk).
+// Segment ids: the queries [x, y) whose ids all equal the one id of the 64
+// keys from key0 (a multiple of 64, the pre-pass's key chunk) of batch entry
+// b, from the chunk's span (.z, .w, in query chunks of block_m, the kernel's
+// query block). Empty past the last chunk: keys past S only (masked).
+__device__ __forceinline__ int2 UniformIdQueries(const SegmentBlocks& seg, int b, int key0,
+                                                 int block_m) {
+  if (key0 / 64 >= seg.num_kv_chunks) return make_int2(0, 0);
+  const int4 span = seg.kv_span[b * seg.num_kv_chunks + key0 / 64];
+  return make_int2(span.z * block_m, span.w * block_m);
+}
+
+// Narrows the window's fully visible query blocks ([full_lo, full_hi), in
+// queries) to UniformIdQueries; the blocks outside take ZeroUnequalIds after
+// the window's mask, unless InUniformIdRun.
 __device__ __forceinline__ void NarrowToUniformIds(const SegmentBlocks& seg, int b, int key0,
                                                    int block_m, KeyRowWindow* window) {
   if (seg.kv_span == nullptr) return;
-  int lo = 0, hi = 0;  // a chunk past the last one: keys past S only (masked)
-  if (key0 / 64 < seg.num_kv_chunks) {
-    const int4 span = seg.kv_span[b * seg.num_kv_chunks + key0 / 64];
-    lo = span.z * block_m;
-    hi = span.w * block_m;
-  }
-  window->full_lo = max(window->full_lo, lo);
-  window->full_hi = min(window->full_hi, hi);
+  const int2 run = UniformIdQueries(seg, b, key0, block_m);
+  window->full_lo = max(window->full_lo, run.x);
+  window->full_hi = min(window->full_hi, run.y);
 }
 
-// Whether the query block [m_begin, + block_m) lies in the uniform run of
-// the key chunk at key0 (NarrowToUniformIds): it holds only the keys' one
-// id, so the window's mask alone applies. A causal diagonal block of one
-// document is such a block (two in three blocks of 256-key documents at
-// block_m 128) and skips ZeroUnequalIds.
+// Whether the query block [m_begin, + block_m) lies in UniformIdQueries: it
+// holds only the keys' one id, so the window's mask alone applies. A causal
+// diagonal block of one document is such a block (two in three blocks of
+// 256-key documents at block_m 128) and skips ZeroUnequalIds.
 __device__ __forceinline__ bool InUniformIdRun(const SegmentBlocks& seg, int b, int key0,
                                                int m_begin, int block_m) {
-  if (key0 / 64 >= seg.num_kv_chunks) return false;
-  const int4 span = seg.kv_span[b * seg.num_kv_chunks + key0 / 64];
-  return m_begin >= span.z * block_m && m_begin + block_m <= span.w * block_m;
+  const int2 run = UniformIdQueries(seg, b, key0, block_m);
+  return m_begin >= run.x && m_begin + block_m <= run.y;
 }
 
 // Zeroes the elements of a P^T tile (the 64 keys from key0 of batch entry b
