@@ -15,6 +15,9 @@
 //   JAX_FLASH2_SOFTCAP_FIXED_MAX=0
 //                                the Hopper forward tracks the running softmax
 //                                max with softcap too (src/cuda/sm90/score_options.h)
+//   JAX_FLASH2_SEGMENT_HEADS_INNER=0
+//                                the Hopper forward's drawn segment tiles run
+//                                head by head (fwd_sm90_kernel.cuh, Locate)
 //   JAX_FLASH2_KV_SPLIT_KEYS=N   a KV-cache decode call splits its keys in
 //                                shares of N (instead of the plan's rule)
 //   JAX_FLASH2_MAX_SMEM_PER_BLOCK=N
@@ -39,6 +42,7 @@ struct TestSwitches {
   bool decode_quant = true;
   bool sm90_backward = true;
   bool softcap_fixed_max = true;
+  bool segment_heads_inner = true;
   int64_t max_smem_per_block = 0;  // 0: the device's own limit
   int64_t kv_split_keys = 0;       // 0: the plan's default
 };
@@ -54,6 +58,7 @@ inline TestSwitches ReadTestSwitches() {
   s.decode_quant = !off("JAX_FLASH2_DECODE_QUANT");
   s.sm90_backward = !off("JAX_FLASH2_SM90_BACKWARD");
   s.softcap_fixed_max = !off("JAX_FLASH2_SOFTCAP_FIXED_MAX");
+  s.segment_heads_inner = !off("JAX_FLASH2_SEGMENT_HEADS_INNER");
   if (const char* v = std::getenv("JAX_FLASH2_MAX_SMEM_PER_BLOCK")) {
     const long long n = std::strtoll(v, nullptr, 10);
     s.max_smem_per_block = n > 0 ? n : 0;

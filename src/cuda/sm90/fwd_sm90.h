@@ -274,6 +274,9 @@ struct FwdSm90Args {
   // Segment ids: the pre-pass's summaries in chunks of 64 query rows (one
   // consumer warpgroup's) and block_n keys (segments.cuh); empty without.
   SegmentBlocks seg;
+  // Drawn segment tiles (fwd_sm90_kernel.cuh, Locate) in query-block order
+  // with every (batch, head) of a block together, not head by head.
+  bool seg_heads_inner = false;
   Sm90ScoreUnits units;  // the score units of p's softcap (score_options.h)
 };
 

@@ -326,10 +326,17 @@ struct FwdSm90Walk {
     const FlashParams& p = args.p;
     FwdSm90TileSpan t;
     const int num_m = args.num_m_blocks;
-    const int hb = tile / num_m;
+    // Head by head, each head's query blocks last first; drawn segment tiles
+    // take the query blocks last first with all heads of a block together,
+    // so the grid's last tiles are the first blocks of rows (short under a
+    // causal mask) rather than a whole head's blocks.
+    const int heads_batch = static_cast<int>(p.num_heads_q * p.batch);
+    const bool heads_inner = draws_tiles && args.seg_heads_inner;
+    const int hb = heads_inner ? tile % heads_batch : tile / num_m;
+    const int m = heads_inner ? tile / heads_batch : tile % num_m;
     t.head = hb % static_cast<int>(p.num_heads_q);
     t.b = hb / static_cast<int>(p.num_heads_q);
-    t.row_begin = (num_m - 1 - tile % num_m) * kBlockM;
+    t.row_begin = (num_m - 1 - m) * kBlockM;
     t.row_end = min(t.row_begin + kBlockM, seqlen_q);
     int64_t key_begin, key_end;
     mask.KeyRange(t.row_begin, t.row_end, &key_begin, &key_end);

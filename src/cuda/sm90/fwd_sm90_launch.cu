@@ -259,6 +259,7 @@ cudaError_t sm90::PrepareForwardSm90(const FlashParams& p, void* scratch, const 
     err = sm90::RunSegmentPrepass(p, 64, tile.block_n, tile.block_m / 64, 1,
                                   static_cast<char*>(scratch) + SegmentScratchOffset(plan),
                                   dev.sm_count, &args.seg, stream);
+    args.seg_heads_inner = GetTestSwitches().segment_heads_inner;
   }
   if (err != cudaSuccess) return err;
   launch->args = args;
