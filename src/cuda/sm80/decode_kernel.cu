@@ -261,11 +261,23 @@ __device__ __forceinline__ int QuantizedQColumn(int d) {
   return d - c + 2 * (c / 4) + c % 2 + 8 * ((c / 2) % 2);
 }
 
+// Columns [64 sg, 64 sg + 64) of every n8 tile of a byte K tile: kf[nt][c]
+// is 16-byte chunk c of them, lane (g, t4) holding key g's bytes 4 t4 ..
+// 4 t4 + 3. k_lane: this lane's row (lane % 8) in the tile; k_y16: 16 *
+// ((lane / 8) ^ QuantSwizzle(lane % 8)).
+template <class Tr>
+__device__ __forceinline__ void LoadKBytes64(uint32_t (&kf)[Tr::kNTiles][4], uint32_t k_lane,
+                                             uint32_t k_y16, int sg) {
+#pragma unroll
+  for (int nt = 0; nt < Tr::kNTiles; ++nt) {
+    fwd::LdMatrixX4At(kf[nt], k_lane + nt * 8 * Tr::kHeadDim + ((64 * sg) ^ k_y16));
+  }
+}
+
 // S = Q K^T from a byte K tile. An ldmatrix of 8 keys x 16 bytes gives lane
 // (g, t4) key g's bytes 4 t4 .. 4 t4 + 3, as two float16 pairs its B
 // fragment at k indices 2 t4 + {0, 1} and 2 t4 + {8, 9} (QuantizedQColumn);
-// one x4 covers four 16-column steps. k_lane: this lane's row (lane % 8) in
-// the tile; k_y16: 16 * ((lane / 8) ^ QuantSwizzle(lane % 8)).
+// one x4 covers four 16-column steps (LoadKBytes64).
 template <class Tr, typename Cache>
 __device__ __forceinline__ void ComputeSQuantized(float (&s)[Tr::kMTiles][Tr::kNTiles][4],
                                                   fwd::PaddedTileAt<Tr::kQStride> q_at,
@@ -275,10 +287,7 @@ __device__ __forceinline__ void ComputeSQuantized(float (&s)[Tr::kMTiles][Tr::kN
   for (int sg = 0; sg < Tr::kHeadDim / 64; ++sg) {
     if (sg * 64 >= head_dim) break;  // zero padding columns contribute nothing
     uint32_t kf[Tr::kNTiles][4];  // [n8 tile][16-column step 4 sg + j]
-#pragma unroll
-    for (int nt = 0; nt < Tr::kNTiles; ++nt) {
-      fwd::LdMatrixX4At(kf[nt], k_lane + nt * 8 * Tr::kHeadDim + ((64 * sg) ^ k_y16));
-    }
+    LoadKBytes64<Tr>(kf, k_lane, k_y16, sg);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       uint32_t a[Tr::kMTiles][4];
@@ -359,10 +368,7 @@ __device__ __forceinline__ void ComputeSInt8(float (&s)[Tr::kMTiles][Tr::kNTiles
   for (int sg = 0; sg < Tr::kHeadDim / 64; ++sg) {
     if (sg * 64 >= head_dim) break;  // zero padding columns contribute nothing
     uint32_t kf[Tr::kNTiles][4];  // [n8 tile][16-byte chunk of the 64 columns]
-#pragma unroll
-    for (int nt = 0; nt < Tr::kNTiles; ++nt) {
-      fwd::LdMatrixX4At(kf[nt], k_lane + nt * 8 * Tr::kHeadDim + ((64 * sg) ^ k_y16));
-    }
+    LoadKBytes64<Tr>(kf, k_lane, k_y16, sg);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int step = 2 * sg + half;
